@@ -1,0 +1,3 @@
+from tidegate.cli import main
+
+raise SystemExit(main())

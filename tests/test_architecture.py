@@ -1,0 +1,58 @@
+"""The import direction of ../DESIGN: policy is pure; the simulator never imports the gateway."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "tidegate"
+
+# package -> tidegate packages/modules it may import
+ALLOWED = {
+    "policy": {"tidegate.policy", "tidegate.types", "tidegate.clock"},
+    "sim": {"tidegate.sim", "tidegate.policy", "tidegate.types", "tidegate.clock", "tidegate.loadgen",
+            "tidegate.errors"},
+}
+# modules no policy may import: policies get time and I/O results as arguments
+IMPURE_FOR_POLICY = {"asyncio", "time", "socket", "threading", "aiohttp", "httptools", "uvloop", "random"}
+
+
+def _imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+    return names
+
+
+def _modules(package: str) -> list[Path]:
+    return sorted((SRC / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_package_imports_only_what_it_may(package: str) -> None:
+    for path in _modules(package):
+        for name in _imports(path):
+            if name == "tidegate" or name.startswith("tidegate."):
+                assert any(name == ok or name.startswith(ok + ".") for ok in ALLOWED[package]), (
+                    f"{path.relative_to(SRC)} imports {name}"
+                )
+
+
+def test_policies_do_no_io_and_read_no_clock() -> None:
+    for path in _modules("policy"):
+        for name in _imports(path):
+            assert name.split(".")[0] not in IMPURE_FOR_POLICY, f"{path.relative_to(SRC)} imports {name}"
+
+
+def test_cli_lists_every_command_module() -> None:
+    from tidegate.cli import COMMANDS
+
+    for module_name, _help in COMMANDS.values():
+        relative = module_name.removeprefix("tidegate.").replace(".", "/") + ".py"
+        assert (SRC / relative).exists(), f"{module_name} is missing"
