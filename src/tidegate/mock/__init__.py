@@ -1,1 +1,1 @@
-
+"""A mock OpenAI-compatible upstream (`tidegate mock-upstream`)."""

@@ -1,0 +1,195 @@
+"""Typed gateway configuration: YAML plus `${ENV}` substitution. The only module reading the environment.
+
+Every model forbids unknown keys, so a typo is named in the error instead of silently ignored.
+Sections `tenants`, `tiers`, `limits` and `degradation` are reserved for overload control and are
+kept as plain mappings until their policies define them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "ServerConfig",
+    "HealthConfig",
+    "EmbeddedBackend",
+    "UpstreamBackend",
+    "PoolConfig",
+    "GatewayConfig",
+    "load_config",
+    "parse_config",
+    "default_config",
+    "embedded_sizing",
+]
+
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+class ConfigError(ValueError):
+    """A config that cannot be used; the message names the file, key and reason."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ServerConfig(_Strict):
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger requests get 413
+    max_tokens_cap: int = Field(1_000_000, ge=1)  # max_tokens above this is a 400
+    connect_timeout_s: float = Field(2.0, gt=0)
+    first_byte_timeout_s: float = Field(120.0, gt=0)  # upstream silent this long -> 504
+    request_timeout_s: float = Field(600.0, gt=0)  # whole request, stream included -> 504
+    queue_timeout_s: float = Field(30.0, gt=0)  # waiting for a free replica slot -> 503
+    max_queued_requests: int = Field(10_000, ge=0)  # per pool; beyond -> 503
+    retry_after_s: int = Field(1, ge=0)  # Retry-After sent with 503
+    access_log: bool = True  # one compact JSON line per request on stderr
+    api_keys: tuple[SecretStr, ...] = ()  # when set, clients must send one as a Bearer token
+
+
+class HealthConfig(_Strict):
+    interval_s: float = Field(2.0, gt=0)  # active GET /health period
+    timeout_s: float = Field(2.0, gt=0)
+    failure_threshold: int = Field(3, ge=1)  # consecutive request failures that eject a replica
+    cooldown_s: float = Field(5.0, gt=0)
+    max_cooldown_s: float = Field(60.0, gt=0)
+
+
+class EmbeddedBackend(_Strict):
+    """Local `tidegate engine` workers the gateway spawns and supervises."""
+
+    type: Literal["embedded"] = "embedded"
+    model: str
+    count: int = Field(1, ge=1, le=64)
+    threads: int = Field(1, ge=1, le=256)
+    engine_args: tuple[str, ...] = ()  # extra `tidegate engine` flags
+    slot_limit: int = Field(64, ge=1)  # requests one worker may hold at once
+    startup_timeout_s: float = Field(600.0, gt=0)
+
+
+class UpstreamBackend(_Strict):
+    """An OpenAI-compatible server (vLLM, SGLang, TGI, llama.cpp, Ollama, a provider)."""
+
+    type: Literal["upstream"] = "upstream"
+    url: str  # base URL including the API prefix, e.g. http://10.0.0.5:8000/v1
+    model: str | None = None  # the upstream's name for the model; default: the pool's name
+    api_key: SecretStr | None = None  # sent as Bearer; never echoed
+    health_path: str | None = "/health"  # on the URL's host; null: passive ejection only
+    slot_limit: int = Field(256, ge=1)
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"must be an http(s) URL with a host, got {url!r}")
+        return url.rstrip("/")
+
+
+Backend = Annotated[Union[EmbeddedBackend, UpstreamBackend], Field(discriminator="type")]
+
+
+class PoolConfig(_Strict):
+    name: str = Field(min_length=1)  # the `model` clients ask for
+    backends: tuple[Backend, ...] = Field(min_length=1)
+
+
+class GatewayConfig(_Strict):
+    server: ServerConfig = ServerConfig()
+    health: HealthConfig = HealthConfig()
+    pools: tuple[PoolConfig, ...] = Field(min_length=1)
+    # reserved for overload control (tenants, tiers, rate limits, degradation ladder)
+    tenants: dict[str, Any] | None = None
+    tiers: dict[str, Any] | None = None
+    limits: dict[str, Any] | None = None
+    degradation: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _unique_pool_names(self) -> GatewayConfig:
+        names = [pool.name for pool in self.pools]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"pool names must be unique; repeated: {', '.join(duplicates)}")
+        return self
+
+
+def _substitute_env(text: str, environ: dict[str, str], source: str) -> str:
+    def replace(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in environ:
+            return environ[name]
+        if default is not None:
+            return default
+        raise ConfigError(f"{source}: environment variable {name} is not set (referenced as ${{{name}}})")
+
+    return _ENV_REFERENCE.sub(replace, text)
+
+
+def _describe(error: ValidationError, source: str) -> str:
+    lines = [f"{source}: invalid configuration"]
+    for item in error.errors():
+        location = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
+        lines.append(f"  {location}: {message}")
+    return "\n".join(lines)
+
+
+def parse_config(text: str, source: str = "<config>", environ: dict[str, str] | None = None) -> GatewayConfig:
+    expanded = _substitute_env(text, dict(os.environ) if environ is None else environ, source)
+    try:
+        data = yaml.safe_load(expanded)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{source}: not valid YAML: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping at the top level")
+    try:
+        return GatewayConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_describe(error, source)) from None
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read: {error.strerror}") from None
+    return parse_config(text, source=str(path))
+
+
+def embedded_sizing(cpu_count: int) -> tuple[int, int]:
+    """(generation workers, threads each) for the embedded default.
+
+    One core is left to the gateway and the embeddings worker once there are more than two;
+    workers get 2-4 threads each (small models gain little past that, and more replicas give the
+    router room), at most 8 workers. 2 cores -> 2 x 1; 4 -> 1 x 3; 8 -> 2 x 3; 16 -> 5 x 3.
+    """
+    cpu_count = max(1, cpu_count)
+    if cpu_count <= 2:
+        return cpu_count, 1
+    usable = cpu_count - 1
+    threads = 3 if usable >= 3 else usable
+    return max(1, min(8, usable // threads)), threads
+
+
+def default_config(cpu_count: int | None = None, host: str = "127.0.0.1", port: int = 8000) -> GatewayConfig:
+    """The embedded default: tiny-random-llama workers sized to the machine, plus one embeddings worker."""
+    workers, threads = embedded_sizing(cpu_count or os.cpu_count() or 1)
+    return GatewayConfig(
+        server=ServerConfig(host=host, port=port),
+        pools=(
+            PoolConfig(name="tiny-random-llama",
+                       backends=(EmbeddedBackend(model="tiny-random-llama", count=workers, threads=threads),)),
+            PoolConfig(name="all-MiniLM-L6-v2",
+                       backends=(EmbeddedBackend(model="all-MiniLM-L6-v2", count=1, threads=1),)),
+        ),
+    )

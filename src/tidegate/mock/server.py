@@ -1,0 +1,284 @@
+"""A mock OpenAI-compatible upstream: raw asyncio protocol + httptools, fast enough that a gateway
+benchmark measures the gateway, with latency models and error injection for load-generator tests.
+
+Per-request overrides, for tests: `x-mock-status: 503` answers that status with an OpenAI error
+body; `x-mock-ttft-ms: 250` replaces the sampled time to first token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import signal
+import time
+from dataclasses import dataclass, field
+
+import httptools
+import orjson
+
+from tidegate.mock.latency import LatencyModel
+
+__all__ = ["MockConfig", "MockState", "serve"]
+
+_REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 429: b"Too Many Requests",
+            500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
+_WORDS = [" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit"]
+
+
+@dataclass(frozen=True, slots=True)
+class MockConfig:
+    tokens: int = 16  # completion tokens per response (fewer if the request's max_tokens is lower)
+    ttft: LatencyModel = field(default_factory=lambda: LatencyModel(0.0))
+    itl: LatencyModel = field(default_factory=lambda: LatencyModel(0.0))
+    error_rate: float = 0.0  # fraction of requests answered 500
+    embedding_dim: int = 384
+    model: str = "mock-model"
+    seed: int | None = None
+
+
+class MockState:
+    """Shared across connections: config, the seeded generator, counters for /metrics."""
+
+    def __init__(self, config: MockConfig) -> None:
+        self.config = config
+        self.rng = random.Random(config.seed)
+        self.requests_total = 0
+        self.errors_total = 0
+        self.inflight = 0
+        self.ids = itertools.count()
+        self.models_body = orjson.dumps(
+            {"object": "list", "data": [{"id": config.model, "object": "model", "created": 0, "owned_by": "mock"}]}
+        )
+        unit = [((i * 2654435761) % 1000) / 1000.0 - 0.5 for i in range(config.embedding_dim)]
+        self.embedding_basis = unit
+
+
+def _head(status: int, content_type: bytes, length: int | None, keep_alive: bool) -> bytes:
+    parts = [b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\n" % (status, _REASONS.get(status, b"Status"), content_type)]
+    parts.append(b"content-length: %d\r\n" % length if length is not None else b"transfer-encoding: chunked\r\n")
+    if not keep_alive:
+        parts.append(b"connection: close\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def _error_body(status: int, message: str, error_type: str = "server_error") -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": error_type, "param": None, "code": str(status)}})
+
+
+def _sse_chunk(payload: bytes) -> bytes:
+    event = b"data: " + payload + b"\n\n"
+    return b"%x\r\n%s\r\n" % (len(event), event)
+
+
+class MockProtocol(asyncio.Protocol):
+    def __init__(self, state: MockState) -> None:
+        self.state = state
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.url = b""
+        self.headers: dict[bytes, bytes] = {}
+        self.body: list[bytes] = []
+        self.tasks: set[asyncio.Task] = set()
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.transport = None
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            self._send(400, _error_body(400, "malformed HTTP request", "invalid_request_error"), keep_alive=False)
+
+    # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        self.url, self.headers, self.body = b"", {}, []
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.lower()] = value
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        keep_alive = self.parser.should_keep_alive()
+        method = self.parser.get_method()
+        path = self.url.split(b"?", 1)[0]
+        self.state.requests_total += 1
+        if method == b"GET":
+            self._get(path, keep_alive)
+            return
+        if path not in (b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"):
+            self._send(404, _error_body(404, f"unknown path {path.decode(errors='replace')}", "invalid_request_error"), keep_alive)
+            return
+        try:
+            request = orjson.loads(b"".join(self.body) or b"null")
+            if not isinstance(request, dict):
+                raise ValueError("body must be a JSON object")
+        except ValueError as error:
+            self._send(400, _error_body(400, f"invalid JSON body: {error}", "invalid_request_error"), keep_alive)
+            return
+        forced_status = self.headers.get(b"x-mock-status")
+        if forced_status is not None or (self.state.config.error_rate > 0 and self.state.rng.random() < self.state.config.error_rate):
+            status = int(forced_status) if forced_status is not None else 500
+            self.state.errors_total += 1
+            self._send(status, _error_body(status, "injected error"), keep_alive)
+            return
+        task = asyncio.get_running_loop().create_task(self._respond(path, request, keep_alive))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # -- responses
+    def _send(self, status: int, body: bytes, keep_alive: bool, content_type: bytes = b"application/json") -> None:
+        if self.transport is None:
+            return
+        self.transport.write(_head(status, content_type, len(body), keep_alive) + body)
+        if not keep_alive:
+            self.transport.close()
+
+    def _get(self, path: bytes, keep_alive: bool) -> None:
+        if path == b"/health":
+            self._send(200, b'{"status":"ok"}', keep_alive)
+        elif path == b"/v1/models":
+            self._send(200, self.state.models_body, keep_alive)
+        elif path == b"/metrics":
+            text = (
+                f"# TYPE mock_requests_total counter\nmock_requests_total {self.state.requests_total}\n"
+                f"# TYPE mock_errors_total counter\nmock_errors_total {self.state.errors_total}\n"
+                f"# TYPE mock_inflight_requests gauge\nmock_inflight_requests {self.state.inflight}\n"
+            ).encode()
+            self._send(200, text, keep_alive, b"text/plain; version=0.0.4")
+        else:
+            self._send(404, _error_body(404, "not found", "invalid_request_error"), keep_alive)
+
+    def _ttft_s(self) -> float:
+        forced = self.headers.get(b"x-mock-ttft-ms")
+        if forced is not None:
+            return float(forced) / 1000.0
+        return self.state.config.ttft.sample_s(self.state.rng)
+
+    async def _respond(self, path: bytes, request: dict, keep_alive: bool) -> None:
+        self.state.inflight += 1
+        try:
+            if path == b"/v1/embeddings":
+                await self._embeddings(request, keep_alive)
+            else:
+                await self._generate(path == b"/v1/chat/completions", request, keep_alive)
+        finally:
+            self.state.inflight -= 1
+
+    async def _embeddings(self, request: dict, keep_alive: bool) -> None:
+        inputs = request.get("input")
+        texts = [inputs] if isinstance(inputs, str) else inputs
+        if not isinstance(texts, list) or not texts:
+            self._send(400, _error_body(400, "input must be a string or a non-empty list", "invalid_request_error"), keep_alive)
+            return
+        delay_s = self._ttft_s()
+        if delay_s > 0:
+            await asyncio.sleep(delay_s)
+        basis = self.state.embedding_basis
+        data = []
+        for index, text in enumerate(texts):
+            shift = hash(str(text)) % len(basis)
+            data.append({"object": "embedding", "index": index, "embedding": basis[shift:] + basis[:shift]})
+        tokens = sum(len(str(text)) // 4 + 1 for text in texts)
+        body = {"object": "list", "data": data, "model": request.get("model", self.state.config.model),
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+        self._send(200, orjson.dumps(body), keep_alive)
+
+    async def _generate(self, is_chat: bool, request: dict, keep_alive: bool) -> None:
+        config, rng = self.state.config, self.state.rng
+        max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
+        n_tokens = config.tokens if not isinstance(max_tokens, int) or max_tokens <= 0 else min(config.tokens, max_tokens)
+        n_tokens = max(n_tokens, 1)
+        finish_reason = "length" if isinstance(max_tokens, int) and max_tokens <= config.tokens else "stop"
+        prompt_source = request.get("messages") if is_chat else request.get("prompt")
+        prompt_tokens = len(orjson.dumps(prompt_source)) // 4 + 1
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens, "total_tokens": prompt_tokens + n_tokens}
+        model = request.get("model", config.model)
+        request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-mock{next(self.state.ids)}"
+        created = int(time.time())
+        loop = asyncio.get_running_loop()
+        start_s = loop.time()
+        ttft_s = self._ttft_s()
+        # absolute send times, so timer granularity does not accumulate over a stream
+        offsets_s = [ttft_s]
+        if not config.itl.is_zero:
+            for _ in range(n_tokens - 1):
+                offsets_s.append(offsets_s[-1] + config.itl.sample_s(rng))
+        else:
+            offsets_s.extend([ttft_s] * (n_tokens - 1))
+
+        if not request.get("stream"):
+            await _sleep_until(loop, start_s + offsets_s[-1])
+            text = "".join(_WORDS[i % len(_WORDS)] for i in range(n_tokens))
+            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+                      if is_chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+            body = {"id": request_id, "object": "chat.completion" if is_chat else "text_completion",
+                    "created": created, "model": model, "choices": [choice], "usage": usage}
+            self._send(200, orjson.dumps(body), keep_alive)
+            return
+
+        transport = self.transport
+        if transport is None:
+            return
+        transport.write(_head(200, b"text/event-stream", None, keep_alive))
+        object_name = "chat.completion.chunk" if is_chat else "text_completion"
+        include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
+
+        def chunk(delta_text: str | None, finish: str | None, role: bool = False) -> bytes:
+            if is_chat:
+                delta: dict = {"role": "assistant", "content": ""} if role else ({"content": delta_text} if delta_text is not None else {})
+                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            payload = {"id": request_id, "object": object_name, "created": created, "model": model, "choices": [choice]}
+            if include_usage:
+                payload["usage"] = None
+            return _sse_chunk(orjson.dumps(payload))
+
+        for index, offset_s in enumerate(offsets_s):
+            await _sleep_until(loop, start_s + offset_s)
+            if self.transport is None:
+                return  # client went away: stop generating, as an engine would
+            prefix = chunk(None, None, role=True) if (index == 0 and is_chat) else b""
+            self.transport.write(prefix + chunk(_WORDS[index % len(_WORDS)], None))
+        tail = [chunk(None, finish_reason)]
+        if include_usage:
+            usage_payload = {"id": request_id, "object": object_name, "created": created, "model": model,
+                             "choices": [], "usage": usage}
+            tail.append(_sse_chunk(orjson.dumps(usage_payload)))
+        tail.append(_sse_chunk(b"[DONE]"))
+        tail.append(b"0\r\n\r\n")
+        self.transport.write(b"".join(tail))
+        if not keep_alive:
+            self.transport.close()
+
+
+async def _sleep_until(loop: asyncio.AbstractEventLoop, deadline_s: float) -> None:
+    delay_s = deadline_s - loop.time()
+    if delay_s > 0:
+        await asyncio.sleep(delay_s)
+
+
+async def serve(config: MockConfig, host: str, port: int, ready_message: bool = True) -> None:
+    loop = asyncio.get_running_loop()
+    state = MockState(config)
+    server = await loop.create_server(lambda: MockProtocol(state), host, port, backlog=4096)
+    if ready_message:
+        print(f"mock upstream listening on http://{host}:{port}", flush=True)
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    server.close()

@@ -1,0 +1,101 @@
+"""Helpers for tests that start real processes on loopback ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+__all__ = ["free_port", "wait_http_ok", "start_process", "ManagedProcess", "tidegate_argv"]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tidegate_argv(*args: str) -> list[str]:
+    """Runs the CLI with this interpreter, so tests need no `tidegate` on PATH."""
+    return [sys.executable, "-m", "tidegate", *args]
+
+
+def wait_http_ok(url: str, timeout_s: float = 60.0, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode} before {url} was ready")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, OSError) as error:
+            last_error = error
+        time.sleep(0.1)
+    raise TimeoutError(f"{url} not ready after {timeout_s}s: {last_error}")
+
+
+@dataclass
+class ManagedProcess:
+    popen: subprocess.Popen
+    log_path: str
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as handle:
+                return handle.read()
+        except OSError:
+            return ""
+
+    def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM, then SIGKILL after timeout_s; only this PID (and its own process group)."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=timeout_s)
+        return self.popen.returncode
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.kill()
+            self.popen.wait(timeout=10)
+
+
+def start_process(
+    argv: list[str],
+    ready_url: str | None = None,
+    timeout_s: float = 60.0,
+    env: dict[str, str] | None = None,
+    log_dir: str | None = None,
+) -> ManagedProcess:
+    """Starts argv with output to a log file; waits until ready_url answers 200."""
+    import tempfile
+
+    log_file = tempfile.NamedTemporaryFile(
+        prefix="tidegate-test-", suffix=".log", dir=log_dir, delete=False
+    )
+    full_env = {**os.environ, **(env or {})}
+    popen = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, env=full_env)
+    process = ManagedProcess(popen=popen, log_path=log_file.name, argv=argv)
+    if ready_url is not None:
+        try:
+            wait_http_ok(ready_url, timeout_s=timeout_s, process=popen)
+        except Exception as error:
+            process.stop()
+            raise RuntimeError(f"{argv} failed to become ready: {error}\n--- log ---\n{process.log()[-4000:]}")
+    return process
