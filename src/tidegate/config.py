@@ -169,15 +169,16 @@ def load_config(path: str | Path) -> GatewayConfig:
 def embedded_sizing(cpu_count: int) -> tuple[int, int]:
     """(generation workers, threads each) for the embedded default.
 
-    One core is left to the gateway and the embeddings worker once there are more than two;
-    workers get 2-4 threads each (small models gain little past that, and more replicas give the
-    router room), at most 8 workers. 2 cores -> 2 x 1; 4 -> 1 x 3; 8 -> 2 x 3; 16 -> 5 x 3.
+    Up to two cores: one single-threaded worker per core (the gateway is light). Beyond: one core is
+    left to the gateway and the embeddings worker; the rest is cut into workers of 2 threads (4 from
+    13 cores up: small models gain little past that, and more replicas give the router room), at
+    most 8 workers. 1 -> 1 x 1; 2 -> 2 x 1; 4 -> 1 x 2; 8 -> 3 x 2; 16 -> 3 x 4; 64 -> 8 x 4.
     """
     cpu_count = max(1, cpu_count)
     if cpu_count <= 2:
         return cpu_count, 1
     usable = cpu_count - 1
-    threads = 3 if usable >= 3 else usable
+    threads = 2 if usable < 12 else 4
     return max(1, min(8, usable // threads)), threads
 
 

@@ -65,12 +65,12 @@ class Trace:
         )
 
 
-def _seconds_since_epoch_day(stamp: str) -> float:
-    # "2023-11-16 18:15:46.6805900": 7 fractional digits, more than datetime parses
+def _day_and_seconds(stamp: str) -> tuple[int, float]:
+    # "2023-11-16 18:15:46.6805900": 7 fractional digits, more than datetime parses. Days are kept
+    # apart from seconds: days-since-year-1 in seconds would leave float64 only ~10 us of precision.
     date_part, time_part = stamp.strip().split(" ")
-    day = _dt.date.fromisoformat(date_part).toordinal()
     hours, minutes, seconds = time_part.split(":")
-    return day * 86400.0 + int(hours) * 3600.0 + int(minutes) * 60.0 + float(seconds)
+    return _dt.date.fromisoformat(date_part).toordinal(), int(hours) * 3600.0 + int(minutes) * 60.0 + float(seconds)
 
 
 def parse_azure_trace(lines: Iterable[str]) -> Trace:
@@ -78,24 +78,27 @@ def parse_azure_trace(lines: Iterable[str]) -> Trace:
     header = next(rows).strip().split(",")
     if header[:3] != ["TIMESTAMP", "ContextTokens", "GeneratedTokens"]:
         raise ValueError(f"not an Azure LLM trace header: {header}")
-    stamps: list[float] = []
+    days: list[int] = []
+    seconds: list[float] = []
     context: list[int] = []
     generated: list[int] = []
     for line in rows:
         if not line.strip():
             continue
         stamp, ctx, gen = line.strip().split(",")[:3]
-        stamps.append(_seconds_since_epoch_day(stamp))
+        day, second = _day_and_seconds(stamp)
+        days.append(day)
+        seconds.append(second)
         context.append(int(ctx))
         generated.append(int(gen))
-    if not stamps:
+    if not days:
         raise ValueError("trace has no requests")
-    absolute = np.asarray(stamps, dtype=np.float64)
+    day_array = np.asarray(days, dtype=np.int64)
+    absolute = (day_array - day_array.min()) * 86400.0 + np.asarray(seconds, dtype=np.float64)
     order = np.argsort(absolute, kind="stable")
     absolute = absolute[order]
-    first = absolute[0]
     return Trace(
-        offsets_s=absolute - first,
+        offsets_s=absolute - absolute[0],
         context_tokens=np.asarray(context, dtype=np.int64)[order],
         generated_tokens=np.asarray(generated, dtype=np.int64)[order],
     )

@@ -23,7 +23,8 @@ class TierSpec:
     ttft_target_s: float  # goodput counts a request whose time to first token is within this
     # Aging: a request of this tier competes with better-ranked tiers as if it had arrived this
     # much later, so it overtakes them after waiting this long; keeps `batch` from starving forever.
-    aging_offset_s: float = 0.0
+    # None: never overtakes (strict priority). The best tier needs none.
+    aging_offset_s: float | None = None
     # Load pressure (predicted wait / max wait) at which this tier is degraded rather than queued;
     # sheddable tiers get a lower threshold, so they degrade first.
     degrade_at_pressure: float = 1.0
@@ -35,7 +36,7 @@ class TierSpec:
             raise ValueError(f"tier {self.name}: rank and queue_bound must be >= 0")
         if self.max_queue_wait_s <= 0 or self.ttft_target_s <= 0:
             raise ValueError(f"tier {self.name}: max_queue_wait_s and ttft_target_s must be > 0")
-        if self.aging_offset_s < 0 or self.degrade_at_pressure <= 0:
+        if (self.aging_offset_s is not None and self.aging_offset_s < 0) or self.degrade_at_pressure <= 0:
             raise ValueError(f"tier {self.name}: aging_offset_s >= 0 and degrade_at_pressure > 0")
 
 
@@ -72,12 +73,14 @@ class TierTable:
 
 
 def default_tiers() -> TierTable:
+    # Each interactive tier's maximum wait sits below its TTFT target: a request that waited longer
+    # would be served too late to count, so it is better answered at once (or degraded).
     return TierTable(
         (
-            TierSpec("critical", rank=0, queue_bound=1000, max_queue_wait_s=30.0, ttft_target_s=2.0),
-            TierSpec("standard", rank=1, queue_bound=1000, max_queue_wait_s=20.0, ttft_target_s=5.0,
+            TierSpec("critical", rank=0, queue_bound=1000, max_queue_wait_s=2.5, ttft_target_s=3.0),
+            TierSpec("standard", rank=1, queue_bound=1000, max_queue_wait_s=4.0, ttft_target_s=5.0,
                      aging_offset_s=60.0, degrade_at_pressure=0.9),
-            TierSpec("sheddable", rank=2, queue_bound=500, max_queue_wait_s=10.0, ttft_target_s=10.0,
+            TierSpec("sheddable", rank=2, queue_bound=500, max_queue_wait_s=8.0, ttft_target_s=10.0,
                      aging_offset_s=120.0, degrade_at_pressure=0.5),
             TierSpec("batch", rank=3, queue_bound=5000, max_queue_wait_s=3600.0, ttft_target_s=600.0,
                      aging_offset_s=300.0, degrade_at_pressure=1.0),

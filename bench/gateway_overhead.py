@@ -1,0 +1,267 @@
+"""Gateway overhead against a 0 ms mock upstream, as ratios against baselines measured in the same run.
+
+    flock /tmp/tidegate-bench.lock python bench/gateway_overhead.py [--pin] [--rounds 3]
+
+Prints, for non-streaming and streaming (16 chunks) requests:
+- added latency at concurrency 16 (p50, p99 of end-to-end; streaming: time to first chunk), gateway
+  minus direct-to-mock, measured in alternating rounds;
+- requests/s at concurrency 64 through one gateway process vs the minimal aiohttp proxy
+  (bench/minimal_proxy.py), alternating, median of rounds; direct-to-mock for scale.
+Latency comes from a raw asyncio + httptools client; throughput from `wrk` when installed (a C client
+cannot hide the difference between proxies), else from the same raw client.
+Bars: added p50 <= 0.6 ms, p99 <= 3 ms; rps >= 1.5x (non-streaming) and >= 1.2x (streaming) the minimal proxy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import httptools
+
+HERE = Path(__file__).resolve().parent
+TOKENS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_ok(url: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(url)
+
+
+def request_body(stream: bool, model: str) -> bytes:
+    stream_json = "true" if stream else "false"
+    return (f'{{"model":"{model}","stream":{stream_json},"max_tokens":{TOKENS},'
+            f'"messages":[{{"role":"user","content":"Say something short."}}]}}').encode()
+
+
+# -- the raw load client -------------------------------------------------------------------------
+
+class _Connection(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.done: asyncio.Future[None] | None = None
+        self.first_byte_at = 0.0
+        self.status = 0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.parser.feed_data(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("closed"))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        if not self.first_byte_at:
+            self.first_byte_at = time.perf_counter()
+
+    def on_message_complete(self) -> None:
+        if self.done is not None:
+            self.done.set_result(None)
+
+
+async def _drive(port: int, path: str, body: bytes, concurrency: int, duration_s: float
+                 ) -> tuple[list[float], list[float], float, int]:
+    """(end-to-end latencies s, first-body-byte latencies s, elapsed s, non-200 count)."""
+    loop = asyncio.get_running_loop()
+    raw = (f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+           f"content-length: {len(body)}\r\n\r\n").encode() + body
+    e2e: list[float] = []
+    first: list[float] = []
+    errors = [0]
+    stop_at = time.perf_counter() + duration_s
+
+    async def worker() -> None:
+        _, conn = await loop.create_connection(_Connection, "127.0.0.1", port)
+        while time.perf_counter() < stop_at:
+            conn.done = loop.create_future()
+            conn.first_byte_at = 0.0
+            started = time.perf_counter()
+            conn.transport.write(raw)
+            await conn.done
+            ended = time.perf_counter()
+            e2e.append(ended - started)
+            first.append(conn.first_byte_at - started)
+            if conn.status != 200:
+                errors[0] += 1
+        conn.transport.close()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return e2e, first, time.perf_counter() - started, errors[0]
+
+
+def drive(port: int, path: str, body: bytes, concurrency: int, duration_s: float):
+    try:
+        import uvloop
+
+        return uvloop.run(_drive(port, path, body, concurrency, duration_s))
+    except ImportError:
+        return asyncio.run(_drive(port, path, body, concurrency, duration_s))
+
+
+def wrk_rps(port: int, path: str, body: bytes, concurrency: int, duration_s: float, cpu: str | None) -> float:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
+        script.write(f'wrk.method = "POST"\nwrk.body = [[{body.decode()}]]\n'
+                     f'wrk.headers["Content-Type"] = "application/json"\n')
+    argv = ["wrk", "-t1", f"-c{concurrency}", f"-d{max(1, round(duration_s))}s", "-s", script.name,
+            f"http://127.0.0.1:{port}{path}"]
+    if cpu is not None:
+        argv = ["taskset", "-c", cpu, *argv]
+    output = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    os.unlink(script.name)
+    if "Non-2xx" in output:
+        raise RuntimeError(f"wrk saw errors:\n{output}")
+    return float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1))
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+class Stack:
+    """mock upstream, gateway and minimal proxy, each pinned to a core when --pin."""
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.processes: list[subprocess.Popen] = []
+        self.workdir = tempfile.mkdtemp(prefix="tidegate-bench-")
+        self.mock_port, self.gateway_port, self.proxy_port = free_port(), free_port(), free_port()
+
+    def _start(self, argv: list[str], cpu: str, name: str) -> None:
+        if self.pin:
+            argv = ["taskset", "-c", cpu, *argv]
+        log = open(os.path.join(self.workdir, f"{name}.log"), "wb")
+        self.processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+
+    def start(self) -> None:
+        py = sys.executable
+        self._start([py, "-m", "tidegate", "mock-upstream", "--port", str(self.mock_port), "--tokens", str(TOKENS),
+                     "--ttft-ms", "0", "--itl-ms", "0"], "0", "mock")
+        config = Path(self.workdir, "gateway.yaml")
+        config.write_text(
+            f"server:\n  port: {self.gateway_port}\n  access_log: false\n"
+            f"pools:\n  - name: mock\n    backends:\n      - type: upstream\n"
+            f"        url: http://127.0.0.1:{self.mock_port}/v1\n")
+        self._start([py, "-m", "tidegate", "serve", "--config", str(config), "--log-level", "warning"], "1", "gateway")
+        self._start([py, str(HERE / "minimal_proxy.py"), "--port", str(self.proxy_port),
+                     "--upstream", f"http://127.0.0.1:{self.mock_port}"], "1", "proxy")
+        wait_ok(f"http://127.0.0.1:{self.mock_port}/health")
+        wait_ok(f"http://127.0.0.1:{self.gateway_port}/ready")
+        for _ in range(100):  # the minimal proxy has no probe; wait until it proxies
+            try:
+                drive(self.proxy_port, "/v1/chat/completions", request_body(False, "mock"), 1, 0.05)
+                break
+            except OSError:
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        for process in self.processes:
+            process.send_signal(signal.SIGTERM)
+        for process in self.processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pin", action="store_true", help="mock and load client on CPU 0, proxies on CPU 1")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=2.0, help="length of one measurement")
+    parser.add_argument("--no-wrk", action="store_true", help="use the raw Python client for throughput too")
+    args = parser.parse_args()
+    use_wrk = shutil.which("wrk") is not None and not args.no_wrk
+    client_cpu = "0" if args.pin else None
+    if args.pin:
+        os.sched_setaffinity(0, {0})
+    stack = Stack(args.pin)
+    stack.start()
+    path = "/v1/chat/completions"
+    ok = True
+    try:
+        print(f"cores: {os.cpu_count()}  pinned: {args.pin}  throughput client: {'wrk' if use_wrk else 'raw asyncio'}"
+              f"  rounds: {args.rounds} x {args.seconds}s  gateway: 1 process")
+        for stream in (False, True):
+            label = "streaming (time to first chunk)" if stream else "non-streaming"
+            body_direct = request_body(stream, "mock")
+            # -- added latency at c=16, alternating direct and gateway
+            samples: dict[str, list[float]] = {"direct": [], "gateway": []}
+            drive(stack.gateway_port, path, body_direct, 16, 0.5)  # warm-up
+            for _ in range(args.rounds):
+                for name, port in (("direct", stack.mock_port), ("gateway", stack.gateway_port)):
+                    e2e, first, _, errors = drive(port, path, body_direct, 16, args.seconds)
+                    assert errors == 0, f"{name}: {errors} errors"
+                    samples[name].extend(first if stream else e2e)
+            d50, d99 = percentile(samples["direct"], 0.5), percentile(samples["direct"], 0.99)
+            g50, g99 = percentile(samples["gateway"], 0.5), percentile(samples["gateway"], 0.99)
+            add50, add99 = (g50 - d50) * 1000, (g99 - d99) * 1000
+            latency_ok = add50 <= 0.6 and add99 <= 3.0
+            ok &= latency_ok
+            print(f"\n{label}, c=16: direct p50 {d50*1000:.3f} ms p99 {d99*1000:.3f} ms | gateway p50 {g50*1000:.3f} ms"
+                  f" p99 {g99*1000:.3f} ms | added p50 {add50:.3f} ms (bar 0.6) p99 {add99:.3f} ms (bar 3.0)"
+                  f" {'PASS' if latency_ok else 'FAIL'}")
+            # -- throughput at c=64, alternating gateway and minimal proxy
+            rps: dict[str, list[float]] = {"direct": [], "gateway": [], "minimal proxy": []}
+            targets = (("gateway", stack.gateway_port), ("minimal proxy", stack.proxy_port), ("direct", stack.mock_port))
+            for _ in range(args.rounds):
+                for name, port in targets:
+                    if use_wrk:
+                        rps[name].append(wrk_rps(port, path, body_direct, 64, args.seconds, client_cpu))
+                    else:
+                        e2e, _, elapsed, errors = drive(port, path, body_direct, 64, args.seconds)
+                        assert errors == 0, f"{name}: {errors} errors"
+                        rps[name].append(len(e2e) / elapsed)
+            medians = {name: statistics.median(values) for name, values in rps.items()}
+            ratio = medians["gateway"] / medians["minimal proxy"]
+            bar = 1.2 if stream else 1.5
+            ok &= ratio >= bar
+            print(f"{label.split(' (')[0]}, c=64 req/s (median of {args.rounds}): "
+                  + "  ".join(f"{name} {value:,.0f}" for name, value in medians.items())
+                  + f" | gateway / minimal proxy = {ratio:.2f}x (bar {bar}x) {'PASS' if ratio >= bar else 'FAIL'}")
+            print("  rounds: " + "; ".join(f"{name} " + ", ".join(f"{v:,.0f}" for v in values)
+                                           for name, values in rps.items()))
+    finally:
+        stack.stop()
+    print(f"\nall bars: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

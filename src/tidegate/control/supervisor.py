@@ -1,0 +1,103 @@
+"""Keeps local worker processes running: start, restart on crash with backoff, stop with the gateway.
+
+Stopping sends SIGTERM, then SIGKILL after a timeout. On Linux each child also asks the kernel for
+SIGTERM when the gateway dies, so a killed gateway leaves no orphan workers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+__all__ = ["WorkerSpec", "WorkerSupervisor"]
+
+log = logging.getLogger("tidegate.supervisor")
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    name: str
+    argv: tuple[str, ...]
+
+
+class WorkerSupervisor:
+    def __init__(self, specs: list[WorkerSpec], stop_timeout_s: float = 10.0, first_backoff_s: float = 0.5,
+                 max_backoff_s: float = 30.0, stable_after_s: float = 30.0) -> None:
+        self.specs = specs
+        self._stop_timeout_s = stop_timeout_s
+        self._first_backoff_s = first_backoff_s
+        self._max_backoff_s = max_backoff_s
+        self._stable_after_s = stable_after_s  # a run this long resets the backoff
+        self._processes: dict[str, asyncio.subprocess.Process] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self.restarts: dict[str, int] = {spec.name: 0 for spec in specs}
+
+    def pid(self, name: str) -> int | None:
+        process = self._processes.get(name)
+        return process.pid if process is not None and process.returncode is None else None
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._keep_running(spec)) for spec in self.specs]
+
+    async def _keep_running(self, spec: WorkerSpec) -> None:
+        loop = asyncio.get_running_loop()
+        backoff_s = self._first_backoff_s
+        while not self._stopping:
+            preexec = _die_with_parent if sys.platform.startswith("linux") else None
+            try:
+                process = await asyncio.create_subprocess_exec(*spec.argv, preexec_fn=preexec)
+            except OSError as error:
+                log.error("cannot start worker", extra={"fields": {"worker": spec.name, "error": str(error)}})
+                process = None
+            started_s = loop.time()
+            if process is not None:
+                self._processes[spec.name] = process
+                log.info("worker started", extra={"fields": {"worker": spec.name, "pid": process.pid}})
+                returncode = await process.wait()
+                if self._stopping:
+                    return
+                log.warning("worker exited; restarting",
+                            extra={"fields": {"worker": spec.name, "returncode": returncode, "backoff_s": backoff_s}})
+            if loop.time() - started_s >= self._stable_after_s:
+                backoff_s = self._first_backoff_s
+            await asyncio.sleep(backoff_s)
+            backoff_s = min(backoff_s * 2.0, self._max_backoff_s)
+            self.restarts[spec.name] += 1
+
+    async def stop(self) -> None:
+        self._stopping = True
+        for task in self._tasks:
+            task.cancel()
+        running = [p for p in self._processes.values() if p.returncode is None]
+        for process in running:
+            try:
+                process.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for process in running:
+            try:
+                await asyncio.wait_for(process.wait(), self._stop_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("worker ignored SIGTERM; killing", extra={"fields": {"pid": process.pid}})
+                try:
+                    process.kill()
+                except ProcessLookupError:
+                    pass
+                await process.wait()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,135 @@
+"""The engine loop: schedule -> run -> update, in a dedicated thread.
+
+The asyncio side submits and aborts through a locked inbox; results go back once per step with
+`loop.call_soon_threadsafe`, into one asyncio.Queue per request. Only this thread touches the
+scheduler and the runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from tidegate.engine.metrics import EngineMetrics
+from tidegate.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
+from tidegate.engine.sequence import SamplingParams, Sequence
+
+__all__ = ["Runner", "EngineLoop", "Submission"]
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    def run(self, batch: ScheduledBatch) -> list[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Submission:
+    seq_id: int
+    outputs: asyncio.Queue[StepOutput]  # ends with an output whose finish_reason is set
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, runner: Runner, metrics: EngineMetrics | None = None) -> None:
+        self._scheduler = scheduler
+        self._runner = runner
+        self._metrics = metrics
+        self._inbox: deque[Sequence | int] = deque()  # a Sequence to add, or a seq_id to abort
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._ids = itertools.count(1)
+        self._queues: dict[int, asyncio.Queue[StepOutput]] = {}  # asyncio thread only
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        self._aio_loop = aio_loop
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def submit(self, prompt_token_ids: list[int], params: SamplingParams, priority: int = 0) -> Submission:
+        """Asyncio thread only."""
+        seq = Sequence(seq_id=next(self._ids), prompt_token_ids=prompt_token_ids, params=params, priority=priority)
+        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self._queues[seq.seq_id] = queue
+        self._post(seq)
+        return Submission(seq.seq_id, queue)
+
+    def abort(self, seq_id: int) -> None:
+        """Frees the sequence soon; safe from any thread, and for finished sequences."""
+        self._post(seq_id)
+
+    def forget(self, seq_id: int) -> None:
+        """Asyncio thread: the caller no longer reads this sequence's queue."""
+        if self._queues.pop(seq_id, None) is not None:
+            self.abort(seq_id)
+
+    def _post(self, item: Sequence | int) -> None:
+        with self._lock:
+            self._inbox.append(item)
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stopping:
+            outputs = self._drain_inbox()
+            if self._scheduler.has_work:
+                outputs += self._step()
+            if outputs:
+                assert self._aio_loop is not None
+                self._aio_loop.call_soon_threadsafe(self._deliver, outputs)
+            if not self._scheduler.has_work and not self._inbox:
+                self._wake.wait()
+                self._wake.clear()
+
+    def _drain_inbox(self) -> list[StepOutput]:
+        with self._lock:
+            items = list(self._inbox)
+            self._inbox.clear()
+        aborted: list[StepOutput] = []
+        for item in items:
+            if isinstance(item, Sequence):
+                self._scheduler.add(item)
+            else:
+                output = self._scheduler.abort(item)
+                if output is not None:
+                    aborted.append(output)
+        return aborted
+
+    def _step(self) -> list[StepOutput]:
+        batch = self._scheduler.schedule()
+        try:
+            outputs = self._scheduler.update(batch, self._runner.run(batch))
+        except Exception:  # a failing step must not kill the thread: fail its sequences, keep serving
+            log.exception("engine step failed; aborting its %d sequences", len(batch.chunks))
+            outputs = [o for c in batch.chunks if (o := self._scheduler.abort(c.seq.seq_id)) is not None]
+        if self._metrics is not None:
+            blocks = self._scheduler.blocks
+            self._metrics.observe_step(
+                len(batch.chunks), len(self._scheduler.running), len(self._scheduler.waiting), blocks.usage
+            )
+        return outputs
+
+    def _deliver(self, outputs: list[StepOutput]) -> None:
+        for output in outputs:
+            queue = self._queues.get(output.seq_id)
+            if queue is None:
+                continue
+            queue.put_nowait(output)
+            if output.finish_reason is not None:
+                del self._queues[output.seq_id]
+

@@ -1,0 +1,44 @@
+"""The engine's Prometheus metrics, in a registry of its own (the gateway reads the first three)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["EngineMetrics"]
+
+_LATENCY_BUCKETS_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
+_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.running = Gauge("tidegate_engine_running_sequences", "Sequences holding KV blocks", registry=r)
+        self.waiting = Gauge("tidegate_engine_waiting_sequences", "Sequences queued or preempted", registry=r)
+        self.kv_usage = Gauge("tidegate_engine_kv_cache_usage", "Fraction 0-1 of KV-cache blocks in use", registry=r)
+        self.ttft = Histogram(
+            "tidegate_engine_ttft_seconds", "Request arrival to first token", buckets=_LATENCY_BUCKETS_S, registry=r
+        )
+        self.inter_token = Histogram(
+            "tidegate_engine_inter_token_seconds", "Gap between tokens of one stream", buckets=_LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "tidegate_engine_e2e_seconds", "Request arrival to last token", buckets=_LATENCY_BUCKETS_S, registry=r
+        )
+        self.prompt_tokens = Counter("tidegate_engine_prompt_tokens", "Prompt tokens admitted", registry=r)
+        self.generation_tokens = Counter("tidegate_engine_generation_tokens", "Tokens generated", registry=r)
+        self.step_batch_size = Histogram(
+            "tidegate_engine_step_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
+        )
+
+    def observe_step(self, num_sequences: int, running: int, waiting: int, kv_usage: float) -> None:
+        """Called by the engine thread after each step (prometheus-client is thread-safe)."""
+        self.step_batch_size.observe(num_sequences)
+        self.running.set(running)
+        self.waiting.set(waiting)
+        self.kv_usage.set(kv_usage)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,160 @@
+"""A Llama-family forward over a paged KV cache: every sequence of a step in one batched pass.
+
+All tokens of a step (one per decoding sequence, plus prefill chunks) are packed into one [T, hidden]
+matrix, so every Linear runs once per step for the whole batch; only attention is split: decodes
+are batched over a padded gather of their KV slots, each prefill chunk attends on its own.
+Weights are taken from a transformers model (Llama, Qwen2 and Mistral share this shape; Qwen2 adds
+q/k/v biases). q/k/v and gate/up projections are fused to halve the matmul calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["PagedLlama", "StepInputs", "PrefillSpan"]
+
+
+@dataclass(frozen=True)
+class PrefillSpan:
+    row_start: int  # rows [row_start, row_end) of the packed step hold this chunk
+    row_end: int
+    context_start: int  # position of the chunk's first token; earlier positions are in the cache
+    context_slots: torch.Tensor | None  # cache slots of positions [0, context_start + len); None if start 0
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
+    num_decodes: int  # rows [0, num_decodes) are single-token decodes
+    decode_slots: torch.Tensor | None  # [B, L] cache slots of each decode's context, padded
+    decode_mask: torch.Tensor | None  # [B, 1, 1, L] True where the slot is part of the context
+    prefills: tuple[PrefillSpan, ...]
+    sample_rows: torch.Tensor  # [N] rows whose logits are needed
+
+
+class _Layer(nn.Module):
+    def __init__(self, hf_layer: Any, dtype: torch.dtype) -> None:
+        super().__init__()
+        attn, mlp = hf_layer.self_attn, hf_layer.mlp
+        self.qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj], dtype)
+        self.o = _fuse([attn.o_proj], dtype)
+        self.gate_up = _fuse([mlp.gate_proj, mlp.up_proj], dtype)
+        self.down = _fuse([mlp.down_proj], dtype)
+        self.input_norm = nn.Parameter(hf_layer.input_layernorm.weight.detach().to(dtype), requires_grad=False)
+        self.post_norm = nn.Parameter(
+            hf_layer.post_attention_layernorm.weight.detach().to(dtype), requires_grad=False
+        )
+
+
+def _fuse(linears: list[nn.Linear], dtype: torch.dtype) -> nn.Linear:
+    has_bias = any(lin.bias is not None for lin in linears)
+    out_features = sum(lin.out_features for lin in linears)
+    fused = nn.Linear(linears[0].in_features, out_features, bias=has_bias, dtype=dtype)
+    with torch.no_grad():
+        fused.weight.copy_(torch.cat([lin.weight for lin in linears]))
+        if has_bias:
+            fused.bias.copy_(
+                torch.cat([lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears])
+            )
+    fused.requires_grad_(False)
+    return fused
+
+
+class PagedLlama(nn.Module):
+    def __init__(self, hf_model: Any, dtype: torch.dtype, num_cache_slots: int, max_positions: int) -> None:
+        super().__init__()
+        config = hf_model.config
+        self.hidden = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.dtype = dtype
+        body = hf_model.model
+        self.embed = nn.Parameter(body.embed_tokens.weight.detach().to(dtype), requires_grad=False)
+        self.layers = nn.ModuleList(_Layer(layer, dtype) for layer in body.layers)
+        self.norm = nn.Parameter(body.norm.weight.detach().to(dtype), requires_grad=False)
+        self.lm_head = _fuse([hf_model.lm_head], dtype)
+        with torch.inference_mode():
+            # the model's own rotary module, so rope scaling variants match the reference exactly
+            probe = torch.zeros(1, dtype=torch.float32)
+            cos, sin = body.rotary_emb(probe, torch.arange(max_positions).unsqueeze(0))
+        self.register_buffer("cos", cos[0].to(dtype).unsqueeze(1), persistent=False)  # [P, 1, D]
+        self.register_buffer("sin", sin[0].to(dtype).unsqueeze(1), persistent=False)
+        cache_shape = (len(self.layers), num_cache_slots, self.num_kv_heads, self.head_dim)
+        self.k_cache = torch.zeros(cache_shape, dtype=dtype)
+        self.v_cache = torch.zeros(cache_shape, dtype=dtype)
+
+    def quantize_int8(self) -> None:
+        """Dynamic int8 quantisation of the decoder Linears (weights int8, activations per batch)."""
+        from torch.ao.quantization import quantize_dynamic
+
+        if self.dtype is not torch.float32:
+            raise ValueError("int8 dynamic quantisation needs fp32 activations: use --dtype fp32")
+        self.layers = quantize_dynamic(self.layers, {nn.Linear}, dtype=torch.qint8)
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """Returns fp32 logits [N, vocab] for `step.sample_rows`."""
+        x = F.embedding(step.input_ids, self.embed)
+        cos, sin = self.cos[step.positions], self.sin[step.positions]
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        for index, layer in enumerate(self.layers):
+            h = F.rms_norm(x, (self.hidden,), layer.input_norm, self.eps)
+            q, k, v = layer.qkv(h).split((q_width, kv_width, kv_width), dim=-1)
+            q = _rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+            k = _rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            self.k_cache[index].index_copy_(0, step.slot_mapping, k)
+            self.v_cache[index].index_copy_(0, step.slot_mapping, v)
+            attended = self._attention(index, step, q, k, v)
+            x = x + layer.o(attended)
+            h = F.rms_norm(x, (self.hidden,), layer.post_norm, self.eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        last = F.rms_norm(x[step.sample_rows], (self.hidden,), self.norm, self.eps)
+        return self.lm_head(last).float()
+
+    def _attention(self, index: int, step: StepInputs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype)
+        batch = step.num_decodes
+        if batch:
+            group = self.num_heads // self.num_kv_heads
+            # the query heads sharing a KV head act as `group` query rows: GQA without repeating K/V
+            queries = q[:batch].view(batch, self.num_kv_heads, group, self.head_dim)
+            keys = self.k_cache[index][step.decode_slots].transpose(1, 2)  # [B, KV, L, D]
+            values = self.v_cache[index][step.decode_slots].transpose(1, 2)
+            attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=step.decode_mask)
+            out[:batch] = attended.reshape(batch, -1)
+        for span in step.prefills:
+            rows = slice(span.row_start, span.row_end)
+            queries = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, C, D]
+            if span.context_slots is None:
+                keys, values, mask, causal = k[rows], v[rows], None, True
+            else:
+                keys, values = self.k_cache[index][span.context_slots], self.v_cache[index][span.context_slots]
+                length = span.row_end - span.row_start
+                positions = torch.arange(span.context_start, span.context_start + length).unsqueeze(1)
+                mask, causal = torch.arange(keys.shape[0]).unsqueeze(0) <= positions, False
+            attended = F.scaled_dot_product_attention(
+                queries,
+                keys.transpose(0, 1).unsqueeze(0),
+                values.transpose(0, 1).unsqueeze(0),
+                attn_mask=mask,
+                is_causal=causal,
+                enable_gqa=True,
+            )
+            out[rows] = attended[0].transpose(0, 1).reshape(span.row_end - span.row_start, -1)
+        return out
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,210 @@
+"""Iteration-level continuous batching (Orca) with a per-step token budget and chunked prefill (Sarathi).
+
+PURE: no torch, no asyncio, no clock. Each step:
+1. running sequences, decodes first, best priority first, one token each (a sequence part-way
+   through a chunked prefill continues with the next chunk);
+2. waiting sequences admitted, best priority then oldest first, under the token budget and
+   `max_num_seqs`; a prompt longer than what is left of the budget is split across steps;
+3. if a running sequence cannot get a KV block, the worst running sequence (lowest priority, then
+   newest) is preempted: its blocks are freed and it is recomputed from its tokens later.
+`update` then appends the sampled tokens; finished sequences leave at once and free their blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tidegate.engine.kv_cache import BlockManager
+from tidegate.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+__all__ = ["SchedulerConfig", "ScheduledChunk", "ScheduledBatch", "StepOutput", "Scheduler"]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_batch_tokens: int = 128  # per-step token budget: bounds one step's time, hence the inter-token gap
+    chunked_prefill: bool = True
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledChunk:
+    seq: Sequence
+    start: int  # position of the first token computed in this step
+    num_tokens: int
+    samples: bool  # the chunk ends at the sequence's last token: sample the next one
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledBatch:
+    chunks: tuple[ScheduledChunk, ...]  # decodes first, then prefill chunks
+    num_decodes: int
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    seq_id: int
+    token_id: int | None  # None when the sequence left without a new token (abort)
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """Smaller is more important: priority first, then older."""
+    return (seq.priority, seq.arrival_index)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._arrivals = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self._arrivals += 1
+        seq.arrival_index = self._arrivals
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int) -> StepOutput | None:
+        for queue in (self.running, self.waiting):
+            for seq in queue:
+                if seq.seq_id == seq_id:
+                    queue.remove(seq)
+                    return self._finish(seq, FinishReason.ABORT, token_id=None)
+        return None
+
+    def schedule(self) -> ScheduledBatch:
+        budget = self.config.max_batch_tokens
+        chunks: list[ScheduledChunk] = []
+        # decodes first; among equals, best rank first so that victims come from the tail
+        candidates = sorted(self.running, key=lambda s: (not s.is_decoding, _rank(s)))
+        scheduled: list[Sequence] = []
+        while candidates and budget > 0:
+            seq = candidates.pop(0)
+            want = 1 if seq.is_decoding else self._chunk_size(seq, budget, bool(chunks))
+            granted = self._reserve(seq, want, candidates)
+            if granted == 0:
+                continue  # seq itself was preempted
+            chunks.append(self._chunk(seq, granted))
+            scheduled.append(seq)
+            budget -= granted
+        num_decodes = sum(1 for chunk in chunks if chunk.seq.is_decoding)
+        self.waiting.sort(key=_rank)
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            want = self._chunk_size(seq, budget, has_prefill=any(not c.seq.is_decoding for c in chunks))
+            # admit only when the whole prompt fits: a half-admitted prompt would be preempted
+            # by the next decode that needs a block, and its chunks computed again and again
+            if want == 0 or not self.blocks.can_hold(seq, seq.num_tokens):
+                break
+            self.waiting.pop(0)
+            self.blocks.grow(seq, seq.num_computed_tokens + want)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(self._chunk(seq, want))
+            budget -= want
+        return ScheduledBatch(chunks=tuple(chunks), num_decodes=num_decodes)
+
+    def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[StepOutput]:
+        """Applies one step's results; `sampled` holds a token per chunk with `samples`, in order."""
+        outputs: list[StepOutput] = []
+        tokens = iter(sampled)
+        for chunk in batch.chunks:
+            seq = chunk.seq
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted between schedule and update
+            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            if not chunk.samples:
+                continue
+            token = next(tokens)
+            seq.output_token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason is None:
+                outputs.append(self._output(seq, token, None))
+            else:
+                self.running.remove(seq)
+                outputs.append(self._finish(seq, reason, token))
+        return outputs
+
+    def _chunk_size(self, seq: Sequence, budget: int, has_prefill: bool) -> int:
+        remaining = seq.num_uncomputed_tokens
+        if self.config.chunked_prefill:
+            return min(remaining, budget)
+        # without chunking a prompt runs whole: alone past the budget, never two at once past it
+        return remaining if remaining <= budget or not has_prefill else 0
+
+    def _reserve(self, seq: Sequence, want: int, candidates: list[Sequence]) -> int:
+        """Finds KV room for `want` more tokens of `seq`, preempting the worst others if needed."""
+        if want == 0:
+            return 0
+        while not self.blocks.can_hold(seq, seq.num_computed_tokens + want):
+            holdable = self.blocks.max_tokens_holdable(seq) - seq.num_computed_tokens
+            if not seq.is_decoding and self.config.chunked_prefill and holdable > 0:
+                want = holdable
+                break
+            victim = self._pick_victim(candidates)
+            if victim is None or _rank(victim) < _rank(seq):
+                self._preempt(seq)
+                return 0
+            candidates.remove(victim)
+            self._preempt(victim)
+        self.blocks.grow(seq, seq.num_computed_tokens + want)
+        return want
+
+    @staticmethod
+    def _pick_victim(candidates: list[Sequence]) -> Sequence | None:
+        return max(candidates, key=_rank, default=None)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        self.waiting.append(seq)
+
+    @staticmethod
+    def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
+        start = seq.num_computed_tokens
+        return ScheduledChunk(seq=seq, start=start, num_tokens=num_tokens, samples=start + num_tokens == seq.num_tokens)
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if token in params.stop_token_ids or (not params.ignore_eos and token in self.config.eos_token_ids):
+            return FinishReason.STOP
+        if len(seq.output_token_ids) >= params.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason, token_id: int | None) -> StepOutput:
+        self.blocks.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        return self._output(seq, token_id, reason)
+
+    @staticmethod
+    def _output(seq: Sequence, token_id: int | None, reason: FinishReason | None) -> StepOutput:
+        return StepOutput(
+            seq_id=seq.seq_id,
+            token_id=token_id,
+            finish_reason=reason,
+            num_prompt_tokens=len(seq.prompt_token_ids),
+            num_output_tokens=len(seq.output_token_ids),
+        )

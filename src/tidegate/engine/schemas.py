@@ -1,0 +1,87 @@
+"""OpenAI request bodies the engine accepts, validated strictly (a string is not a number)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tidegate.errors import InvalidRequestError
+
+__all__ = ["ChatRequest", "CompletionRequest", "parse_request"]
+
+
+class _Body(BaseModel):
+    # unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored, as vLLM does
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    model: str
+    max_tokens: int | None = None
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    priority: int = 0  # lower is served first; the gateway maps tiers onto it
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return tuple(s for s in stops if s)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str]
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens if self.max_tokens is not None else 16  # OpenAI's completions default
+
+
+def parse_request(raw: bytes, kind: type[_SamplingFields]) -> _SamplingFields:
+    """Validates a JSON body; any problem becomes a 400 naming the offending field."""
+    try:
+        return kind.model_validate_json(raw)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise InvalidRequestError(f"request body is not valid JSON: {first['msg']}") from None
+        param = ".".join(str(part) for part in first["loc"]) or None
+        raise InvalidRequestError(f"{param or 'body'}: {first['msg']}", param=param) from None

@@ -1,0 +1,138 @@
+"""Assembles a running gateway from a GatewayConfig: replicas, pools, workers, health checks, server."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import sys
+import time
+from urllib.parse import urlsplit
+
+from tidegate.config import EmbeddedBackend, GatewayConfig, UpstreamBackend
+from tidegate.control.health_checks import HealthChecker
+from tidegate.control.supervisor import WorkerSpec, WorkerSupervisor
+from tidegate.gateway.dispatch import ModelPool, Replica
+from tidegate.gateway.http import HttpConnection
+from tidegate.gateway.proxy import Proxy, ProxySettings
+from tidegate.gateway.upstream import ConnectionPool, Endpoint
+from tidegate.policy.health import BreakerPolicy
+from tidegate.telemetry.logs import AccessLog
+from tidegate.telemetry.metrics import GatewayMetrics
+
+__all__ = ["Gateway"]
+
+log = logging.getLogger("tidegate.gateway")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _upstream_replica(pool: str, index: int, backend: UpstreamBackend, connect_timeout_s: float) -> Replica:
+    parts = urlsplit(backend.url)
+    tls = parts.scheme == "https"
+    host = parts.hostname or "localhost"
+    port = parts.port or (443 if tls else 80)
+    default_port = port == (443 if tls else 80)
+    endpoint = Endpoint(host=host, port=port, use_tls=tls, base_path=parts.path.encode(),
+                        host_header=(host if default_port else f"{host}:{port}").encode())
+    health_url = f"{parts.scheme}://{host}:{port}{backend.health_path}" if backend.health_path else None
+    return Replica(
+        replica_id=f"{pool}#{index}@{host}:{port}", pool_name=pool,
+        connections=ConnectionPool(endpoint, connect_timeout_s), slot_limit=backend.slot_limit,
+        upstream_model=backend.model or pool,
+        api_key=backend.api_key.get_secret_value() if backend.api_key else None, health_url=health_url)
+
+
+def _embedded_replica(pool: str, index: int, backend: EmbeddedBackend, connect_timeout_s: float,
+                      ) -> tuple[Replica, WorkerSpec]:
+    port = _free_port()
+    endpoint = Endpoint(host="127.0.0.1", port=port, use_tls=False, base_path=b"/v1",
+                        host_header=f"127.0.0.1:{port}".encode())
+    replica_id = f"{pool}#{index}@127.0.0.1:{port}"
+    replica = Replica(
+        replica_id=replica_id, pool_name=pool, connections=ConnectionPool(endpoint, connect_timeout_s),
+        slot_limit=backend.slot_limit, upstream_model=backend.model, api_key=None,
+        health_url=f"http://127.0.0.1:{port}/health", scrape_url=f"http://127.0.0.1:{port}/metrics")
+    argv = (sys.executable, "-m", "tidegate", "engine", "--model", backend.model, "--port", str(port),
+            "--threads", str(backend.threads), *backend.engine_args)
+    return replica, WorkerSpec(name=replica_id, argv=argv)
+
+
+class Gateway:
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        server, health = config.server, config.health
+        breaker_policy = BreakerPolicy(health.failure_threshold, health.cooldown_s, health.max_cooldown_s)
+        self.pools: dict[str, ModelPool] = {}
+        workers: list[WorkerSpec] = []
+        for pool_config in config.pools:
+            replicas: list[Replica] = []
+            for backend in pool_config.backends:
+                if isinstance(backend, UpstreamBackend):
+                    replicas.append(_upstream_replica(pool_config.name, len(replicas), backend,
+                                                      server.connect_timeout_s))
+                    continue
+                for _ in range(backend.count):
+                    replica, spec = _embedded_replica(pool_config.name, len(replicas), backend,
+                                                      server.connect_timeout_s)
+                    replicas.append(replica)
+                    workers.append(spec)
+            self.pools[pool_config.name] = ModelPool(
+                pool_config.name, replicas, breaker_policy, server.max_queued_requests,
+                server.queue_timeout_s, server.retry_after_s)
+        self.metrics = GatewayMetrics()
+        self.access_log = AccessLog(server.access_log)
+        api_keys = frozenset(b"Bearer " + key.get_secret_value().encode() for key in server.api_keys)
+        self.proxy = Proxy(self.pools, ProxySettings(server.max_tokens_cap, server.first_byte_timeout_s,
+                                                     server.request_timeout_s, api_keys),
+                           self.metrics, self.access_log)
+        self.supervisor = WorkerSupervisor(workers)
+        all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
+        self.health_checker = HealthChecker(all_replicas, health.interval_s, health.timeout_s, self._wake_pools)
+        self._server: asyncio.base_events.Server | None = None
+        self.port = server.port
+
+    def _wake_pools(self) -> None:
+        now_s = time.monotonic()
+        for pool in self.pools.values():
+            pool.dispatch_waiting(now_s)
+
+    def ready(self) -> bool:
+        now_s = time.monotonic()
+        return all(pool.ready(now_s) for pool in self.pools.values())
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        await self.supervisor.start()
+        await self.health_checker.start()
+        self.access_log.start()
+        server = self.config.server
+        max_body = server.max_body_bytes
+        handle = self.proxy.handle
+        self._server = await loop.create_server(lambda: HttpConnection(handle, max_body), server.host, server.port,
+                                                backlog=4096, reuse_address=True)
+        self.port = self._server.sockets[0].getsockname()[1]
+        log.info("listening", extra={"fields": {"host": server.host, "port": self.port,
+                                                "pools": {n: len(p.replicas) for n, p in self.pools.items()}}})
+
+    async def wait_ready(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.ready():
+                return True
+            await asyncio.sleep(0.1)
+        return self.ready()
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        await self.health_checker.stop()
+        await self.supervisor.stop()
+        for pool in self.pools.values():
+            for replica in pool.replicas:
+                replica.connections.close()
+        await self.access_log.stop()

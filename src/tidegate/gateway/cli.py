@@ -1,0 +1,70 @@
+"""`tidegate serve`: the gateway over the embedded default pool, or over the pools of a YAML config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+__all__ = ["configure_parser", "run"]
+
+log = logging.getLogger("tidegate.gateway")
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", help="YAML config (pools of embedded workers or upstream URLs); "
+                                         "default: embedded tiny-random-llama + all-MiniLM-L6-v2 workers")
+    parser.add_argument("--host", default=None, help="listen address (default 127.0.0.1, or the config's)")
+    parser.add_argument("--port", type=int, default=None, help="listen port (default 8000, or the config's)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--no-access-log", action="store_true", help="no per-request access log line")
+
+
+async def _serve(config) -> int:
+    from tidegate.gateway.app import Gateway
+
+    gateway = Gateway(config)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await gateway.start()
+    ready_task = loop.create_task(gateway.wait_ready(timeout_s=600.0))
+    ready_task.add_done_callback(
+        lambda task: log.info("ready") if task.result() else log.warning("not every pool is ready after 600 s"))
+    await stop.wait()
+    log.info("stopping")
+    ready_task.cancel()
+    await gateway.stop()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from tidegate.config import ConfigError, default_config, load_config
+    from tidegate.telemetry.logs import configure_logging
+
+    configure_logging(args.log_level)
+    import prometheus_client
+
+    prometheus_client.disable_created_metrics()  # halves /metrics; the _created series help no one here
+    try:
+        config = load_config(args.config) if args.config else default_config()
+    except ConfigError as error:
+        print(f"tidegate serve: {error}", file=sys.stderr)
+        return 2
+    overrides = {}
+    if args.host is not None:
+        overrides["host"] = args.host
+    if args.port is not None:
+        overrides["port"] = args.port
+    if args.no_access_log:
+        overrides["access_log"] = False
+    if overrides:
+        config = config.model_copy(update={"server": config.server.model_copy(update=overrides)})
+    try:
+        import uvloop
+    except ImportError:  # the gateway still works on the default loop, only slower
+        return asyncio.run(_serve(config))
+    return uvloop.run(_serve(config))

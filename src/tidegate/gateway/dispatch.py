@@ -1,0 +1,207 @@
+"""Late-binding dispatch: a request leaves the gateway's wait queue only when a replica has a free slot.
+
+`ModelPool.acquire` takes a slot on the replica the routing policy picks, or waits in the pool's
+`WaitQueue` until `release` (or a replica turning healthy) frees one. The queue and the slot limits
+are the seams for overload control: a fair priority queue replaces `FifoWaitQueue`, an adaptive
+limit writes `Replica.slot_limit` from the samples `release` receives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Collection
+from typing import Protocol
+
+from tidegate.errors import OverloadedError
+from tidegate.gateway.upstream import ConnectionPool
+from tidegate.policy.health import CLOSED_BREAKER, Breaker, BreakerPolicy
+from tidegate.policy.routing import any_routable, pick_replica
+from tidegate.types import ReplicaHealth, ReplicaLoad
+
+__all__ = ["Replica", "Waiter", "WaitQueue", "FifoWaitQueue", "ModelPool"]
+
+
+class Replica:
+    """One backend replica as the runtime sees it; satisfies policy.routing.RoutableReplica."""
+
+    __slots__ = ("replica_id", "pool_name", "health", "breaker", "outstanding", "slot_limit", "load",
+                 "connections", "upstream_model", "auth_header", "secret", "health_url", "scrape_url",
+                 "request_heads")
+
+    def __init__(
+        self,
+        replica_id: str,
+        pool_name: str,
+        connections: ConnectionPool,
+        slot_limit: int,
+        upstream_model: str,
+        api_key: str | None,
+        health_url: str | None,
+        scrape_url: str | None = None,
+    ) -> None:
+        self.replica_id = replica_id
+        self.pool_name = pool_name
+        # a replica without an active check is trusted until requests to it fail
+        self.health = ReplicaHealth.UNKNOWN if health_url else ReplicaHealth.HEALTHY
+        self.breaker: Breaker = CLOSED_BREAKER
+        self.outstanding = 0
+        self.slot_limit = slot_limit
+        self.load = ReplicaLoad()
+        self.connections = connections
+        self.upstream_model = upstream_model
+        self.auth_header = f"authorization: Bearer {api_key}\r\n".encode() if api_key else b""
+        self.secret = api_key  # only to scrub it from upstream error bodies
+        self.health_url = health_url
+        self.scrape_url = scrape_url  # engine /metrics with running/waiting/KV gauges, if any
+        self.request_heads: dict[str, bytes] = {}  # API path -> request line and fixed headers
+
+    def request_head(self, api_path: str) -> bytes:
+        head = self.request_heads.get(api_path)
+        if head is None:
+            endpoint = self.connections.endpoint
+            head = self.request_heads[api_path] = (
+                b"POST " + endpoint.base_path + api_path.encode() + b" HTTP/1.1\r\nhost: " + endpoint.host_header
+                + b"\r\ncontent-type: application/json\r\n" + self.auth_header
+            )
+        return head
+
+
+class Waiter:
+    __slots__ = ("future", "exclude")
+
+    def __init__(self, future: asyncio.Future[Replica], exclude: Collection[str]) -> None:
+        self.future = future
+        self.exclude = exclude
+
+
+class WaitQueue(Protocol):
+    def push(self, waiter: Waiter) -> None: ...
+    def peek(self) -> Waiter | None: ...
+    def pop(self) -> Waiter: ...
+    def remove(self, waiter: Waiter) -> None: ...
+    def __len__(self) -> int: ...
+
+
+class FifoWaitQueue:
+    def __init__(self) -> None:
+        self._waiters: deque[Waiter] = deque()
+
+    def push(self, waiter: Waiter) -> None:
+        self._waiters.append(waiter)
+
+    def peek(self) -> Waiter | None:
+        return self._waiters[0] if self._waiters else None
+
+    def pop(self) -> Waiter:
+        return self._waiters.popleft()
+
+    def remove(self, waiter: Waiter) -> None:
+        try:
+            self._waiters.remove(waiter)
+        except ValueError:
+            pass
+
+    def __len__(self) -> int:
+        return len(self._waiters)
+
+
+class ModelPool:
+    def __init__(
+        self,
+        name: str,
+        replicas: list[Replica],
+        breaker_policy: BreakerPolicy,
+        max_queued: int,
+        queue_timeout_s: float,
+        retry_after_s: int,
+        queue: WaitQueue | None = None,
+    ) -> None:
+        self.name = name
+        self.replicas = replicas
+        self.breaker_policy = breaker_policy
+        self.queue: WaitQueue = queue if queue is not None else FifoWaitQueue()
+        self._max_queued = max_queued
+        self._queue_timeout_s = queue_timeout_s
+        self._retry_after_s = retry_after_s
+        self._cursor = 0
+
+    def ready(self, now_s: float) -> bool:
+        return any_routable(self.replicas, now_s)
+
+    def try_acquire(self, now_s: float, exclude: Collection[str] = ()) -> Replica | None:
+        if len(self.queue):
+            return None  # those already waiting go first
+        return self._take(now_s, exclude)
+
+    def _take(self, now_s: float, exclude: Collection[str]) -> Replica | None:
+        choice = pick_replica(self.replicas, now_s, self._cursor, exclude)
+        self._cursor = choice.next_cursor
+        if choice.index is None:
+            return None
+        replica = self.replicas[choice.index]
+        replica.outstanding += 1
+        return replica
+
+    async def acquire(self, now_s: float, exclude: Collection[str] = ()) -> Replica:
+        replica = self.try_acquire(now_s, exclude)
+        if replica is not None:
+            return replica
+        if not any_routable(self.replicas, now_s, exclude):
+            raise OverloadedError(f"no replica of model {self.name!r} is available",
+                                  code="no_replica", retry_after_s=self._retry_after_s)
+        if len(self.queue) >= self._max_queued:
+            raise OverloadedError(f"model {self.name!r} is overloaded: queue full",
+                                  code="queue_full", retry_after_s=self._retry_after_s)
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(loop.create_future(), exclude)
+        self.queue.push(waiter)
+        timer = loop.call_later(self._queue_timeout_s, self._expire, waiter)
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            self.queue.remove(waiter)
+            if waiter.future.done() and not waiter.future.cancelled() and waiter.future.exception() is None:
+                self.release(waiter.future.result(), now_s)  # handed a slot just as the client left
+            raise
+        finally:
+            timer.cancel()
+
+    def _expire(self, waiter: Waiter) -> None:
+        self.queue.remove(waiter)
+        if not waiter.future.done():
+            waiter.future.set_exception(OverloadedError(
+                f"model {self.name!r} is overloaded: no replica slot freed in time",
+                code="queue_timeout", retry_after_s=self._retry_after_s))
+
+    def release(self, replica: Replica, now_s: float) -> None:
+        replica.outstanding -= 1
+        if len(self.queue):
+            self.dispatch_waiting(now_s)
+
+    def dispatch_waiting(self, now_s: float) -> None:
+        """Hand free slots to waiters in queue order; called on release and on health changes."""
+        queue = self.queue
+        while len(queue):
+            waiter = queue.peek()
+            assert waiter is not None
+            if waiter.future.done():
+                queue.pop()
+                continue
+            replica = self._take(now_s, waiter.exclude)
+            if replica is None:
+                if not any_routable(self.replicas, now_s, waiter.exclude):
+                    queue.pop()
+                    waiter.future.set_exception(OverloadedError(
+                        f"no replica of model {self.name!r} is available",
+                        code="no_replica", retry_after_s=self._retry_after_s))
+                    continue
+                return
+            queue.pop()
+            waiter.future.set_result(replica)
+
+    def record_success(self, replica: Replica) -> None:
+        replica.breaker = replica.breaker.on_success()
+
+    def record_failure(self, replica: Replica, now_s: float) -> None:
+        replica.breaker = replica.breaker.on_failure(now_s, self.breaker_policy)

@@ -1,0 +1,221 @@
+"""The gateway's HTTP/1.1 server edge: an asyncio.Protocol with httptools (llhttp) parsing.
+
+Chosen by measurement (see bench/gateway_overhead.py): a raw protocol writes pre-built header bytes
+and skips the per-request objects of a framework, which is most of a proxy's CPU. One request per
+connection is handled at a time; pipelined requests wait their turn in arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Awaitable, Callable
+from http import HTTPStatus
+
+import httptools
+
+__all__ = ["HttpRequest", "HttpConnection", "RequestHandler", "status_line"]
+
+_STATUS_LINES = {
+    int(status): f"HTTP/1.1 {int(status)} {status.phrase}\r\n".encode() for status in HTTPStatus
+}
+
+
+def status_line(status: int) -> bytes:
+    line = _STATUS_LINES.get(status)
+    return line if line is not None else f"HTTP/1.1 {status} Unknown\r\n".encode()
+
+
+class HttpRequest:
+    """One parsed request: only the headers the gateway reads are kept."""
+
+    __slots__ = ("method", "path", "body", "authorization", "request_id", "keep_alive", "too_large")
+
+    def __init__(self) -> None:
+        self.method = b""
+        self.path = b""
+        self.body = b""
+        self.authorization: bytes | None = None
+        self.request_id: bytes | None = None
+        self.keep_alive = True
+        self.too_large = False  # the body passed the size cap and was discarded: answer 413
+
+
+RequestHandler = Callable[["HttpConnection", HttpRequest], Awaitable[None]]
+
+
+class HttpConnection(asyncio.Protocol):
+    """One client connection. The handler answers through `respond` or `start_stream`/`stream_chunk`/`end_stream`."""
+
+    def __init__(self, handler: RequestHandler, max_body_bytes: int) -> None:
+        self._handler = handler
+        self._max_body_bytes = max_body_bytes
+        self._parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self._url = b""
+        self._body_parts: list[bytes] = []
+        self._body_size = 0
+        self._too_large = False
+        self._expect_continue = False
+        self._current: HttpRequest | None = None
+        self._pending: deque[HttpRequest] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._keep_alive = True
+        self.closed = False
+        # set by a streaming handler so that a slow client pauses the upstream instead of buffering
+        self.on_pause_writing: Callable[[], None] | None = None
+        self.on_resume_writing: Callable[[], None] | None = None
+
+    # -- asyncio.Protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._reject(400, b"upgrades are not supported")
+        except httptools.HttpParserError:
+            self._reject(400, b"malformed HTTP request")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._pending.clear()
+        if self._task is not None and not self._task.done():
+            # the client went away: cancelling the handler closes its upstream connection
+            self._task.cancel()
+
+    def pause_writing(self) -> None:
+        if self.on_pause_writing is not None:
+            self.on_pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.on_resume_writing is not None:
+            self.on_resume_writing()
+
+    # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        self._current = HttpRequest()
+        self._url = b""
+        self._body_parts = []
+        self._body_size = 0
+        self._too_large = False
+        self._expect_continue = False
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        request = self._current
+        if request is None:
+            return
+        lowered = name.lower()
+        if lowered == b"authorization":
+            request.authorization = value
+        elif lowered == b"x-request-id":
+            request.request_id = value[:128]
+        elif lowered == b"content-length":
+            if value.isdigit() and int(value) > self._max_body_bytes:
+                self._too_large = True
+        elif lowered == b"expect" and value.lower() == b"100-continue":
+            self._expect_continue = True
+
+    def on_headers_complete(self) -> None:
+        # curl and others wait for this before sending a body over 1 KiB; a body we will refuse is
+        # not invited (the client sends it after its own timeout, then gets 413)
+        if self._expect_continue and not self._too_large and self.transport is not None:
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+    def on_body(self, body: bytes) -> None:
+        if self._too_large:
+            return
+        self._body_size += len(body)
+        if self._body_size > self._max_body_bytes:
+            self._too_large = True
+            self._body_parts = []
+            return
+        self._body_parts.append(body)
+
+    def on_message_complete(self) -> None:
+        request = self._current
+        self._current = None
+        if request is None:
+            return
+        request.method = self._parser.get_method()
+        query_at = self._url.find(b"?")
+        request.path = self._url if query_at < 0 else self._url[:query_at]
+        request.keep_alive = self._parser.should_keep_alive()
+        if self._too_large:
+            request.too_large = True
+        else:
+            parts = self._body_parts
+            request.body = parts[0] if len(parts) == 1 else b"".join(parts)
+        if self._task is None:
+            self._start(request)
+        else:
+            self._pending.append(request)
+
+    # -- request lifecycle
+    def _start(self, request: HttpRequest) -> None:
+        self._keep_alive = request.keep_alive
+        self._task = asyncio.get_running_loop().create_task(self._run(request))
+
+    async def _run(self, request: HttpRequest) -> None:
+        try:
+            await self._handler(self, request)
+        finally:
+            self._task = None
+            self.on_pause_writing = self.on_resume_writing = None
+            if not self._keep_alive and self.transport is not None:
+                self.transport.close()
+            elif self._pending and not self.closed:
+                self._start(self._pending.popleft())
+
+    def _reject(self, status: int, message: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            body = b'{"error":{"message":"' + message + b'","type":"invalid_request_error","param":null,"code":null}}'
+            self.transport.write(
+                status_line(status)
+                + b"content-type: application/json\r\nconnection: close\r\ncontent-length: "
+                + str(len(body)).encode()
+                + b"\r\n\r\n"
+                + body
+            )
+            self.transport.close()
+
+    # -- writing answers
+    def respond(self, status: int, headers: bytes, body: bytes) -> None:
+        """headers: pre-built `name: value\\r\\n` lines, without content-length."""
+        if self.closed or self.transport is None:
+            return
+        connection = b"" if self._keep_alive else b"connection: close\r\n"
+        self.transport.write(
+            b"".join(
+                (status_line(status), headers, connection, b"content-length: ", str(len(body)).encode(), b"\r\n\r\n", body)
+            )
+        )
+
+    def start_stream(self, status: int, headers: bytes) -> None:
+        if self.closed or self.transport is None:
+            return
+        connection = b"" if self._keep_alive else b"connection: close\r\n"
+        self.transport.write(status_line(status) + headers + connection + b"transfer-encoding: chunked\r\n\r\n")
+
+    def stream_chunk(self, data: bytes) -> None:
+        if data and not self.closed and self.transport is not None:
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def stream_chunks(self, pieces: list[bytes]) -> None:
+        """Everything one upstream read brought, in one write: one syscall instead of one a piece."""
+        if not self.closed and self.transport is not None:
+            self.transport.write(b"".join([b"%x\r\n%b\r\n" % (len(data), data) for data in pieces if data]))
+
+    def end_stream(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.write(b"0\r\n\r\n")
+
+    def abort(self) -> None:
+        """Drop the connection: a stream broken mid-way must not look complete to the client."""
+        if self.transport is not None:
+            self._keep_alive = False
+            self.transport.abort()

@@ -1,0 +1,353 @@
+"""Request handling: route, check, dispatch to a replica, pass the answer through.
+
+Failures map to OpenAI error bodies: a connection failure before the first byte is retried once on
+another replica, then 502; silence past the timeout is 504; no replica is 503 with Retry-After.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+
+import orjson
+
+from tidegate.errors import (
+    AuthenticationError,
+    InvalidRequestError,
+    NotFoundError,
+    OverloadedError,
+    PayloadTooLargeError,
+    TidegateError,
+    UpstreamError,
+    UpstreamTimeoutError,
+    openai_error_body,
+)
+from tidegate.gateway.dispatch import ModelPool, Replica
+from tidegate.gateway.http import HttpConnection, HttpRequest
+from tidegate.gateway.upstream import Exchange, UpstreamFailure, _UpstreamConnection
+from tidegate.gateway.validation import Endpoint, check_body
+from tidegate.policy.health import is_routable
+from tidegate.telemetry.logs import AccessLog
+from tidegate.telemetry.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from tidegate.telemetry.metrics import GatewayMetrics, PoolMetrics
+
+__all__ = ["ProxySettings", "Proxy"]
+
+log = logging.getLogger("tidegate.gateway")
+
+_API_ROUTES = {
+    b"/v1/chat/completions": Endpoint.CHAT,
+    b"/v1/completions": Endpoint.COMPLETIONS,
+    b"/v1/embeddings": Endpoint.EMBEDDINGS,
+}
+_JSON = b"content-type: application/json\r\n"
+_STATUS_CLIENT_CLOSED = 499  # nginx's convention for "the client left first"
+
+
+class ProxySettings:
+    __slots__ = ("max_tokens_cap", "first_byte_timeout_s", "request_timeout_s", "api_keys")
+
+    def __init__(self, max_tokens_cap: int, first_byte_timeout_s: float, request_timeout_s: float,
+                 api_keys: frozenset[bytes]) -> None:
+        self.max_tokens_cap = max_tokens_cap
+        self.first_byte_timeout_s = first_byte_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.api_keys = api_keys  # b"Bearer <key>" values; empty: no authentication
+
+
+class Proxy:
+    def __init__(self, pools: dict[str, ModelPool], settings: ProxySettings, metrics: GatewayMetrics,
+                 access_log: AccessLog, clock: Callable[[], float] = time.monotonic) -> None:
+        self.pools = pools
+        self.settings = settings
+        self.metrics = metrics
+        self.pool_metrics: dict[str, PoolMetrics] = {name: metrics.for_pool(name) for name in pools}
+        self.access_log = access_log
+        self.clock = clock
+        self._id_prefix = os.urandom(4).hex().encode()
+        self._id_counter = 0
+        self._models_body = orjson.dumps({"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "tidegate"} for name in pools]})
+
+    # -- entry point (an HttpConnection's handler)
+    async def handle(self, conn: HttpConnection, request: HttpRequest) -> None:
+        started = self.clock()
+        request_id = request.request_id
+        if request_id is None:
+            self._id_counter += 1
+            request_id = b"%b-%x" % (self._id_prefix, self._id_counter)
+        endpoint = _API_ROUTES.get(request.path)
+        model: str | None = None
+        status = 500
+        replica_id: str | None = None
+        try:
+            if endpoint is None or request.method != b"POST" or request.too_large:
+                status = self._handle_other(conn, request, request_id)
+                return
+            self._authenticate(request)
+            try:
+                body = orjson.loads(request.body)
+            except orjson.JSONDecodeError:
+                raise InvalidRequestError("request body is not valid JSON") from None
+            model, stream = check_body(endpoint, body, self.settings.max_tokens_cap)
+            pool = self.pools.get(model)
+            if pool is None:
+                raise NotFoundError(f"model {model!r} does not exist; see /v1/models", param="model")
+            status, replica_id = await self._forward(conn, pool, endpoint, body, request.body, stream,
+                                                     request_id, started)
+        except TidegateError as error:
+            status = error.status
+            self._send_error(conn, error, request_id)
+            if model is None or model not in self.pools:
+                self.metrics.unrouted.labels(str(status)).inc()
+            else:
+                self.pool_metrics[model].count(status)
+        except asyncio.CancelledError:
+            status = _STATUS_CLIENT_CLOSED
+            if model in self.pools:
+                self.pool_metrics[model].count(status)
+            raise
+        except Exception:
+            log.exception("unexpected error", extra={"fields": {"request_id": request_id.decode("latin-1")}})
+            status = 500
+            self._send_error(conn, TidegateError("internal error"), request_id)
+        finally:
+            self.access_log.record(request_id, request.method, request.path, model, status,
+                                   self.clock() - started, replica_id)
+
+    def _authenticate(self, request: HttpRequest) -> None:
+        keys = self.settings.api_keys
+        if keys and request.authorization not in keys:
+            raise AuthenticationError("missing or invalid API key (send 'Authorization: Bearer <key>')")
+
+    def _send_error(self, conn: HttpConnection, error: TidegateError, request_id: bytes) -> None:
+        headers = _JSON + b"x-request-id: " + request_id + b"\r\n"
+        if error.retry_after_s is not None:
+            headers += b"retry-after: %d\r\n" % max(0, round(error.retry_after_s))
+        conn.respond(error.status, headers, orjson.dumps(openai_error_body(error)))
+
+    # -- non-API routes: probes, metrics, model list
+    def _handle_other(self, conn: HttpConnection, request: HttpRequest, request_id: bytes) -> int:
+        path, method = request.path, request.method
+        if request.too_large:
+            raise PayloadTooLargeError("request body too large")
+        if path in _API_ROUTES:
+            raise InvalidRequestError(f"{path.decode()} takes POST", code="method_not_allowed")
+        if method not in (b"GET", b"HEAD"):
+            raise NotFoundError(f"no route {method.decode('latin-1')} {path.decode('latin-1')}", code="not_found")
+        headers = _JSON + b"x-request-id: " + request_id + b"\r\n"
+        if path == b"/health":
+            conn.respond(200, headers, b'{"status":"ok"}')
+            return 200
+        if path == b"/ready":
+            now_s = self.clock()
+            ready = {name: pool.ready(now_s) for name, pool in self.pools.items()}
+            status = 200 if all(ready.values()) else 503
+            conn.respond(status, headers, orjson.dumps({"ready": status == 200, "pools": ready}))
+            return status
+        if path == b"/metrics":
+            self._refresh_replica_gauges()
+            conn.respond(200, b"content-type: " + METRICS_CONTENT_TYPE + b"\r\n", self.metrics.render())
+            return 200
+        if path == b"/v1/models":
+            self._authenticate(request)
+            conn.respond(200, headers, self._models_body)
+            return 200
+        raise NotFoundError(f"no route {path.decode('latin-1')}", code="not_found")
+
+    def _refresh_replica_gauges(self) -> None:
+        now_s = self.clock()
+        for name, pool in self.pools.items():
+            self.pool_metrics[name].queue_depth.set(len(pool.queue))
+            for replica in pool.replicas:
+                routable = is_routable(replica.health, replica.breaker, now_s)
+                self.metrics.replica_healthy.labels(name, replica.replica_id).set(1 if routable else 0)
+                self.metrics.replica_outstanding.labels(name, replica.replica_id).set(replica.outstanding)
+
+    # -- proxying
+    async def _forward(self, conn: HttpConnection, pool: ModelPool, endpoint: Endpoint, body: dict,
+                       raw_body: bytes, stream: bool, request_id: bytes, started: float) -> tuple[int, str]:
+        metrics = self.pool_metrics[pool.name]
+        metrics.in_flight.inc()
+        try:
+            replica = await self._acquire(pool, started, ())
+            try:
+                status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
+                                                 request_id, started, metrics)
+            except _RetryElsewhere as retry:
+                # a connection failure before the first byte: one more try, on another replica
+                try:
+                    replica = await self._acquire(pool, self.clock(), (replica.replica_id,))
+                except OverloadedError:
+                    raise retry.error from None
+                status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
+                                                 request_id, started, metrics, retried=True)
+            metrics.count(status)
+            metrics.e2e.observe(self.clock() - started)
+            return status, replica.replica_id
+        finally:
+            metrics.in_flight.dec()
+
+    async def _acquire(self, pool: ModelPool, now_s: float, exclude: tuple[str, ...]) -> Replica:
+        replica = pool.try_acquire(now_s, exclude)
+        return replica if replica is not None else await pool.acquire(now_s, exclude)
+
+    async def _exchange_on(self, conn: HttpConnection, pool: ModelPool, replica: Replica, endpoint: Endpoint,
+                           body: dict, raw_body: bytes, stream: bool, request_id: bytes, started: float,
+                           metrics: PoolMetrics, retried: bool = False) -> int:
+        if replica.upstream_model != body["model"]:
+            payload = orjson.dumps({**body, "model": replica.upstream_model})
+        else:
+            payload = raw_body
+        data = b"".join((replica.request_head(endpoint.value), b"x-request-id: ", request_id,
+                         b"\r\ncontent-length: ", str(len(payload)).encode(), b"\r\n\r\n", payload))
+        try:
+            try:
+                return await self._exchange(conn, replica, data, stream, request_id, started, metrics)
+            except UpstreamFailure as failure:
+                kind = "timeout" if failure.timed_out else ("connect" if failure.connect else "broken")
+                self.metrics.upstream_errors.labels(pool.name, replica.replica_id, kind).inc()
+                pool.record_failure(replica, self.clock())
+                if failure.timed_out:
+                    raise UpstreamTimeoutError("the upstream did not answer in time") from None
+                error = UpstreamError(f"upstream replica failed: {failure}")
+                if failure.before_first_byte and not retried:
+                    raise _RetryElsewhere(error) from None
+                raise error from None
+        finally:
+            pool.release(replica, self.clock())
+
+    async def _exchange(self, conn: HttpConnection, replica: Replica, data: bytes, stream: bool,
+                        request_id: bytes, started: float, metrics: PoolMetrics) -> int:
+        loop = asyncio.get_running_loop()
+        connection, reused = await replica.connections.connection()
+        relay = _StreamRelay(self, conn, connection, request_id, started, metrics) if stream else None
+        exchange = Exchange(loop, relay)
+        connection.send(data, exchange)
+        timeout_s = self.settings.first_byte_timeout_s if stream else self.settings.request_timeout_s
+        timer = loop.call_later(timeout_s, _time_out, connection, exchange)
+        if relay is not None:
+            relay.timer = timer
+        try:
+            try:
+                await exchange.done
+            except UpstreamFailure as failure:
+                if not (reused and failure.before_first_byte and not failure.timed_out):
+                    raise
+                # the server closed this pooled connection while it sat idle: resend on a new one
+                timer.cancel()
+                connection, _ = await replica.connections.connection(fresh=True)
+                relay = _StreamRelay(self, conn, connection, request_id, started, metrics) if stream else None
+                exchange = Exchange(loop, relay)
+                connection.send(data, exchange)
+                timer = loop.call_later(timeout_s, _time_out, connection, exchange)
+                if relay is not None:
+                    relay.timer = timer
+                await exchange.done
+            if relay is None or not relay.streaming:
+                return self._answer_whole(conn, replica, exchange, request_id)
+            self.pools[replica.pool_name].record_success(replica)
+            conn.end_stream()
+            return 200
+        except UpstreamFailure as failure:
+            if relay is None or not relay.streaming:
+                raise
+            # headers are out: say what happened in the stream, then end it, so it cannot look complete
+            pool = self.pools[replica.pool_name]
+            pool.record_failure(replica, self.clock())
+            self.metrics.upstream_errors.labels(pool.name, replica.replica_id,
+                                                "timeout" if failure.timed_out else "broken").inc()
+            error = UpstreamTimeoutError("the upstream timed out mid-stream") if failure.timed_out \
+                else UpstreamError("the upstream failed mid-stream")
+            conn.stream_chunk(b"data: " + orjson.dumps(openai_error_body(error)) + b"\n\n")
+            conn.end_stream()
+            return error.status
+        finally:
+            (relay.timer if relay is not None else timer).cancel()
+            done = exchange.done
+            # a cancelled task cancels the future it awaited: done, yet the upstream is still at work
+            if not done.done() or done.cancelled():
+                connection.close()  # client gone or timed out: stop the upstream's work
+
+    def _answer_whole(self, conn: HttpConnection, replica: Replica, exchange: Exchange, request_id: bytes) -> int:
+        status = exchange.status
+        body = exchange.body()
+        if status >= 500:
+            self.pools[replica.pool_name].record_failure(replica, self.clock())
+        else:
+            self.pools[replica.pool_name].record_success(replica)
+        if status >= 400 and replica.secret:
+            body = body.replace(replica.secret.encode(), b"***")
+        conn.respond(status, b"content-type: " + exchange.content_type + b"\r\nx-request-id: " + request_id + b"\r\n",
+                     body)
+        return status
+
+
+
+class _StreamRelay:
+    """Passes a 200 SSE response on as it arrives, from the upstream protocol's callbacks."""
+
+    __slots__ = ("proxy", "conn", "connection", "request_id", "started", "metrics", "timer", "streaming",
+                 "pending", "exchange")
+
+    def __init__(self, proxy: Proxy, conn: HttpConnection, connection: _UpstreamConnection, request_id: bytes,
+                 started: float, metrics: PoolMetrics) -> None:
+        self.proxy = proxy
+        self.conn = conn
+        self.connection = connection
+        self.request_id = request_id
+        self.started = started
+        self.metrics = metrics
+        self.timer: asyncio.TimerHandle | None = None
+        self.streaming = False  # headers sent to the client: errors now go into the stream
+        self.pending: list[bytes] = []
+        self.exchange: Exchange | None = None
+
+    def on_head(self, exchange: Exchange) -> None:
+        if exchange.status == 200:
+            # engines send the head at once; the client's head waits for the first event, so that an
+            # upstream silent past the first-byte timeout is still a clean 504, not a broken stream
+            self.exchange = exchange
+            exchange.sink = self.pending.append
+        # otherwise an error answer: the handler sends it whole, with its status
+
+    def flush(self) -> None:
+        pending = self.pending
+        if not pending:
+            return
+        conn = self.conn
+        if not self.streaming:
+            self._start(conn)
+        conn.stream_chunks(pending)
+        pending.clear()
+
+    def _start(self, conn: HttpConnection) -> None:
+        self.streaming = True
+        proxy = self.proxy
+        now_s = proxy.clock()
+        self.metrics.ttft.observe(now_s - self.started)
+        exchange = self.exchange
+        conn.start_stream(200, b"content-type: " + exchange.content_type
+                          + b"\r\ncache-control: no-cache\r\nx-request-id: " + self.request_id + b"\r\n")
+        conn.on_pause_writing = self.connection.pause_reading
+        conn.on_resume_writing = self.connection.resume_reading
+        # the first-byte timeout is over; the rest of the stream has what is left of the request's time
+        if self.timer is not None:
+            self.timer.cancel()
+        remaining_s = max(0.0, proxy.settings.request_timeout_s - (now_s - self.started))
+        self.timer = asyncio.get_running_loop().call_later(remaining_s, _time_out, self.connection, exchange)
+
+
+class _RetryElsewhere(Exception):
+    """Nothing reached the client and the replica never answered: another replica may take it."""
+
+    def __init__(self, error: UpstreamError) -> None:
+        self.error = error
+
+
+def _time_out(connection: _UpstreamConnection, exchange: Exchange) -> None:
+    exchange.fail(UpstreamFailure("timed out", before_first_byte=not exchange.got_bytes, timed_out=True))
+    connection.close()

@@ -1,0 +1,55 @@
+"""The light hot-path check of an OpenAI request body: enough to route it and to refuse obvious
+nonsense with a clear 400; the upstream validates the rest."""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any
+
+from tidegate.errors import InvalidRequestError
+
+__all__ = ["Endpoint", "check_body"]
+
+
+class Endpoint(Enum):
+    CHAT = "/chat/completions"
+    COMPLETIONS = "/completions"
+    EMBEDDINGS = "/embeddings"
+
+
+_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
+
+
+def check_body(endpoint: Endpoint, body: Any, max_tokens_cap: int) -> tuple[str, bool]:
+    """(model, stream) of a well-formed body; raises InvalidRequestError naming the bad field."""
+    if not isinstance(body, dict):
+        raise InvalidRequestError("request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidRequestError("'model' is required and must be a non-empty string", param="model")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise InvalidRequestError("'stream' must be a boolean", param="stream")
+    if endpoint is Endpoint.CHAT:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise InvalidRequestError("'messages' must be a non-empty list", param="messages")
+        for message in messages:
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise InvalidRequestError("each message must be an object with a 'role'", param="messages")
+    elif endpoint is Endpoint.COMPLETIONS:
+        if not isinstance(body.get("prompt"), (str, list)):
+            raise InvalidRequestError("'prompt' must be a string or a list", param="prompt")
+    else:
+        value = body.get("input")
+        if not isinstance(value, (str, list)) or (isinstance(value, list) and not value):
+            raise InvalidRequestError("'input' must be a string or a non-empty list", param="input")
+        if stream:
+            raise InvalidRequestError("embeddings cannot be streamed", param="stream")
+    for field in _TOKEN_FIELDS:
+        value = body.get(field)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= max_tokens_cap:
+            raise InvalidRequestError(f"'{field}' must be an integer from 1 to {max_tokens_cap}", param=field)
+    return model, stream

@@ -1,0 +1,246 @@
+"""`tidegate bench`: load-generate against any OpenAI-compatible endpoint and report.
+
+Examples:
+  tidegate bench --url http://127.0.0.1:8000 --arrival poisson --rate 50 --duration 30 --out out/
+  tidegate bench --url http://127.0.0.1:8000 --arrival trace --speedup 60 --rate-scale 0.5
+  tidegate bench --url http://127.0.0.1:8000 --concurrency 16 --requests 2000
+  tidegate bench --scenario surge
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tidegate.loadgen import arrivals
+from tidegate.loadgen.http_client import Endpoint, parse_url
+from tidegate.loadgen.mix import DEFAULT_TENANT, Tenant, load_mix_file, parse_length, parse_tenant
+from tidegate.loadgen.plan import PlannedRequest, TrafficStream, build_plan, plan_from_trace
+from tidegate.loadgen.records import ApiKind
+
+__all__ = ["configure_parser", "run", "check_target_allowed", "arrival_from_args"]
+
+ARRIVALS = ("constant", "poisson", "gamma", "onoff", "step", "ramp", "surge", "diurnal", "trace")
+_DEFAULT_DURATION_S = 30.0
+_CLOSED_LOOP_MAX_PLAN = 100_000  # closed loop bounded only by time still needs a finite plan
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    parser.description = __doc__.splitlines()[0]
+    target = parser.add_argument_group("target")
+    target.add_argument("--url", help="base URL, e.g. http://127.0.0.1:8000 (default for --scenario)")
+    target.add_argument("--compare", metavar="URL2", help="alternate requests with a second target; report ratios")
+    target.add_argument("--allow-remote-host", action="append", default=[], metavar="HOST",
+                        help="allow a non-loopback target host (repeatable); loopback only otherwise")
+    target.add_argument("--model", default="default")
+    target.add_argument("--endpoint", choices=[k.value for k in ApiKind], default="chat")
+    target.add_argument("--no-stream", dest="stream", action="store_false", help="non-streaming requests")
+    target.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout")
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--scenario", choices=["surge"], help="a named scenario (see README)")
+    load.add_argument("--arrival", choices=ARRIVALS, default="poisson")
+    load.add_argument("--rate", type=float, default=10.0, help="mean requests/s (start rate for ramp)")
+    load.add_argument("--requests", type=int, help="stop after this many requests")
+    load.add_argument("--duration", type=float, help=f"stop sending after this many seconds "
+                                                      f"(default {_DEFAULT_DURATION_S:g} without --requests)")
+    load.add_argument("--concurrency", type=int, help="closed loop: this many requests always in flight")
+    load.add_argument("--max-inflight", type=int, help="open loop: drop (and count) requests beyond this")
+    load.add_argument("--seed", type=int, default=0)
+    load.add_argument("--cv", type=float, default=2.0, help="gamma: coefficient of variation of gaps")
+    load.add_argument("--on-s", type=float, default=1.0, help="onoff: burst length")
+    load.add_argument("--off-s", type=float, default=1.0, help="onoff: silence length")
+    load.add_argument("--step-rates", default="5,10,20", help="step: comma-separated rates")
+    load.add_argument("--step-s", type=float, default=10.0, help="step: seconds per rate")
+    load.add_argument("--ramp-to", type=float, default=50.0, help="ramp: end rate")
+    load.add_argument("--ramp-s", type=float, default=30.0, help="ramp: seconds to reach the end rate")
+    load.add_argument("--surge-factor", type=float, default=3.0)
+    load.add_argument("--surge-start-s", type=float, default=10.0)
+    load.add_argument("--surge-length-s", type=float, default=10.0)
+    load.add_argument("--amplitude", type=float, default=0.5, help="diurnal: swing as a fraction of the mean")
+    load.add_argument("--period-s", type=float, default=60.0, help="diurnal: one 'day' in seconds")
+    load.add_argument("--trace", help="trace CSV (Azure LLM format); default ../shared/traces/azure-llm-2023-conv.csv "
+                                      "beside the repository, or $TIDEGATE_TRACE")
+    load.add_argument("--speedup", type=float, default=1.0, help="trace: time compression factor")
+    load.add_argument("--rate-scale", type=float, default=1.0, help="trace: thin (<1) or duplicate (>1) requests")
+
+    mix = parser.add_argument_group("traffic mix")
+    mix.add_argument("--tenant", action="append", default=[], metavar="NAME:KEY:TIER:SHARE")
+    mix.add_argument("--mix-file", help="YAML with `tenants: [{name, key, tier, share}]`")
+    mix.add_argument("--prompt-tokens", help="const:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA "
+                                             "(default const:128, or the trace's)")
+    mix.add_argument("--max-tokens", help="same forms (default const:64, or the trace's)")
+
+    report = parser.add_argument_group("report")
+    report.add_argument("--slo-ttft-ms", type=float)
+    report.add_argument("--slo-tpot-ms", type=float)
+    report.add_argument("--scrape-metrics", action="store_true", help="scrape the target's /metrics every second")
+    report.add_argument("--metric", action="append", default=[], metavar="SUBSTRING",
+                        help="metric names to keep when scraping (repeatable; default queue/replica/kv/...)")
+    report.add_argument("--lag-warn-ms", type=float, default=10.0, help="warn when p99 send lag exceeds this")
+    report.add_argument("--out", help="directory for report.json, records.jsonl and PNG plots")
+    report.add_argument("--no-plots", action="store_true")
+    report.add_argument("--no-progress", action="store_true")
+    report.add_argument("--quiet", action="store_true", help="no table on the terminal")
+
+
+def check_target_allowed(endpoint: Endpoint, allowed_hosts: list[str]) -> None:
+    """Loopback only unless the host is named: a load test aimed at the wrong host is an attack."""
+    if endpoint.host in allowed_hosts:
+        return
+    if endpoint.host == "localhost":
+        return
+    try:
+        if ipaddress.ip_address(endpoint.host).is_loopback:
+            return
+    except ValueError:
+        pass
+    raise ValueError(f"refusing non-loopback target {endpoint.host!r}; name it with --allow-remote-host {endpoint.host}")
+
+
+def arrival_from_args(args: argparse.Namespace) -> arrivals.ArrivalProcess:
+    kind, rate = args.arrival, args.rate
+    if kind == "constant":
+        return arrivals.Constant(rate)
+    if kind == "poisson":
+        return arrivals.Poisson(rate)
+    if kind == "gamma":
+        return arrivals.GammaBursty(rate, args.cv)
+    if kind == "onoff":
+        return arrivals.OnOff(rate, args.on_s, args.off_s)
+    if kind == "step":
+        return arrivals.Step(tuple(float(r) for r in args.step_rates.split(",")), args.step_s)
+    if kind == "ramp":
+        return arrivals.Ramp(rate, args.ramp_to, args.ramp_s)
+    if kind == "surge":
+        return arrivals.Surge(rate, args.surge_factor, args.surge_start_s, args.surge_length_s)
+    if kind == "diurnal":
+        return arrivals.Diurnal(rate, args.amplitude, args.period_s)
+    raise ValueError(f"no arrival process {kind!r}")
+
+
+def _tenants(args: argparse.Namespace, default: tuple[Tenant, ...]) -> tuple[Tenant, ...]:
+    tenants = [parse_tenant(spec) for spec in args.tenant]
+    if args.mix_file:
+        tenants.extend(load_mix_file(args.mix_file))
+    return tuple(tenants) or default
+
+
+@dataclass(frozen=True)
+class _PlannedRun:
+    plan: list[PlannedRequest]
+    load: dict[str, Any]  # a description of the load for the report
+    credits: tuple[str, ...] = ()
+    phases: tuple[tuple[str, float, float], ...] = ()
+
+
+def _plan(args: argparse.Namespace, rng: np.random.Generator) -> _PlannedRun:
+    duration = args.duration
+    if duration is None and args.requests is None:
+        duration = _DEFAULT_DURATION_S
+    prompt = parse_length(args.prompt_tokens) if args.prompt_tokens else None
+    output = parse_length(args.max_tokens) if args.max_tokens else None
+    if args.scenario == "surge":
+        from tidegate.loadgen.scenarios import SURGE_DEFAULT_TENANTS, SurgeScenario
+
+        scenario = SurgeScenario(duration_s=args.duration or 60.0, factor=args.surge_factor)
+        streams = scenario.streams(_tenants(args, SURGE_DEFAULT_TENANTS), prompt or parse_length("const:128"),
+                                   output or parse_length("const:64"))
+        return _PlannedRun(build_plan(streams, rng, scenario.duration_s, args.requests), {"scenario": repr(scenario)},
+                           phases=tuple(scenario.phases()))
+    tenants = _tenants(args, (DEFAULT_TENANT,))
+    if args.arrival == "trace":
+        from tidegate.loadgen.trace import AZURE_TRACE_CREDIT, default_trace_path, load_azure_trace
+
+        path = Path(args.trace) if args.trace else default_trace_path()
+        trace = load_azure_trace(path).scaled(rng, speedup=args.speedup, rate_scale=args.rate_scale)
+        plan = plan_from_trace(trace, tenants, rng, args.duration, args.requests, prompt, output)
+        return _PlannedRun(plan, {"trace": path.name, "speedup": args.speedup, "rate_scale": args.rate_scale},
+                           credits=(AZURE_TRACE_CREDIT,))
+    process = arrival_from_args(args)
+    stream = TrafficStream(process, tenants, prompt or parse_length("const:128"), output or parse_length("const:64"))
+    if args.concurrency:
+        count = args.requests or _CLOSED_LOOP_MAX_PLAN
+        stream = TrafficStream(arrivals.Constant(1.0), tenants, stream.prompt_tokens, stream.max_tokens)
+        return _PlannedRun(build_plan([stream], rng, None, count), {"closed_loop_concurrency": args.concurrency})
+    return _PlannedRun(build_plan([stream], rng, duration, args.requests), {"arrivals": repr(process)})
+
+
+def run(args: argparse.Namespace) -> int:
+    from tidegate.loadgen.driver import Driver, RunConfig
+    from tidegate.loadgen.report import build_report, print_summary, write_report
+    from tidegate.loadgen.stats import Slo
+
+    if args.url is None and args.scenario is None:
+        print("tidegate bench: --url is required (or --scenario)", file=sys.stderr)
+        return 2
+    try:
+        targets = tuple(parse_url(u) for u in [args.url or "http://127.0.0.1:8000", args.compare] if u)
+        for endpoint in targets:
+            check_target_allowed(endpoint, args.allow_remote_host)
+        planned = _plan(args, np.random.default_rng(args.seed))
+    except (ValueError, OSError) as error:
+        print(f"tidegate bench: {error}", file=sys.stderr)
+        return 2
+    config = RunConfig(
+        targets=targets, model=args.model, kind=ApiKind(args.endpoint), stream=args.stream,
+        timeout_s=args.timeout_s, concurrency=args.concurrency,
+        duration_s=args.duration if args.concurrency else None, max_inflight=args.max_inflight,
+        scrape_metrics=args.scrape_metrics,
+        **({"metric_patterns": tuple(args.metric)} if args.metric else {}),
+    )
+    progress = None if args.no_progress or not sys.stdout.isatty() else _progress(len(planned.plan))
+    driver = Driver(config, planned.plan, on_progress=progress)
+    result = _run_loop(driver.run())
+    slo = Slo(ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
+              tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None)
+    report_config: dict[str, Any] = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    report_config["load"] = planned.load
+    report = build_report(result, config=report_config, slo=slo, targets=len(targets),
+                          lag_threshold_ms=args.lag_warn_ms, credits=planned.credits, open_loop=not args.concurrency,
+                          phases=planned.phases)
+    if not args.quiet:
+        print_summary(report)
+    if args.out:
+        out = Path(args.out)
+        path = write_report(report, result, out)
+        if not args.no_plots:
+            from tidegate.loadgen.plots import write_plots
+
+            write_plots(report, out)
+        print(f"report: {path}")
+    return 0
+
+
+def _run_loop(coroutine):
+    try:
+        import uvloop
+
+        return uvloop.run(coroutine)
+    except ImportError:  # uvloop is a dependency, but the generator still works without it
+        import asyncio
+
+        return asyncio.run(coroutine)
+
+
+def _progress(total: int):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("bench"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                   TimeElapsedColumn(), auto_refresh=False)
+    task = bar.add_task("bench", total=total, info="")
+    bar.start()
+
+    def update(driver) -> None:
+        bar.update(task, completed=driver.completed, info=f"sent {driver.sent} in flight {driver.in_flight}")
+        bar.refresh()
+        if driver.completed >= total:
+            bar.stop()
+
+    return update

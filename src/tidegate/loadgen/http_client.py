@@ -1,0 +1,193 @@
+"""A lean HTTP/1.1 client for load generation: asyncio Protocols, httptools parsing, a keep-alive pool.
+
+Why not aiohttp: per request it builds several objects, a stream reader and header multidicts;
+on one core that caps an open-loop generator well below the 2,000 requests/s we must offer (see
+bench/loadgen_capacity.py). Here a request is one `transport.write` of pre-rendered bytes and the
+response is a list of (receipt time, bytes) chunks, parsed after the fact, off the timing path.
+Receipt times come from `time.perf_counter()` (uvloop's `loop.time()` has only millisecond ticks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = ["Endpoint", "HttpResponse", "HttpClient", "parse_url"]
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    host: str
+    port: int
+    base_path: str  # "" or e.g. "/openai" when the API is mounted under a prefix
+
+
+def parse_url(url: str) -> Endpoint:
+    parts = urlsplit(url)
+    if parts.scheme != "http":
+        raise ValueError(f"only http:// targets are supported, got {url!r}")
+    if not parts.hostname:
+        raise ValueError(f"no host in {url!r}")
+    return Endpoint(host=parts.hostname, port=parts.port or 80, base_path=parts.path.rstrip("/"))
+
+
+@dataclass(slots=True)
+class HttpResponse:
+    status: int = 0  # 0: no HTTP response (connection error or timeout; see `error`)
+    headers: dict[str, str] = field(default_factory=dict)
+    chunks: list[tuple[float, bytes]] = field(default_factory=list)  # (perf_counter, body bytes)
+    error: str | None = None  # "timeout" | "connection_error" | "protocol_error"
+
+    def body(self) -> bytes:
+        return b"".join(chunk for _t, chunk in self.chunks)
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection carrying one request at a time."""
+
+    def __init__(self, client: "HttpClient") -> None:
+        self._client = client
+        self.transport: asyncio.Transport | None = None
+        self.closed = False
+        self._parser = httptools.HttpResponseParser(self)
+        self._response: HttpResponse | None = None
+        self._waiter: asyncio.Future[HttpResponse] | None = None
+        self._received_at = 0.0
+        self.reusable = False
+
+    # --- request side ---------------------------------------------------------------------
+    def send(self, data: bytes, waiter: asyncio.Future[HttpResponse]) -> None:
+        self._response = HttpResponse()
+        self._waiter = waiter
+        self.reusable = False
+        assert self.transport is not None
+        self.transport.write(data)
+
+    def abort(self, reason: str) -> None:
+        self._finish_with_error(reason)
+        self.closed = True
+        if self.transport is not None:
+            self.transport.abort()
+
+    # --- asyncio.Protocol ---------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self._received_at = time.perf_counter()
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.abort("protocol_error")
+        except httptools.HttpParserError:
+            self.abort("protocol_error")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._finish_with_error("connection_error")
+
+    # --- httptools callbacks --------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._response is not None:
+            self._response.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        if self._response is not None:
+            self._response.status = self._parser.get_status_code()
+
+    def on_body(self, body: bytes) -> None:
+        if self._response is not None:
+            self._response.chunks.append((self._received_at, body))
+
+    def on_message_complete(self) -> None:
+        self.reusable = self._parser.should_keep_alive()
+        waiter, response = self._waiter, self._response
+        self._waiter = self._response = None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(response)  # type: ignore[arg-type]
+
+    def _finish_with_error(self, reason: str) -> None:
+        waiter, response = self._waiter, self._response
+        self._waiter = self._response = None
+        if waiter is not None and not waiter.done() and response is not None:
+            response.error = reason
+            response.status = 0
+            waiter.set_result(response)
+
+
+class HttpClient:
+    """Keep-alive pool to one host:port; no cap on connections (open loop must not queue here)."""
+
+    def __init__(self, endpoint: Endpoint, timeout_s: float = 60.0) -> None:
+        self.endpoint = endpoint
+        self.timeout_s = timeout_s
+        self._idle: list[_Connection] = []
+        self._all: set[_Connection] = set()
+        self._host_header = f"Host: {endpoint.host}:{endpoint.port}\r\n".encode()
+        self.connections_opened = 0
+
+    def render(self, method: str, path: str, body: bytes = b"", headers: bytes = b"") -> bytes:
+        """Request bytes; `headers` is pre-rendered `Name: value\\r\\n` lines (e.g. auth)."""
+        head = (
+            f"{method} {self.endpoint.base_path}{path} HTTP/1.1\r\n".encode()
+            + self._host_header
+            + headers
+            + (b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) if body or method == "POST" else b"\r\n")
+        )
+        return head + body
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        _transport, connection = await loop.create_connection(
+            lambda: _Connection(self), self.endpoint.host, self.endpoint.port
+        )
+        self.connections_opened += 1
+        self._all.add(connection)
+        return connection
+
+    async def request(self, data: bytes) -> HttpResponse:
+        """Sends pre-rendered request bytes; never raises for network trouble (see `error`)."""
+        loop = asyncio.get_running_loop()
+        for attempt in range(2):
+            reused = False
+            connection: _Connection | None = None
+            while self._idle:
+                candidate = self._idle.pop()
+                if not candidate.closed:
+                    connection, reused = candidate, True
+                    break
+            if connection is None:
+                try:
+                    connection = await asyncio.wait_for(self._connect(), self.timeout_s)
+                except asyncio.TimeoutError:
+                    return HttpResponse(error="timeout")
+                except OSError:
+                    return HttpResponse(error="connection_error")
+            waiter: asyncio.Future[HttpResponse] = loop.create_future()
+            timer = loop.call_later(self.timeout_s, connection.abort, "timeout")
+            connection.send(data, waiter)
+            response = await waiter
+            timer.cancel()
+            if connection.reusable and not connection.closed:
+                self._idle.append(connection)
+            else:
+                self._all.discard(connection)
+                if not connection.closed and connection.transport is not None:
+                    connection.transport.close()
+            # A reused connection the server closed while idle fails before any byte: retry once
+            # on a fresh one; that is not the target's fault.
+            if response.error == "connection_error" and reused and not response.chunks and attempt == 0:
+                continue
+            return response
+        return response
+
+    async def close(self) -> None:
+        for connection in list(self._all):
+            if connection.transport is not None and not connection.closed:
+                connection.transport.close()
+        self._all.clear()
+        self._idle.clear()

@@ -1,0 +1,219 @@
+"""Adaptive slot limit per replica: how many requests the gateway lets a replica hold at once.
+
+Follows Netflix concurrency-limits (`onSample(startTime, rtt, inflight, didDrop)`, the Gradient2
+limit and its windowed sampling) and Envoy's adaptive concurrency filter, with one change asked of
+an LLM gateway: the gradient compares measured latency (TTFT or inter-token latency) with a latency
+*target* (the SLO), not with a no-load baseline, so the limit becomes the "dynamic batch size tuned
+to a latency target": the largest number of requests the replica holds while meeting the target.
+
+Samples are gathered in windows (at least `window_s` and `min_window_samples`); at each window's
+end the limit moves by the gradient target / latency (latency = the window's `latency_quantile`),
+clamped per window and smoothed. A drop (error, timeout) backs off multiplicatively. The limit only
+grows when the replica was actually driven near it (not app-limited) and the engine reports no
+queue of its own. `AimdSlotLimit` is the classic additive-increase/multiplicative-decrease
+alternative on the same samples. No static limit is configured: only bounds and the target.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from tidegate.types import ReplicaLoad
+
+__all__ = ["SlotLimit", "GradientSlotLimit", "AimdSlotLimit", "SlotLimitBounds", "ReplicaSlots"]
+
+
+class SlotLimit(Protocol):
+    @property
+    def limit(self) -> int: ...
+
+    def on_sample(self, now_s: float, latency_s: float, inflight: int, dropped: bool = False) -> int:
+        """Feeds one measurement (inflight: requests held when it was taken); returns the limit."""
+        ...
+
+    def on_load(self, now_s: float, load: ReplicaLoad) -> None:
+        """Feeds the replica's own report of running/waiting sequences and KV-cache use."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SlotLimitBounds:
+    initial: int = 4
+    minimum: int = 1
+    maximum: int = 256
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.minimum <= self.initial <= self.maximum:
+            raise ValueError("need 1 <= minimum <= initial <= maximum")
+
+    def clamp(self, value: float) -> float:
+        return min(float(self.maximum), max(float(self.minimum), value))
+
+
+class _Window:
+    """Samples since the last limit update."""
+
+    __slots__ = ("started_s", "latencies_s", "peak_inflight", "dropped")
+
+    def __init__(self, started_s: float) -> None:
+        self.started_s = started_s
+        self.latencies_s: list[float] = []
+        self.peak_inflight = 0
+        self.dropped = False
+
+    def quantile(self, q: float) -> float:
+        ordered = sorted(self.latencies_s)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+class _WindowedLimit:
+    """Window bookkeeping shared by the gradient and AIMD limits."""
+
+    def __init__(self, target_latency_s: float, bounds: SlotLimitBounds, window_s: float,
+                 min_window_samples: int, max_window_samples: int, latency_quantile: float,
+                 kv_cache_high: float) -> None:
+        if target_latency_s <= 0 or window_s < 0 or not 0 < latency_quantile <= 1:
+            raise ValueError("target_latency_s > 0, window_s >= 0 and 0 < latency_quantile <= 1 needed")
+        self.target_latency_s = target_latency_s
+        self.bounds = bounds
+        self._window_s = window_s
+        self._min_samples = max(1, min_window_samples)
+        self._max_samples = max(self._min_samples, max_window_samples)
+        self._quantile = latency_quantile
+        self._kv_cache_high = kv_cache_high
+        self._limit = float(bounds.initial)
+        self._window: _Window | None = None
+        self._engine_queueing = False
+
+    @property
+    def limit(self) -> int:
+        return int(self._limit)
+
+    def on_load(self, now_s: float, load: ReplicaLoad) -> None:
+        # An engine that queues requests itself, or whose KV cache is nearly full, is past its
+        # batch knee: more slots would only move the queue where no policy steers it.
+        self._engine_queueing = load.waiting_sequences > 0 or load.kv_cache_usage >= self._kv_cache_high
+
+    def on_sample(self, now_s: float, latency_s: float, inflight: int, dropped: bool = False) -> int:
+        window = self._window
+        if window is None or now_s < window.started_s:  # first sample, or a clock that stepped back
+            window = self._window = _Window(now_s)
+        if not dropped:
+            window.latencies_s.append(latency_s)
+        window.dropped |= dropped
+        window.peak_inflight = max(window.peak_inflight, inflight)
+        count = len(window.latencies_s)
+        full = count >= self._max_samples
+        if full or window.dropped or (now_s - window.started_s >= self._window_s and count >= self._min_samples):
+            latency = window.quantile(self._quantile) if count else math.inf
+            # Growth needs evidence: the replica was driven near its limit, and is not queueing itself.
+            may_grow = window.peak_inflight >= self._limit / 2 and not self._engine_queueing
+            self._limit = self.bounds.clamp(self._next_limit(self._limit, latency, window.dropped, may_grow))
+            self._window = _Window(now_s)
+        return self.limit
+
+    def _next_limit(self, limit: float, latency_s: float, dropped: bool, may_grow: bool) -> float:
+        raise NotImplementedError
+
+
+class GradientSlotLimit(_WindowedLimit):
+    """Gradient2-style: limit x clamp(target / latency), smoothed; see the module docstring."""
+
+    def __init__(
+        self,
+        target_latency_s: float,
+        *,
+        bounds: SlotLimitBounds = SlotLimitBounds(),
+        window_s: float = 1.0,
+        min_window_samples: int = 10,
+        max_window_samples: int = 1000,
+        latency_quantile: float = 0.9,
+        smoothing: float = 0.5,  # weight of the new value: 1 jumps straight to it
+        max_growth: float = 1.5,  # per window, so a cold replica reaches 100 slots in ~15 s
+        max_backoff: float = 0.5,  # per window: never below half the previous limit at once
+        drop_backoff: float = 0.8,  # multiplier after a window with a drop
+        kv_cache_high: float = 0.95,
+    ) -> None:
+        super().__init__(target_latency_s, bounds, window_s, min_window_samples, max_window_samples,
+                         latency_quantile, kv_cache_high)
+        if not 0 < smoothing <= 1 or max_growth < 1 or not 0 < max_backoff <= 1 or not 0 < drop_backoff < 1:
+            raise ValueError("need 0 < smoothing <= 1, max_growth >= 1, 0 < max_backoff <= 1, 0 < drop_backoff < 1")
+        self._smoothing = smoothing
+        self._max_growth = max_growth
+        self._max_backoff = max_backoff
+        self._drop_backoff = drop_backoff
+
+    def _next_limit(self, limit: float, latency_s: float, dropped: bool, may_grow: bool) -> float:
+        if dropped:
+            return limit * self._drop_backoff
+        gradient = min(self._max_growth, max(self._max_backoff, self.target_latency_s / latency_s))
+        if gradient > 1.0 and not may_grow:
+            return limit
+        return (1 - self._smoothing) * limit + self._smoothing * limit * gradient
+
+
+class AimdSlotLimit(_WindowedLimit):
+    """Additive increase (+1 per window under the target), multiplicative decrease (over it, or a drop)."""
+
+    def __init__(
+        self,
+        target_latency_s: float,
+        *,
+        bounds: SlotLimitBounds = SlotLimitBounds(),
+        window_s: float = 1.0,
+        min_window_samples: int = 10,
+        max_window_samples: int = 1000,
+        latency_quantile: float = 0.9,
+        increase: float = 1.0,
+        backoff: float = 0.9,
+        kv_cache_high: float = 0.95,
+    ) -> None:
+        super().__init__(target_latency_s, bounds, window_s, min_window_samples, max_window_samples,
+                         latency_quantile, kv_cache_high)
+        if increase <= 0 or not 0 < backoff < 1:
+            raise ValueError("need increase > 0 and 0 < backoff < 1")
+        self._increase = increase
+        self._backoff = backoff
+
+    def _next_limit(self, limit: float, latency_s: float, dropped: bool, may_grow: bool) -> float:
+        if dropped or latency_s > self.target_latency_s:
+            return limit * self._backoff
+        return limit + self._increase if may_grow else limit
+
+
+class ReplicaSlots:
+    """A replica's slots as the dispatcher sees them: held requests against the adaptive limit."""
+
+    def __init__(self, limit: SlotLimit) -> None:
+        self._limit = limit
+        self.inflight = 0
+
+    @property
+    def slot_limit(self) -> int:
+        return self._limit.limit
+
+    @property
+    def free_slots(self) -> int:
+        return max(0, self._limit.limit - self.inflight)
+
+    def acquire(self) -> bool:
+        """Takes a slot for a request being dispatched; False when the replica is full."""
+        if self.inflight >= self._limit.limit:
+            return False
+        self.inflight += 1
+        return True
+
+    def release(self) -> None:
+        """Frees the slot when the request ends (completed, failed or cancelled)."""
+        if self.inflight <= 0:
+            raise ValueError("release without acquire")
+        self.inflight -= 1
+
+    def observe(self, now_s: float, latency_s: float, dropped: bool = False) -> int:
+        """A latency measurement (TTFT or inter-token) or a drop; returns the new limit."""
+        return self._limit.on_sample(now_s, latency_s, self.inflight, dropped)
+
+    def observe_load(self, now_s: float, load: ReplicaLoad) -> None:
+        self._limit.on_load(now_s, load)

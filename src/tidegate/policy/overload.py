@@ -1,0 +1,233 @@
+"""One facade over the overload policies, so that the runtime and the simulator wire them alike.
+
+It follows a request's way through (../DESIGN): rate-limit admission (reserve) -> predicted wait
+(early rejection, Mooncake) -> degradation ladder (Google SRE: degrade before refusing; sheddable
+first) -> the pool's fair priority queue (VTC within a tier) -> late-binding dispatch -> settle
+(refund unused tokens, correct the fair-share charge). It keeps, per request id, what must be
+undone or settled later, so the caller deals only in request ids and never forgets a refund.
+Adaptive slots stay per replica (`concurrency.ReplicaSlots`), next to routing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from tidegate.policy.admission import AdmissionDecision, AdmissionOutcome, RateLimiter, Reservation, Settlement
+from tidegate.policy.degradation import DegradationDecision, DegradationLadder, LadderConfig, Rung
+from tidegate.policy.prediction import WaitPrediction, WaitPredictor, WorkUnit
+from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReason, ShedRequest
+from tidegate.policy.tiers import TierSpec, TierTable
+
+__all__ = [
+    "RequestFacts",
+    "ArrivalOutcome",
+    "ShedNotice",
+    "Arrival",
+    "Dispatch",
+    "PoolPolicies",
+    "OverloadControl",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFacts:
+    request_id: str
+    tenant: str
+    tier: str | None  # None: the default tier
+    model: str  # the model pool asked for
+    prompt_tokens: int
+    max_tokens: int
+    expected_output_tokens: int | None = None  # fair-share estimate; None: max_tokens
+    timeout_s: float | None = None  # the client's `x-request-timeout`, if any
+
+
+class ArrivalOutcome(Enum):
+    QUEUED = "queued"  # waits in `Arrival.pool`; it leaves through `dispatch`
+    RATE_LIMITED = "rate_limited"  # answer 429 + Retry-After + rate-limit headers
+    TOO_LARGE = "too_large"  # answer 429: it can never fit the tenant's token limit
+    CACHED_ANSWER = "cached_answer"  # answer from the cache
+    PRESET_REPLY = "preset_reply"  # answer 503 + Retry-After with the preset text
+
+
+@dataclass(frozen=True, slots=True)
+class ShedNotice:
+    """A request that was waiting and must be answered now (its reservation is already refunded)."""
+
+    request: QueuedRequest
+    reason: ShedReason
+    reply: DegradationDecision  # the preset reply: 503 + Retry-After
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    outcome: ArrivalOutcome
+    tier: TierSpec
+    pool: str | None  # with QUEUED: the pool it waits in (the fallback pool when degraded)
+    rung: Rung  # the rung serving it; its value goes in the degradation header when not PRIMARY
+    admission: AdmissionDecision  # rate-limit headers for the response; retry_after_s for a 429
+    prediction: WaitPrediction | None  # None when refused before prediction
+    reply: DegradationDecision | None  # with PRESET_REPLY: status, Retry-After and message
+    shed: tuple[ShedNotice, ...]  # other requests dropped to make room or found expired
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    request: QueuedRequest | None  # send it to the replica whose slot freed; None: nothing waits
+    shed: tuple[ShedNotice, ...]  # requests found past their deadline: answer them
+
+
+@dataclass(slots=True)
+class PoolPolicies:
+    """The queue, wait predictor and degradation ladder of one model pool."""
+
+    queue: FairPriorityQueue
+    predictor: WaitPredictor
+    ladder: DegradationLadder
+
+    @classmethod
+    def create(cls, pool: str, tiers: TierTable, *, max_queued: int, ladder: LadderConfig = LadderConfig(),
+               tenant_weights: Mapping[str, float] | None = None, unit: WorkUnit = WorkUnit.TOKENS) -> PoolPolicies:
+        return cls(FairPriorityQueue(tiers, max_queued=max_queued, tenant_weights=tenant_weights),
+                   WaitPredictor(unit), DegradationLadder(pool, ladder))
+
+
+class OverloadControl:
+    def __init__(self, tiers: TierTable, limiter: RateLimiter, pools: Mapping[str, PoolPolicies]) -> None:
+        for name, policies in pools.items():
+            fallback = policies.ladder.config.fallback_pool
+            if fallback is not None and fallback not in pools:
+                raise ValueError(f"pool {name} falls back to unknown pool {fallback}")
+        self.tiers = tiers
+        self.limiter = limiter
+        self.pools = dict(pools)
+        self._reservations: dict[str, Reservation] = {}  # admitted and not yet settled
+        self._dispatched: dict[str, tuple[PoolPolicies, QueuedRequest]] = {}  # left the queue, not finished
+
+    def arrive(self, now_s: float, facts: RequestFacts, *, cached_answer_available: bool = False) -> Arrival:
+        """Step 1: admission, prediction, degradation and queueing of a new request.
+
+        Raises KeyError for an unknown tier or pool (validate those first: 400 / 404), ValueError
+        for a request id already in flight.
+        """
+        if facts.request_id in self._reservations:
+            raise ValueError(f"request {facts.request_id} is already in flight")
+        tier = self.tiers.get(facts.tier)
+        policies = self.pools[facts.model]  # KeyError: the caller answers 404 before this
+        admission = self.limiter.admit(now_s, facts.tenant, facts.model, facts.prompt_tokens, facts.max_tokens)
+        if not admission.admitted:
+            outcome = (ArrivalOutcome.TOO_LARGE if admission.outcome is AdmissionOutcome.TOO_LARGE
+                       else ArrivalOutcome.RATE_LIMITED)
+            return Arrival(outcome, tier, None, Rung.PRIMARY, admission, None, None, ())
+        assert admission.reservation is not None
+        self._reservations[facts.request_id] = admission.reservation
+
+        deadline_s = now_s + self._wait_budget_s(tier, facts)
+        prediction = self._predict(now_s, policies, tier, deadline_s)
+        fallback = self._fallback(policies)
+        fallback_ok = fallback is not None and not self._predict(now_s, fallback, tier, deadline_s).misses_deadline
+        decision = policies.ladder.decide(
+            tier, prediction.pressure, misses_deadline=prediction.misses_deadline,
+            fallback_has_capacity=fallback_ok, cached_answer_available=cached_answer_available,
+            retry_after_s=prediction.retry_after_s,
+        )
+        shed: list[ShedNotice] = []
+        if decision.rung is Rung.PRIMARY:
+            if self._enqueue(now_s, policies, facts, tier, shed):
+                return Arrival(ArrivalOutcome.QUEUED, tier, facts.model, Rung.PRIMARY, admission, prediction, None,
+                               tuple(shed))
+            decision = policies.ladder.next_rung(Rung.PRIMARY, fallback_has_capacity=fallback_ok,
+                                                 cached_answer_available=cached_answer_available,
+                                                 retry_after_s=prediction.retry_after_s)
+        if decision.rung is Rung.FALLBACK_POOL and fallback is not None:
+            if self._enqueue(now_s, fallback, facts, tier, shed):
+                return Arrival(ArrivalOutcome.QUEUED, tier, decision.pool, Rung.FALLBACK_POOL, admission, prediction,
+                               None, tuple(shed))
+            decision = policies.ladder.next_rung(Rung.FALLBACK_POOL, cached_answer_available=cached_answer_available,
+                                                 retry_after_s=prediction.retry_after_s)
+        # Answered without a model: nothing of the reservation is used.
+        self._settle(now_s, facts.request_id, 0)
+        if decision.rung is Rung.CACHED_ANSWER:
+            return Arrival(ArrivalOutcome.CACHED_ANSWER, tier, None, Rung.CACHED_ANSWER, admission, prediction, None,
+                           tuple(shed))
+        return Arrival(ArrivalOutcome.PRESET_REPLY, tier, None, Rung.PRESET_REPLY, admission, prediction, decision,
+                       tuple(shed))
+
+    def dispatch(self, now_s: float, pool: str) -> Dispatch:
+        """Step 2: a replica of `pool` has a free slot: the request to send it, if any."""
+        policies = self.pools[pool]
+        result = policies.queue.dequeue(now_s)
+        shed = tuple(self._notice(now_s, policies, item) for item in result.expired)
+        request = result.request
+        if request is not None:
+            policies.predictor.on_dispatch(now_s, request.tokens, queued_after=len(policies.queue))
+            self._dispatched[request.request_id] = (policies, request)
+        return Dispatch(request, shed)
+
+    def expire(self, now_s: float, pool: str) -> tuple[ShedNotice, ...]:
+        """Requests of `pool` past their deadline (call at `queue.next_deadline_s()`): answer them."""
+        policies = self.pools[pool]
+        return tuple(self._notice(now_s, policies, item) for item in policies.queue.expire(now_s))
+
+    def finish(self, now_s: float, request_id: str, *, prompt_tokens: int, completion_tokens: int) -> Settlement | None:
+        """Step 3: a dispatched request ended (completed, failed, client gone): settle its accounts.
+
+        Pass the tokens it really used (0 when it failed before any). Not needed after an arrival
+        answered without the model (rate-limited, cached answer, preset reply) or a shed notice.
+        """
+        dispatched = self._dispatched.pop(request_id, None)
+        if dispatched is not None:
+            policies, request = dispatched
+            policies.queue.settle_service(request, completion_tokens)
+        return self._settle(now_s, request_id, prompt_tokens + completion_tokens)
+
+    def cancel(self, now_s: float, request_id: str) -> bool:
+        """The client went away while its request waited: drop it, refund it; False if not waiting.
+
+        A request already dispatched is ended with `finish` (with the tokens it used), not here.
+        """
+        for policies in self.pools.values():
+            if policies.queue.cancel(request_id) is not None:
+                self._settle(now_s, request_id, 0)
+                return True
+        return False
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _wait_budget_s(tier: TierSpec, facts: RequestFacts) -> float:
+        return tier.max_queue_wait_s if facts.timeout_s is None else min(tier.max_queue_wait_s, facts.timeout_s)
+
+    @staticmethod
+    def _predict(now_s: float, policies: PoolPolicies, tier: TierSpec, deadline_s: float) -> WaitPrediction:
+        return policies.predictor.predict(now_s, policies.queue.work_ahead(tier.name), deadline_s)
+
+    def _fallback(self, policies: PoolPolicies) -> PoolPolicies | None:
+        name = policies.ladder.config.fallback_pool
+        return None if name is None else self.pools[name]
+
+    def _enqueue(self, now_s: float, policies: PoolPolicies, facts: RequestFacts, tier: TierSpec,
+                 shed: list[ShedNotice]) -> bool:
+        expected = facts.max_tokens if facts.expected_output_tokens is None else facts.expected_output_tokens
+        decision = policies.queue.enqueue(now_s, request_id=facts.request_id, tenant=facts.tenant, tier=tier.name,
+                                          prompt_tokens=facts.prompt_tokens, expected_output_tokens=expected,
+                                          timeout_s=facts.timeout_s)
+        shed.extend(self._notice(now_s, policies, item) for item in decision.shed)
+        return decision.queued
+
+    def _notice(self, now_s: float, policies: PoolPolicies, item: ShedRequest) -> ShedNotice:
+        self._settle(now_s, item.request.request_id, 0)
+        prediction = self._predict(now_s, policies, self.tiers[item.request.tier], now_s)
+        reply = policies.ladder.next_rung(Rung.CACHED_ANSWER, retry_after_s=prediction.retry_after_s)
+        return ShedNotice(item.request, item.reason, reply)
+
+    def _settle(self, now_s: float, request_id: str, used_tokens: int) -> Settlement | None:
+        reservation = self._reservations.pop(request_id, None)
+        return None if reservation is None else self.limiter.settle(now_s, reservation, used_tokens)
+
+    @property
+    def open_requests(self) -> int:
+        """Admitted requests not yet settled: should return to 0 when traffic stops."""
+        return len(self._reservations)
+

@@ -1,0 +1,108 @@
+"""Predicted queue wait and early rejection. Time is an argument.
+
+Follows Mooncake's prediction-based early rejection (Qin et al., FAST 2025): rather than let a
+request time out in the queue, predict when it would start, from the work queued ahead of it and
+the measured rate at which the pool drains the queue, and refuse (or degrade) at once if that is
+after its deadline, telling the client when retrying makes sense.
+
+The service rate is an exponentially weighted moving average over time (time constant
+`time_constant_s`) of the work dispatched per second, sampled only over intervals when requests
+were waiting: when the queue is empty, dispatch follows arrivals and says nothing of capacity.
+Work is counted in requests or in tokens (prompt + expected output), as configured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from tidegate.policy.queueing import QueueAhead
+
+__all__ = ["WorkUnit", "PredictionOutcome", "WaitPrediction", "WaitPredictor"]
+
+
+class WorkUnit(Enum):
+    REQUESTS = "requests"
+    TOKENS = "tokens"
+
+
+class PredictionOutcome(Enum):
+    NO_ESTIMATE = "no_estimate"  # work waits ahead but no service rate is measured yet: queue it
+    MEETS_DEADLINE = "meets_deadline"
+    MISSES_DEADLINE = "misses_deadline"  # answer now: reject (429/503 + Retry-After) or degrade
+
+
+@dataclass(frozen=True, slots=True)
+class WaitPrediction:
+    outcome: PredictionOutcome
+    predicted_wait_s: float | None  # None with NO_ESTIMATE
+    # predicted wait / the wait the deadline allows; >= 1 misses; the degradation ladder compares
+    # it with each tier's `degrade_at_pressure`. 0 with NO_ESTIMATE.
+    pressure: float
+    retry_after_s: float | None  # with MISSES_DEADLINE: when the queue ahead should have drained enough
+
+    @property
+    def misses_deadline(self) -> bool:
+        return self.outcome is PredictionOutcome.MISSES_DEADLINE
+
+
+class WaitPredictor:
+    """Measures a pool's service rate from dispatches and predicts the wait of a new request."""
+
+    def __init__(self, unit: WorkUnit = WorkUnit.TOKENS, *, time_constant_s: float = 10.0,
+                 min_retry_after_s: float = 1.0) -> None:
+        if time_constant_s <= 0 or min_retry_after_s < 0:
+            raise ValueError("time_constant_s must be > 0 and min_retry_after_s >= 0")
+        self.unit = unit
+        self._time_constant_s = time_constant_s
+        self._min_retry_after_s = min_retry_after_s
+        self._rate_per_s: float | None = None
+        self._last_dispatch_s: float | None = None
+        self._backlogged = False  # requests were still waiting after the last dispatch
+        self._same_instant_work = 0.0  # work dispatched at the last dispatch's instant, not yet sampled
+
+    @property
+    def service_rate_per_s(self) -> float | None:
+        """Work units dispatched per second while backlogged; None until measured."""
+        return self._rate_per_s
+
+    def on_dispatch(self, now_s: float, request_tokens: int, queued_after: int) -> None:
+        """Call at each dispatch with the request's tokens and the requests still queued after it."""
+        work = 1.0 if self.unit is WorkUnit.REQUESTS else float(request_tokens)
+        last_s = self._last_dispatch_s
+        if self._backlogged and last_s is not None:
+            if now_s <= last_s:
+                # several slots freed at once: count this work in the next interval, not lose it
+                self._same_instant_work += work
+                self._backlogged = queued_after > 0
+                return
+            elapsed_s = now_s - last_s
+            sample_per_s = (work + self._same_instant_work) / elapsed_s
+            self._same_instant_work = 0.0
+            if self._rate_per_s is None:
+                self._rate_per_s = sample_per_s
+            else:
+                # continuous-time EWMA of throughput: the interval's weight grows with its length
+                weight = 1.0 - math.exp(-elapsed_s / self._time_constant_s)
+                self._rate_per_s += weight * (sample_per_s - self._rate_per_s)
+        self._same_instant_work = 0.0
+        self._last_dispatch_s = now_s
+        self._backlogged = queued_after > 0
+
+    def predict(self, now_s: float, ahead: QueueAhead, deadline_s: float) -> WaitPrediction:
+        """The wait of a request that would queue behind `ahead` and must start by `deadline_s`."""
+        budget_s = deadline_s - now_s
+        work_ahead = float(ahead.requests if self.unit is WorkUnit.REQUESTS else ahead.tokens)
+        if ahead.requests == 0:
+            wait_s = 0.0
+        elif self._rate_per_s is None or self._rate_per_s <= 0:
+            return WaitPrediction(PredictionOutcome.NO_ESTIMATE, None, 0.0, None)
+        else:
+            wait_s = work_ahead / self._rate_per_s
+        pressure = wait_s / budget_s if budget_s > 0 else math.inf
+        if wait_s < budget_s:
+            return WaitPrediction(PredictionOutcome.MEETS_DEADLINE, wait_s, pressure, None)
+        # Retrying is worth it once the queue ahead has drained by the excess (absent new arrivals).
+        retry_after_s = max(self._min_retry_after_s, wait_s - max(0.0, budget_s))
+        return WaitPrediction(PredictionOutcome.MISSES_DEADLINE, wait_s, pressure, retry_after_s)

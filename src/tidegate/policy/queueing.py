@@ -1,0 +1,321 @@
+"""The gateway's request queue: strict priority between tiers with aging, fair share within a tier.
+
+Designs followed:
+- between tiers, strict priority (Triton priority levels, Google SRE criticality) with *aging*: a
+  request of a tier with `aging_offset_s` competes as if it had arrived that much later, so a
+  higher tier wins unless the lower tier's oldest request has waited `aging_offset_s` longer than
+  the higher tier's oldest; `batch` therefore waits a bounded time, never forever; a tier without
+  an offset never overtakes;
+- within a tier, the Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language
+  Models" (OSDI 2024): the backlogged tenant with the least weighted service (input tokens x 1 +
+  output tokens x 2 by default, divided by the tenant's weight) goes next, and a tenant that becomes
+  backlogged is lifted to the least counter of those waiting, so idling banks no credit. The service
+  gap between backlogged tenants stays within one request's cost, whatever the flood;
+- deadlines: the tier's maximum queue wait, or the client's shorter timeout; an expired request is
+  handed back to the caller, never dispatched;
+- bounds per tier and in total; when full, the lowest tier's newest request is shed first (the
+  newcomer itself when it is in the lowest tier present), as in Gateway API Inference Extension
+  flow control.
+
+Every method that depends on time takes `now_s`; nothing here reads a clock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from tidegate.policy.tiers import TierSpec, TierTable
+
+__all__ = [
+    "QueuedRequest",
+    "EnqueueOutcome",
+    "ShedReason",
+    "ShedRequest",
+    "EnqueueDecision",
+    "DequeueResult",
+    "QueueAhead",
+    "FairPriorityQueue",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedRequest:
+    request_id: str
+    tenant: str
+    tier: str
+    prompt_tokens: int
+    expected_output_tokens: int  # charged to the tenant's fair share at dispatch; corrected later
+    enqueued_at_s: float
+    deadline_s: float  # dispatching at or after this is pointless: the request is shed instead
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.expected_output_tokens
+
+
+class EnqueueOutcome(Enum):
+    QUEUED = "queued"
+    REJECTED_TIER_FULL = "tier_full"  # the tier's own bound is reached
+    REJECTED_QUEUE_FULL = "queue_full"  # the total bound is reached and no lower tier can give way
+    REJECTED_PAST_DEADLINE = "past_deadline"  # the client's timeout had already passed
+
+
+class ShedReason(Enum):
+    DISPLACED = "displaced"  # a request of a better tier took its place
+    DEADLINE = "deadline"  # it waited until its deadline
+
+
+@dataclass(frozen=True, slots=True)
+class ShedRequest:
+    request: QueuedRequest
+    reason: ShedReason
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueDecision:
+    outcome: EnqueueOutcome
+    request: QueuedRequest  # the newcomer, queued or not
+    shed: tuple[ShedRequest, ...]  # requests removed to make room or because they expired: answer them
+
+    @property
+    def queued(self) -> bool:
+        return self.outcome is EnqueueOutcome.QUEUED
+
+
+@dataclass(frozen=True, slots=True)
+class DequeueResult:
+    request: QueuedRequest | None  # None: nothing waits
+    expired: tuple[ShedRequest, ...]  # requests found past their deadline: answer them
+    charged_service: float  # what the request's tenant was charged in its fair-share counter
+
+
+@dataclass(frozen=True, slots=True)
+class QueueAhead:
+    """Work queued at the same or a better tier than a given tier."""
+
+    requests: int
+    tokens: int
+
+
+class _TierQueue:
+    """One tier: arrival order, per-tenant FIFOs and the VTC counters of its tenants."""
+
+    __slots__ = ("spec", "arrivals", "by_tenant", "counters", "heap", "heap_token", "idle_floor", "tokens")
+
+    def __init__(self, spec: TierSpec) -> None:
+        self.spec = spec
+        self.arrivals: OrderedDict[int, QueuedRequest] = OrderedDict()  # seq -> request, oldest first
+        self.by_tenant: dict[str, OrderedDict[int, QueuedRequest]] = {}  # backlogged tenants only
+        self.counters: dict[str, float] = {}  # tenant -> weighted service received
+        # min-heap of (counter, token, tenant); an item is current only if heap_token[tenant] == token
+        self.heap: list[tuple[float, int, str]] = []
+        self.heap_token: dict[str, int] = {}
+        self.idle_floor = 0.0  # counter of the last tenant served: the lift when no one is backlogged
+        self.tokens = 0
+
+
+class FairPriorityQueue:
+    """A bounded queue of requests for one model pool. See the module docstring for the rules."""
+
+    def __init__(
+        self,
+        tiers: TierTable,
+        *,
+        max_queued: int,
+        tenant_weights: Mapping[str, float] | None = None,
+        input_token_weight: float = 1.0,
+        output_token_weight: float = 2.0,
+    ) -> None:
+        if max_queued < 0:
+            raise ValueError("max_queued must be >= 0")
+        self._tiers = tiers
+        self._max_queued = max_queued
+        self._weights = dict(tenant_weights or {})
+        if any(weight <= 0 for weight in self._weights.values()):
+            raise ValueError("tenant weights must be > 0")
+        self._input_weight = input_token_weight
+        self._output_weight = output_token_weight
+        self._queues = {spec.name: _TierQueue(spec) for spec in tiers}  # best rank first
+        self._by_id: dict[str, tuple[int, QueuedRequest]] = {}
+        self._deadlines: list[tuple[float, int, str]] = []  # lazy: stale items are skipped
+        self._seq = itertools.count()
+
+    # ---- questions ----------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_id
+
+    def depth(self, tier: str) -> int:
+        return len(self._queues[tier].arrivals)
+
+    def work_ahead(self, tier: str) -> QueueAhead:
+        """What a new request of `tier` would wait behind (ignoring aging and later arrivals)."""
+        rank = self._tiers[tier].rank
+        queues = [queue for queue in self._queues.values() if queue.spec.rank <= rank]
+        return QueueAhead(sum(len(q.arrivals) for q in queues), sum(q.tokens for q in queues))
+
+    def oldest_wait_s(self, now_s: float, tier: str) -> float:
+        """How long the oldest request of `tier` has waited; 0 when none waits."""
+        arrivals = self._queues[tier].arrivals
+        return now_s - next(iter(arrivals.values())).enqueued_at_s if arrivals else 0.0
+
+    def next_deadline_s(self) -> float | None:
+        """The earliest deadline of a waiting request: when the runtime should next call `expire`."""
+        while self._deadlines and not self._is_current(self._deadlines[0]):
+            heapq.heappop(self._deadlines)
+        return self._deadlines[0][0] if self._deadlines else None
+
+    def service_counter(self, tier: str, tenant: str) -> float:
+        return self._queues[tier].counters.get(tenant, 0.0)
+
+    # ---- changes ------------------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        now_s: float,
+        *,
+        request_id: str,
+        tenant: str,
+        tier: str,
+        prompt_tokens: int,
+        expected_output_tokens: int,
+        timeout_s: float | None = None,
+    ) -> EnqueueDecision:
+        """Queues a request, or refuses it; returns whatever had to be shed (newcomer excluded)."""
+        if request_id in self._by_id:
+            raise ValueError(f"request {request_id} is already queued")
+        if prompt_tokens < 0 or expected_output_tokens < 0:
+            raise ValueError("token counts must be >= 0")
+        queue = self._queues.get(tier)
+        if queue is None:
+            raise ValueError(f"unknown tier {tier!r}")
+        wait_s = queue.spec.max_queue_wait_s if timeout_s is None else min(queue.spec.max_queue_wait_s, timeout_s)
+        request = QueuedRequest(request_id, tenant, tier, prompt_tokens, expected_output_tokens, now_s, now_s + wait_s)
+        shed = list(self.expire(now_s))
+        if wait_s <= 0:
+            return EnqueueDecision(EnqueueOutcome.REJECTED_PAST_DEADLINE, request, tuple(shed))
+        if len(queue.arrivals) >= queue.spec.queue_bound:
+            # the newcomer is its tier's newest request, so it is the one to shed
+            return EnqueueDecision(EnqueueOutcome.REJECTED_TIER_FULL, request, tuple(shed))
+        if len(self._by_id) >= self._max_queued:
+            lowest = next((q for q in reversed(self._queues.values()) if q.arrivals), None)
+            if lowest is None or lowest.spec.rank <= queue.spec.rank:
+                return EnqueueDecision(EnqueueOutcome.REJECTED_QUEUE_FULL, request, tuple(shed))
+            newest_seq = next(reversed(lowest.arrivals))
+            shed.append(ShedRequest(self._remove(lowest, newest_seq), ShedReason.DISPLACED))
+        self._add(queue, request)
+        return EnqueueDecision(EnqueueOutcome.QUEUED, request, tuple(shed))
+
+    def dequeue(self, now_s: float) -> DequeueResult:
+        """The next request to dispatch: call when a replica has a free slot (late binding)."""
+        expired = self.expire(now_s)
+        queue = self._pick_tier()
+        if queue is None:
+            return DequeueResult(None, expired, 0.0)
+        tenant = self._least_served_tenant(queue)
+        seq = next(iter(queue.by_tenant[tenant]))
+        request = self._remove(queue, seq)
+        charged = (self._input_weight * request.prompt_tokens
+                   + self._output_weight * request.expected_output_tokens) / self._weights.get(tenant, 1.0)
+        queue.counters[tenant] += charged
+        queue.idle_floor = queue.counters[tenant]
+        if tenant in queue.by_tenant:
+            self._push_tenant(queue, tenant)
+        return DequeueResult(request, expired, charged)
+
+    def settle_service(self, request: QueuedRequest, actual_output_tokens: int) -> None:
+        """Corrects the tenant's fair-share counter once the real output length is known."""
+        queue = self._queues[request.tier]
+        if request.tenant not in queue.counters:
+            return
+        delta = actual_output_tokens - request.expected_output_tokens
+        queue.counters[request.tenant] += self._output_weight * delta / self._weights.get(request.tenant, 1.0)
+        if request.tenant in queue.by_tenant:
+            self._push_tenant(queue, request.tenant)
+
+    def cancel(self, request_id: str) -> QueuedRequest | None:
+        """Removes a request whose client went away; None if it is not queued."""
+        held = self._by_id.get(request_id)
+        if held is None:
+            return None
+        seq, request = held
+        return self._remove(self._queues[request.tier], seq)
+
+    def expire(self, now_s: float) -> tuple[ShedRequest, ...]:
+        """Removes and returns every request whose deadline is at or before `now_s`."""
+        expired: list[ShedRequest] = []
+        while self._deadlines and self._deadlines[0][0] <= now_s:
+            item = heapq.heappop(self._deadlines)
+            if self._is_current(item):
+                request = self._remove(self._queues[self._by_id[item[2]][1].tier], item[1])
+                expired.append(ShedRequest(request, ShedReason.DEADLINE))
+        return tuple(expired)
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _is_current(self, item: tuple[float, int, str]) -> bool:
+        held = self._by_id.get(item[2])
+        return held is not None and held[0] == item[1]
+
+    def _pick_tier(self) -> _TierQueue | None:
+        best: _TierQueue | None = None
+        best_key = math.inf
+        for queue in self._queues.values():  # best rank first; a tie keeps the better rank
+            if queue.arrivals:
+                offset_s = queue.spec.aging_offset_s
+                key = math.inf if offset_s is None else next(iter(queue.arrivals.values())).enqueued_at_s + offset_s
+                if best is None or key < best_key:
+                    best, best_key = queue, key
+        return best
+
+    def _least_served_tenant(self, queue: _TierQueue) -> str:
+        while True:
+            counter, token, tenant = queue.heap[0]
+            if queue.heap_token.get(tenant) == token:
+                return tenant
+            heapq.heappop(queue.heap)
+
+    def _push_tenant(self, queue: _TierQueue, tenant: str) -> None:
+        token = next(self._seq)
+        queue.heap_token[tenant] = token
+        heapq.heappush(queue.heap, (queue.counters[tenant], token, tenant))
+
+    def _add(self, queue: _TierQueue, request: QueuedRequest) -> None:
+        seq = next(self._seq)
+        tenant = request.tenant
+        if tenant not in queue.by_tenant:
+            # VTC counter lift: a tenant (re)joining the backlog starts no lower than those waiting,
+            # or than the last tenant served when no one waits, so idle time earns no credit.
+            floor = queue.counters[self._least_served_tenant(queue)] if queue.by_tenant else queue.idle_floor
+            queue.counters[tenant] = max(queue.counters.get(tenant, 0.0), floor)
+            queue.by_tenant[tenant] = OrderedDict()
+            self._push_tenant(queue, tenant)
+        queue.by_tenant[tenant][seq] = request
+        queue.arrivals[seq] = request
+        queue.tokens += request.tokens
+        self._by_id[request.request_id] = (seq, request)
+        heapq.heappush(self._deadlines, (request.deadline_s, seq, request.request_id))
+        if len(self._deadlines) > 2 * len(self._by_id) + 1024:
+            # dispatched and cancelled requests leave stale items behind; drop them now and then
+            self._deadlines = [item for item in self._deadlines if self._is_current(item)]
+            heapq.heapify(self._deadlines)
+
+    def _remove(self, queue: _TierQueue, seq: int) -> QueuedRequest:
+        request = queue.arrivals.pop(seq)
+        tenant_queue = queue.by_tenant[request.tenant]
+        del tenant_queue[seq]
+        if not tenant_queue:
+            del queue.by_tenant[request.tenant]
+            del queue.heap_token[request.tenant]  # its heap items go stale
+        queue.tokens -= request.tokens
+        del self._by_id[request.request_id]
+        return request

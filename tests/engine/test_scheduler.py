@@ -1,0 +1,191 @@
+"""The pure scheduler driven by a fake runner: no torch, no threads, no clock."""
+
+from __future__ import annotations
+
+import itertools
+
+from tests.engine.fake_runner import EOS, FakeRunner, step
+from tidegate.engine.kv_cache import BlockManager
+from tidegate.engine.scheduler import Scheduler, SchedulerConfig
+from tidegate.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+
+_ids = itertools.count(1)
+
+
+def make_scheduler(
+    kv_tokens: int = 4096, max_num_seqs: int = 8, max_batch_tokens: int = 64, chunked: bool = True
+) -> Scheduler:
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs,
+        max_batch_tokens=max_batch_tokens,
+        chunked_prefill=chunked,
+        eos_token_ids=frozenset({EOS}),
+    )
+    return Scheduler(config, BlockManager(kv_tokens))
+
+
+def make_seq(prompt_len: int = 4, max_tokens: int = 8, priority: int = 0) -> Sequence:
+    return Sequence(
+        seq_id=next(_ids),
+        prompt_token_ids=[7] * prompt_len,
+        params=SamplingParams(max_tokens=max_tokens),
+        priority=priority,
+    )
+
+
+def test_running_decodes_come_before_new_prefills() -> None:
+    scheduler, runner = make_scheduler(), FakeRunner()
+    first = make_seq()
+    scheduler.add(first)
+    step(scheduler, runner)
+    second = make_seq()
+    scheduler.add(second)
+    batch, _ = step(scheduler, runner)
+    assert [c.seq for c in batch.chunks] == [first, second]
+    assert batch.num_decodes == 1
+
+
+def test_step_never_exceeds_token_budget() -> None:
+    scheduler, runner = make_scheduler(max_batch_tokens=10), FakeRunner()
+    for _ in range(3):
+        scheduler.add(make_seq(prompt_len=6))
+    batch, _ = step(scheduler, runner)
+    assert batch.num_tokens == 10
+
+
+def test_long_prompt_is_prefilled_in_chunks_while_decodes_continue() -> None:
+    scheduler, runner = make_scheduler(max_batch_tokens=16), FakeRunner()
+    decoder = make_seq(prompt_len=4, max_tokens=50)
+    scheduler.add(decoder)
+    step(scheduler, runner)
+    scheduler.add(make_seq(prompt_len=40))
+    for _ in range(3):
+        batch, _ = step(scheduler, runner)
+        assert batch.chunks[0].seq is decoder and batch.num_tokens <= 16
+    prefill_sizes = [c.num_tokens for b in runner.batches[1:] for c in b.chunks if c.seq is not decoder]
+    assert prefill_sizes == [15, 15, 10]
+
+
+def test_without_chunking_a_long_prompt_runs_whole() -> None:
+    scheduler, runner = make_scheduler(max_batch_tokens=16, chunked=False), FakeRunner()
+    scheduler.add(make_seq(prompt_len=40))
+    batch, _ = step(scheduler, runner)
+    assert batch.num_tokens == 40
+
+
+def test_sampled_token_appears_only_after_the_last_chunk() -> None:
+    scheduler, runner = make_scheduler(max_batch_tokens=16), FakeRunner()
+    seq = make_seq(prompt_len=20)
+    scheduler.add(seq)
+    _, outputs = step(scheduler, runner)
+    assert outputs == [] and seq.num_computed_tokens == 16
+    _, outputs = step(scheduler, runner)
+    assert [o.seq_id for o in outputs] == [seq.seq_id]
+
+
+def test_finished_sequence_leaves_and_frees_its_blocks() -> None:
+    scheduler, runner = make_scheduler(), FakeRunner()
+    seq = make_seq(max_tokens=2)
+    scheduler.add(seq)
+    step(scheduler, runner)
+    _, outputs = step(scheduler, runner)
+    assert outputs[-1].finish_reason is FinishReason.LENGTH
+    assert not scheduler.running and scheduler.blocks.usage == 0.0
+
+
+def test_eos_finishes_with_stop_unless_ignored() -> None:
+    scheduler = make_scheduler()
+    seq = make_seq()
+    scheduler.add(seq)
+    batch = scheduler.schedule()
+    outputs = scheduler.update(batch, [EOS])
+    assert outputs[0].finish_reason is FinishReason.STOP
+
+
+def test_max_num_seqs_caps_running() -> None:
+    scheduler, runner = make_scheduler(max_num_seqs=2), FakeRunner()
+    for _ in range(3):
+        scheduler.add(make_seq())
+    step(scheduler, runner)
+    assert len(scheduler.running) == 2 and len(scheduler.waiting) == 1
+
+
+def test_better_priority_is_admitted_first() -> None:
+    scheduler, runner = make_scheduler(max_num_seqs=1), FakeRunner()
+    background = make_seq(priority=5)
+    urgent = make_seq(priority=0)
+    scheduler.add(background)
+    scheduler.add(urgent)
+    step(scheduler, runner)
+    assert scheduler.running == [urgent]
+
+
+def test_out_of_blocks_preempts_the_newest_of_equal_priority() -> None:
+    # 3 blocks of 16: two sequences of 16 prompt tokens each fill one block; the third block goes
+    # to the first that grows; the next one to grow must evict the newest
+    scheduler, runner = make_scheduler(kv_tokens=48), FakeRunner()
+    older, newer = make_seq(prompt_len=16, max_tokens=40), make_seq(prompt_len=16, max_tokens=40)
+    scheduler.add(older)
+    scheduler.add(newer)
+    for _ in range(20):
+        step(scheduler, runner)
+    assert newer.num_preemptions >= 1 and older.num_preemptions == 0
+
+
+def test_out_of_blocks_preempts_lowest_priority_even_if_older() -> None:
+    scheduler, runner = make_scheduler(kv_tokens=48), FakeRunner()
+    background, urgent = make_seq(prompt_len=16, max_tokens=40, priority=9), make_seq(prompt_len=16, max_tokens=40)
+    scheduler.add(background)
+    scheduler.add(urgent)
+    for _ in range(20):
+        step(scheduler, runner)
+    assert background.num_preemptions >= 1 and urgent.num_preemptions == 0
+
+
+def test_preempted_sequence_is_recomputed_and_completes_identically() -> None:
+    tight, roomy = make_scheduler(kv_tokens=48), make_scheduler()
+    results = []
+    for scheduler in (tight, roomy):
+        runner = FakeRunner()
+        seqs = [make_seq(prompt_len=16, max_tokens=30) for _ in range(2)]
+        for seq in seqs:
+            scheduler.add(seq)
+        for _ in range(200):
+            if not scheduler.has_work:
+                break
+            step(scheduler, runner)
+        results.append(([seq.output_token_ids for seq in seqs], sum(seq.num_preemptions for seq in seqs)))
+    (tight_tokens, tight_preemptions), (roomy_tokens, roomy_preemptions) = results
+    assert tight_preemptions > 0 and roomy_preemptions == 0
+    assert tight_tokens == roomy_tokens and tight.blocks.usage == 0.0
+
+
+def test_abort_frees_blocks_and_removes_sequence() -> None:
+    scheduler, runner = make_scheduler(), FakeRunner()
+    seq = make_seq(max_tokens=100)
+    scheduler.add(seq)
+    step(scheduler, runner)
+    output = scheduler.abort(seq.seq_id)
+    assert output is not None and output.finish_reason is FinishReason.ABORT
+    assert seq.status is SequenceStatus.FINISHED and scheduler.blocks.usage == 0.0 and not scheduler.has_work
+
+
+def test_abort_of_waiting_sequence_removes_it() -> None:
+    scheduler = make_scheduler()
+    seq = make_seq()
+    scheduler.add(seq)
+    assert scheduler.abort(seq.seq_id) is not None and not scheduler.waiting
+
+
+def test_abort_of_unknown_sequence_is_none() -> None:
+    assert make_scheduler().abort(123456) is None
+
+
+def test_waiting_prompt_is_not_admitted_when_it_cannot_fit() -> None:
+    scheduler, runner = make_scheduler(kv_tokens=32), FakeRunner()
+    first = make_seq(prompt_len=20, max_tokens=10)
+    scheduler.add(first)
+    step(scheduler, runner)
+    scheduler.add(make_seq(prompt_len=20))
+    step(scheduler, runner)
+    assert scheduler.running == [first] and len(scheduler.waiting) == 1

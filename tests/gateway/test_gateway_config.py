@@ -1,0 +1,114 @@
+"""Config validation: bad keys named, env substitution, secrets kept secret, embedded sizing."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidegate.config import ConfigError, EmbeddedBackend, UpstreamBackend, default_config, embedded_sizing, parse_config
+
+MINIMAL = """
+pools:
+  - name: chat
+    backends:
+      - type: upstream
+        url: http://127.0.0.1:9000/v1
+"""
+
+
+def test_minimal_config_parses_with_defaults() -> None:
+    config = parse_config(MINIMAL, environ={})
+    assert config.server.port == 8000
+    backend = config.pools[0].backends[0]
+    assert isinstance(backend, UpstreamBackend)
+    assert backend.url == "http://127.0.0.1:9000/v1"
+
+
+def test_unknown_key_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"server\.prot: unknown key"):
+        parse_config("server:\n  prot: 80\n" + MINIMAL, environ={})
+
+
+def test_unknown_backend_key_is_named_with_its_path() -> None:
+    text = MINIMAL + "        modle: x\n"
+    with pytest.raises(ConfigError, match=r"pools\.0\.backends\.0\.upstream\.modle: unknown key"):
+        parse_config(text, environ={})
+
+
+def test_env_reference_is_substituted() -> None:
+    config = parse_config(MINIMAL + "        api_key: ${UPSTREAM_KEY}\n", environ={"UPSTREAM_KEY": "sk-123"})
+    assert config.pools[0].backends[0].api_key.get_secret_value() == "sk-123"
+
+
+def test_env_default_is_used_when_unset() -> None:
+    config = parse_config("server:\n  port: ${PORT:-8123}\n" + MINIMAL, environ={})
+    assert config.server.port == 8123
+
+
+def test_missing_env_is_named() -> None:
+    with pytest.raises(ConfigError, match="UPSTREAM_KEY is not set"):
+        parse_config(MINIMAL + "        api_key: ${UPSTREAM_KEY}\n", environ={})
+
+
+def test_api_key_is_hidden_in_repr() -> None:
+    config = parse_config(MINIMAL + "        api_key: sk-very-secret\n", environ={})
+    assert "sk-very-secret" not in repr(config)
+    assert "sk-very-secret" not in str(config.model_dump())
+
+
+def test_bad_url_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="http"):
+        parse_config(MINIMAL.replace("http://127.0.0.1:9000/v1", "ftp://x"), environ={})
+
+
+def test_duplicate_pool_names_are_rejected() -> None:
+    text = "pools:\n" + "\n".join(MINIMAL.split("pools:\n")[1] for _ in range(2))
+    with pytest.raises(ConfigError, match="repeated: chat"):
+        parse_config(text, environ={})
+
+
+def test_pools_are_required() -> None:
+    with pytest.raises(ConfigError, match="pools"):
+        parse_config("server:\n  port: 1\n", environ={})
+
+
+def test_reserved_overload_sections_are_accepted() -> None:
+    config = parse_config(MINIMAL + "tenants:\n  acme: {tier: gold}\n", environ={})
+    assert config.tenants == {"acme": {"tier": "gold"}}
+
+
+def test_not_yaml_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        parse_config("pools: [", environ={})
+
+
+@pytest.mark.parametrize("cores, expected", [(1, (1, 1)), (2, (2, 1)), (4, (1, 2)), (8, (3, 2)), (16, (3, 4)),
+                                             (64, (8, 4))])
+def test_embedded_sizing(cores: int, expected: tuple[int, int]) -> None:
+    assert embedded_sizing(cores) == expected
+
+
+def test_default_config_serves_chat_and_embeddings_models() -> None:
+    config = default_config(cpu_count=2)
+    assert [pool.name for pool in config.pools] == ["tiny-random-llama", "all-MiniLM-L6-v2"]
+    generation = config.pools[0].backends[0]
+    assert isinstance(generation, EmbeddedBackend) and (generation.count, generation.threads) == (2, 1)
+
+
+def test_serve_with_bad_config_exits_naming_the_key(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("server:\n  prot: 80\n" + MINIMAL)
+    result = subprocess.run([sys.executable, "-m", "tidegate", "serve", "--config", str(path)],
+                            capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2
+    assert "server.prot: unknown key" in result.stderr
+
+
+@pytest.mark.parametrize("name", ["embedded.yaml", "upstreams.yaml", "mock.yaml"])
+def test_examples_are_valid(name: str) -> None:
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / name
+    parse_config(path.read_text(), source=name, environ={"TIDEGATE_API_KEY": "k", "OPENAI_API_KEY": "k"})

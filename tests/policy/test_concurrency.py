@@ -1,0 +1,111 @@
+"""Adaptive slot limit: grows under the target, backs off over it or on drops, converges after a 2x slowdown."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tidegate.policy.concurrency import AimdSlotLimit, GradientSlotLimit, ReplicaSlots, SlotLimitBounds
+from tidegate.types import ReplicaLoad
+
+BOUNDS = SlotLimitBounds(initial=10, minimum=2, maximum=100)
+
+
+def _load_simulation():
+    # The bench script holds the replica simulation, so the test checks what the bench prints.
+    path = Path(__file__).resolve().parents[2] / "bench" / "overload_adaptive_slots_sim.py"
+    spec = importlib.util.spec_from_file_location("overload_adaptive_slots_sim", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def _window(limit, start_s: float, latency_s: float, inflight: int, samples: int = 20) -> int:
+    """Feeds one window of identical samples spread over just over a second."""
+    for i in range(samples):
+        limit.on_sample(start_s + 1.1 * i / (samples - 1), latency_s, inflight)
+    return limit.limit
+
+
+@pytest.mark.parametrize("make", [GradientSlotLimit, AimdSlotLimit])
+def test_grows_when_latency_is_under_target(make) -> None:
+    assert _window(make(1.0, bounds=BOUNDS), 0.0, 0.2, inflight=10) > 10
+
+
+@pytest.mark.parametrize("make", [GradientSlotLimit, AimdSlotLimit])
+def test_shrinks_when_latency_is_over_target(make) -> None:
+    assert _window(make(1.0, bounds=BOUNDS), 0.0, 3.0, inflight=10) < 10
+
+
+@pytest.mark.parametrize("make", [GradientSlotLimit, AimdSlotLimit])
+def test_limit_backs_off_on_drop(make) -> None:
+    limit = make(1.0, bounds=BOUNDS)
+    assert limit.on_sample(0.0, 0.2, 10, dropped=True) < 10  # a drop closes the window at once
+
+
+@pytest.mark.parametrize("make", [GradientSlotLimit, AimdSlotLimit])
+def test_does_not_grow_when_app_limited(make) -> None:
+    assert _window(make(1.0, bounds=BOUNDS), 0.0, 0.2, inflight=3) == 10
+
+
+def test_does_not_grow_while_the_engine_queues() -> None:
+    limit = GradientSlotLimit(1.0, bounds=BOUNDS)
+    limit.on_load(0.0, ReplicaLoad(running_sequences=10, waiting_sequences=4))
+    assert _window(limit, 0.0, 0.2, inflight=10) == 10
+
+
+def test_stays_within_bounds() -> None:
+    limit = GradientSlotLimit(1.0, bounds=BOUNDS)
+    for k in range(40):
+        _window(limit, 2.0 * k, 50.0, inflight=limit.limit)
+    assert limit.limit == BOUNDS.minimum
+    for k in range(40, 120):
+        _window(limit, 2.0 * k, 0.01, inflight=limit.limit)
+    assert limit.limit == BOUNDS.maximum
+
+
+def test_no_update_before_the_window_closes() -> None:
+    limit = GradientSlotLimit(1.0, bounds=BOUNDS, window_s=1.0)
+    for i in range(50):
+        limit.on_sample(0.01 * i, 0.1, 10)
+    assert limit.limit == 10
+
+
+def test_replica_slots_count_held_requests() -> None:
+    slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=SlotLimitBounds(initial=2, minimum=1, maximum=4)))
+    assert slots.acquire() and slots.acquire()
+    assert not slots.acquire()
+    slots.release()
+    assert slots.free_slots == 1
+
+
+def test_release_without_acquire_is_an_error() -> None:
+    with pytest.raises(ValueError):
+        ReplicaSlots(AimdSlotLimit(1.0)).release()
+
+
+@pytest.mark.parametrize("algorithm", [GradientSlotLimit, AimdSlotLimit])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_settles_near_the_new_best_within_30s_of_a_2x_slowdown(algorithm, seed: int) -> None:
+    sim = _load_simulation()
+    target_s = 0.3
+    fast = sim.ReplicaModel()
+    slow = replace(fast, slowdown=2.0)
+    assert fast.best_limit(target_s) > 1.5 * slow.best_limit(target_s)  # the slowdown moves the best
+    limit = algorithm(target_s, bounds=SlotLimitBounds(initial=4, minimum=1, maximum=512))
+    trace = sim.simulate(limit, [(60.0, fast), (30.0, slow)], target_s, seed=seed)
+    assert sim.settled_within(trace, 0.0, 60.0)
+    assert sim.settled_within(trace, 60.0, 30.0)
+
+
+def test_recovers_when_the_replica_speeds_up_again() -> None:
+    sim = _load_simulation()
+    fast = sim.ReplicaModel()
+    limit = GradientSlotLimit(0.3, bounds=SlotLimitBounds(initial=4, minimum=1, maximum=512))
+    trace = sim.simulate(limit, [(60.0, replace(fast, slowdown=2.0)), (30.0, fast)], 0.3)
+    assert sim.settled_within(trace, 60.0, 30.0)

@@ -1,0 +1,186 @@
+"""The overload facade: a request's way through admission, prediction, ladder, queue, dispatch, settle."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tidegate.policy.admission import RateLimit, RateLimiter
+from tidegate.policy.degradation import LadderConfig, Rung
+from tidegate.policy.overload import ArrivalOutcome, OverloadControl, PoolPolicies, RequestFacts
+from tidegate.policy.prediction import WorkUnit
+from tidegate.policy.queueing import ShedReason
+from tidegate.policy.tiers import default_tiers
+
+TIERS = default_tiers()
+_ids = itertools.count()
+
+
+def _control(*, tpm: int = 100_000, max_queued: int = 100, fallback: bool = False) -> OverloadControl:
+    pools = {"big": PoolPolicies.create("big", TIERS, max_queued=max_queued, unit=WorkUnit.REQUESTS,
+                                        ladder=LadderConfig(fallback_pool="small" if fallback else None)),
+             "small": PoolPolicies.create("small", TIERS, max_queued=max_queued, unit=WorkUnit.REQUESTS)}
+    return OverloadControl(TIERS, RateLimiter(default_limit=RateLimit(requests_per_minute=10_000, tokens_per_minute=tpm)),
+                           pools)
+
+
+def _facts(tier: str = "standard", tenant: str = "t", model: str = "big", request_id: str | None = None) -> RequestFacts:
+    return RequestFacts(request_id or f"r{next(_ids)}", tenant, tier, model, prompt_tokens=10, max_tokens=90)
+
+
+def _remaining_tokens(control: OverloadControl, now_s: float) -> int:
+    return control.limiter.headers(now_s, "t", "big").remaining_tokens
+
+
+def _saturate(control: OverloadControl, pool: str = "big", rate_per_s: float = 10.0, backlog: int = 100) -> float:
+    """Queues `backlog` standard requests and dispatches a few at `rate_per_s`, so the pool's rate is known."""
+    for _ in range(backlog):
+        control.arrive(0.0, _facts(model=pool))
+    now_s = 0.0
+    for _ in range(5):
+        now_s += 1.0 / rate_per_s
+        control.dispatch(now_s, pool)
+    return now_s
+
+
+def test_request_queues_dispatches_and_settles() -> None:
+    control = _control(tpm=1000)
+    arrival = control.arrive(0.0, _facts(request_id="a"))
+    assert arrival.outcome is ArrivalOutcome.QUEUED and arrival.pool == "big"
+    assert _remaining_tokens(control, 0.0) == 900  # prompt + max_tokens reserved
+    assert control.dispatch(0.0, "big").request.request_id == "a"
+    settlement = control.finish(0.0, "a", prompt_tokens=10, completion_tokens=20)
+    assert settlement.refunded_tokens == 70
+    assert _remaining_tokens(control, 0.0) == 970
+    assert control.open_requests == 0
+
+
+def test_rate_limited_request_is_not_queued() -> None:
+    control = _control(tpm=150)
+    control.arrive(0.0, _facts())
+    arrival = control.arrive(0.0, _facts())
+    assert arrival.outcome is ArrivalOutcome.RATE_LIMITED and arrival.admission.retry_after_s > 0
+    assert len(control.pools["big"].queue) == 1
+
+
+def test_predicted_miss_is_answered_at_once_and_refunded() -> None:
+    control = _control(tpm=1_000_000)
+    now_s = _saturate(control)  # 95 still queued at 10 requests/s: 9.5 s ahead
+    before = _remaining_tokens(control, now_s)
+    arrival = control.arrive(now_s, _facts(tier="sheddable"))  # may wait 8 s
+    assert arrival.outcome is ArrivalOutcome.PRESET_REPLY
+    assert arrival.reply.status == 503 and arrival.reply.retry_after_s >= 1.0
+    assert _remaining_tokens(control, now_s) == before
+
+
+def test_critical_still_queues_when_sheddable_is_refused() -> None:
+    control = _control()
+    now_s = _saturate(control)
+    assert control.arrive(now_s, _facts(tier="critical")).outcome is ArrivalOutcome.QUEUED
+
+
+def test_pressed_sheddable_request_goes_to_the_fallback_pool() -> None:
+    control = _control(fallback=True)
+    now_s = _saturate(control)
+    arrival = control.arrive(now_s, _facts(tier="sheddable"))
+    assert (arrival.outcome, arrival.pool, arrival.rung) == (ArrivalOutcome.QUEUED, "small", Rung.FALLBACK_POOL)
+
+
+def test_cached_answer_is_used_before_the_preset_reply() -> None:
+    control = _control()
+    now_s = _saturate(control)
+    arrival = control.arrive(now_s, _facts(tier="sheddable"), cached_answer_available=True)
+    assert arrival.outcome is ArrivalOutcome.CACHED_ANSWER
+
+
+def test_displaced_request_is_answered_and_refunded() -> None:
+    control = _control(max_queued=1)
+    control.arrive(0.0, _facts(tier="sheddable", request_id="low"))
+    arrival = control.arrive(0.0, _facts(tier="critical"))
+    assert [(n.request.request_id, n.reason, n.reply.status) for n in arrival.shed] == [("low", ShedReason.DISPLACED, 503)]
+    assert control.open_requests == 1
+
+
+def test_full_queue_gives_the_newcomer_a_preset_reply() -> None:
+    control = _control(max_queued=1)
+    control.arrive(0.0, _facts(tier="critical"))
+    assert control.arrive(0.0, _facts(tier="sheddable")).outcome is ArrivalOutcome.PRESET_REPLY
+    assert control.open_requests == 1
+
+
+def test_expired_request_is_answered_at_dispatch() -> None:
+    control = _control()
+    control.arrive(0.0, _facts(tier="sheddable", request_id="old"))
+    dispatch = control.dispatch(100.0, "big")
+    assert dispatch.request is None and dispatch.shed[0].reason is ShedReason.DEADLINE
+    assert control.open_requests == 0
+
+
+def test_cancel_refunds_a_waiting_request() -> None:
+    control = _control(tpm=1000)
+    control.arrive(0.0, _facts(request_id="gone"))
+    assert control.cancel(0.0, "gone")
+    assert _remaining_tokens(control, 0.0) == 1000 and control.open_requests == 0
+
+
+def test_cancel_leaves_a_dispatched_request_to_finish() -> None:
+    control = _control()
+    control.arrive(0.0, _facts(request_id="running"))
+    control.dispatch(0.0, "big")
+    assert not control.cancel(0.0, "running")
+    assert control.open_requests == 1
+
+
+_lifecycle = st.lists(
+    st.tuples(st.sampled_from(["arrive", "dispatch", "finish", "cancel", "tick"]),
+              st.sampled_from(["critical", "standard", "sheddable", "batch"]),
+              st.integers(0, 200)),
+    max_size=80,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(_lifecycle)
+def test_every_reservation_is_settled_exactly_once(ops) -> None:
+    """Whatever happens to requests (shed, expired, cancelled, finished), each reservation is settled once."""
+    control = _control(tpm=2000, max_queued=5)
+    now_s, waiting_or_running, running = 0.0, set(), []
+    for op, tier, number in ops:
+        if op == "arrive":
+            request_id = f"r{next(_ids)}"
+            arrival = control.arrive(now_s, _facts(tier=tier, request_id=request_id))
+            waiting_or_running -= {n.request.request_id for n in arrival.shed}
+            if arrival.outcome is ArrivalOutcome.QUEUED:
+                waiting_or_running.add(request_id)
+                assert request_id in control.pools[arrival.pool].queue
+        elif op == "dispatch":
+            dispatch = control.dispatch(now_s, "big")
+            waiting_or_running -= {n.request.request_id for n in dispatch.shed}
+            if dispatch.request is not None:
+                running.append(dispatch.request.request_id)
+        elif op == "finish" and running:
+            request_id = running.pop(0)
+            control.finish(now_s, request_id, prompt_tokens=10, completion_tokens=number)
+            waiting_or_running.discard(request_id)
+        elif op == "cancel" and waiting_or_running - set(running):
+            request_id = sorted(waiting_or_running - set(running))[0]
+            assert control.cancel(now_s, request_id)
+            waiting_or_running.discard(request_id)
+        elif op == "tick":
+            now_s += number / 10.0
+    for request_id in running:
+        control.finish(now_s, request_id, prompt_tokens=10, completion_tokens=0)
+    for request_id in waiting_or_running - set(running):
+        control.cancel(now_s, request_id)
+    assert control.open_requests == 0
+    assert control.limiter.open_reservations == 0  # settling one twice would have raised
+
+
+def test_a_request_id_in_flight_cannot_arrive_again() -> None:
+    control = _control()
+    control.arrive(0.0, _facts(request_id="twice"))
+    with pytest.raises(ValueError):
+        control.arrive(0.0, _facts(request_id="twice"))

@@ -1,0 +1,77 @@
+"""Queue-wait prediction: service rate measured while backlogged; early rejection with Retry-After."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidegate.policy.prediction import PredictionOutcome, WaitPredictor, WorkUnit
+from tidegate.policy.queueing import QueueAhead
+
+
+def _measured(unit: WorkUnit, rate_per_s: float, dispatches: int = 200) -> WaitPredictor:
+    """A predictor that watched a backlogged pool dispatch 10-token requests at `rate_per_s` units."""
+    predictor = WaitPredictor(unit, time_constant_s=5.0)
+    work = 1.0 if unit is WorkUnit.REQUESTS else 10.0
+    for i in range(dispatches):
+        predictor.on_dispatch(i * work / rate_per_s, request_tokens=10, queued_after=5)
+    return predictor
+
+
+@pytest.mark.parametrize(("unit", "rate_per_s"), [(WorkUnit.REQUESTS, 4.0), (WorkUnit.TOKENS, 100.0)])
+def test_measures_the_backlogged_service_rate(unit: WorkUnit, rate_per_s: float) -> None:
+    assert _measured(unit, rate_per_s).service_rate_per_s == pytest.approx(rate_per_s)
+
+
+def test_idle_intervals_do_not_count() -> None:
+    predictor = _measured(WorkUnit.REQUESTS, 4.0)
+    t_s = 200 / 4.0  # the next dispatch on the backlogged schedule
+    predictor.on_dispatch(t_s, 10, queued_after=0)  # and the queue is empty after it
+    predictor.on_dispatch(t_s + 100.0, 10, queued_after=0)  # an arrival-limited gap of 100 s
+    assert predictor.service_rate_per_s == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize(
+    ("ahead_requests", "deadline_in_s", "outcome", "wait_s"),
+    [
+        (0, 1.0, PredictionOutcome.MEETS_DEADLINE, 0.0),
+        (8, 5.0, PredictionOutcome.MEETS_DEADLINE, 2.0),
+        (40, 5.0, PredictionOutcome.MISSES_DEADLINE, 10.0),
+    ],
+)
+def test_predicts_wait_from_the_queue_ahead(ahead_requests: int, deadline_in_s: float,
+                                            outcome: PredictionOutcome, wait_s: float) -> None:
+    prediction = _measured(WorkUnit.REQUESTS, 4.0).predict(0.0, QueueAhead(ahead_requests, 0), deadline_in_s)
+    assert prediction.outcome is outcome
+    assert prediction.predicted_wait_s == pytest.approx(wait_s)
+    assert prediction.pressure == pytest.approx(wait_s / deadline_in_s)
+
+
+def test_retry_after_is_the_excess_wait() -> None:
+    prediction = _measured(WorkUnit.REQUESTS, 4.0).predict(0.0, QueueAhead(40, 0), 5.0)
+    assert prediction.retry_after_s == pytest.approx(10.0 - 5.0)
+
+
+def test_no_estimate_before_any_backlogged_dispatch() -> None:
+    prediction = WaitPredictor().predict(0.0, QueueAhead(3, 30), 5.0)
+    assert prediction.outcome is PredictionOutcome.NO_ESTIMATE and not prediction.misses_deadline
+
+
+def test_tokens_unit_weighs_long_requests() -> None:
+    predictor = _measured(WorkUnit.TOKENS, 100.0)
+    assert predictor.predict(0.0, QueueAhead(2, 1000), 20.0).predicted_wait_s == pytest.approx(10.0)
+
+
+def test_rate_follows_a_slowdown() -> None:
+    predictor = _measured(WorkUnit.REQUESTS, 4.0)
+    start_s = 200 / 4.0
+    for i in range(1, 100):  # 50 s at 2 requests/s: 10 time constants
+        predictor.on_dispatch(start_s + i / 2.0, 10, queued_after=5)
+    assert predictor.service_rate_per_s == pytest.approx(2.0, rel=0.01)
+
+
+def test_dispatches_at_one_instant_all_count() -> None:
+    predictor = WaitPredictor(WorkUnit.REQUESTS, time_constant_s=5.0)
+    for second in range(200):  # two slots free together every second: 2 requests/s
+        predictor.on_dispatch(float(second), 10, queued_after=5)
+        predictor.on_dispatch(float(second), 10, queued_after=5)
+    assert predictor.service_rate_per_s == pytest.approx(2.0)
