@@ -68,6 +68,16 @@ def settled_within(trace: list[TracePoint], since_s: float, budget_s: float, ban
     return bool(tail) and all(abs(p.limit - p.best_limit) <= band * p.best_limit for p in tail)
 
 
+def settle_time_s(trace: list[TracePoint], since_s: float, end_s: float, band: float = 0.25) -> float | None:
+    """Seconds after `since_s` from which the limit stays within `band` of the best until `end_s`."""
+    entered_s: float | None = None
+    for point in trace:
+        if since_s <= point.time_s <= end_s:
+            inside = abs(point.limit - point.best_limit) <= band * point.best_limit
+            entered_s = (entered_s if entered_s is not None else point.time_s) if inside else None
+    return None if entered_s is None else entered_s - since_s
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--algorithm", choices=("gradient", "aimd"), default="gradient")
@@ -96,6 +106,9 @@ def main() -> int:
     warm_ok = settled_within(trace, 0.0, args.warm_s)
     slow_ok = settled_within(trace, args.warm_s, args.after_s)
     final = trace[-1]
+    took_s = settle_time_s(trace, args.warm_s, args.warm_s + args.after_s)
+    print("time from the slowdown until the limit stays within +-25 % of the new best: "
+          + ("never" if took_s is None else f"{took_s:.1f} s"))
     print(f"settled before slowdown (last 5 s of warm-up within +-25 % of best): {warm_ok}")
     print(f"settled after 2x slowdown (last 5 s of the {args.after_s:.0f} s within +-25 % of best): {slow_ok}; "
           f"final limit {final.limit} vs best {final.best_limit} ({final.limit / final.best_limit:.2f}x)")

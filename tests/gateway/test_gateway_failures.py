@@ -166,3 +166,15 @@ def test_upstream_key_never_reaches_client_or_logs(echo_key_upstream: str, start
     assert UPSTREAM_KEY not in caught.value.response.text
     time.sleep(0.5)  # let the access log flush
     assert UPSTREAM_KEY not in gateway.process.log()
+
+
+def test_replica_failing_requests_is_ejected_though_its_health_check_passes(start_mock, start_gateway) -> None:
+    failing = start_mock("--error-rate", "1.0")
+    gateway = start_gateway([upstream_pool("flaky", failing)], health={"failure_threshold": 2, "cooldown_s": 30})
+    client = _client(gateway)
+    for _ in range(2):
+        with pytest.raises(openai.InternalServerError):  # the upstream's own 500, passed through
+            client.chat.completions.create(model="flaky", messages=MESSAGES)
+    with pytest.raises(openai.APIStatusError) as caught:
+        client.chat.completions.create(model="flaky", messages=MESSAGES)
+    assert caught.value.status_code == 503

@@ -40,6 +40,11 @@ def test_chat_completion(client: openai.OpenAI) -> None:
     assert reply.usage.completion_tokens == 8
 
 
+def test_upstream_gets_its_own_model_name(client: openai.OpenAI) -> None:
+    # the pool is "mock"; its backends call the model "mock-model", and the mock echoes what it got
+    assert client.chat.completions.create(model="mock", messages=MESSAGES).model == "mock-model"
+
+
 def test_chat_stream_arrives_in_chunks(client: openai.OpenAI) -> None:
     chunks = list(client.chat.completions.create(model="mock", messages=MESSAGES, stream=True))
     text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
@@ -155,3 +160,21 @@ def test_expect_100_continue_is_answered(gateway: Gateway) -> None:
         assert sock.recv(4096).startswith(b"HTTP/1.1 100 Continue")
         sock.sendall(body)
         assert sock.recv(65536).startswith(b"HTTP/1.1 200 OK")
+
+
+def test_pipelined_requests_are_answered_in_order(gateway: Gateway) -> None:
+    import socket
+
+    def request(request_id: bytes) -> bytes:
+        body = json.dumps({"model": "mock", "messages": MESSAGES}).encode()
+        return (b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nx-request-id: " + request_id
+                + b"\r\ncontent-length: %d\r\n\r\n%b" % (len(body), body))
+
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as sock:
+        sock.sendall(request(b"first") + request(b"second"))
+        received = b""
+        while received.count(b"HTTP/1.1 200 OK") < 2:
+            chunk = sock.recv(65536)
+            assert chunk, "connection closed early"
+            received += chunk
+    assert received.index(b"x-request-id: first") < received.index(b"x-request-id: second")

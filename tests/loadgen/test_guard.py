@@ -32,3 +32,9 @@ def test_bench_refuses_a_remote_target_before_sending(capsys) -> None:
 def test_https_is_refused_with_a_clear_message(capsys) -> None:
     assert main(["bench", "--url", "https://127.0.0.1:8000", "--requests", "1"]) == 2
     assert "http://" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--rate", "--requests", "--concurrency", "--speedup"])
+def test_non_positive_numbers_are_refused(flag: str, capsys) -> None:
+    assert main(["bench", "--url", "http://127.0.0.1:9", flag, "0", "--no-progress"]) == 2
+    assert "must be positive" in capsys.readouterr().err

@@ -87,6 +87,23 @@ def test_closed_loop_keeps_exactly_the_concurrency(clean_mock) -> None:
     assert len(result.records) == 12 and result.peak_in_flight == 3
 
 
+def test_connections_are_kept_alive_and_reused(clean_mock) -> None:
+    result = _run(clean_mock, count=12, concurrency=3, stream=False)
+    assert result.connections_opened == 3
+
+
+def test_cli_replays_the_trace_compressed(clean_mock, tmp_path) -> None:
+    from tidegate.loadgen.trace import default_trace_path
+
+    if not default_trace_path().exists():
+        pytest.skip("the Azure trace is not beside the repository")
+    code = main(["bench", "--url", clean_mock, "--arrival", "trace", "--speedup", "600", "--requests", "40",
+                 "--no-stream", "--no-progress", "--quiet", "--no-plots", "--out", str(tmp_path)])
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert code == 0 and report["summaries"][0]["succeeded"] == 40
+    assert "Splitwise" in report["credits"][0]
+
+
 def test_injected_errors_are_counted_with_their_reason(faulty_mock) -> None:
     result = _run(faulty_mock, rate=200.0, count=100, stream=False)
     failed = [r for r in result.records if not r.ok]
@@ -102,6 +119,13 @@ def test_cli_writes_a_report_with_plots(clean_mock, tmp_path) -> None:
     assert code == 0 and report["summaries"][0]["requests"] == 20
     assert {s["tier"] for s in report["summaries"]} == {"all", "critical", "sheddable"}
     assert (tmp_path / "latency.png").stat().st_size > 0
+
+
+def test_report_never_contains_api_keys(clean_mock, tmp_path) -> None:
+    main(["bench", "--url", clean_mock, "--requests", "2", "--tenant", "a:sk-secret-123:critical:1",
+          "--no-progress", "--quiet", "--no-plots", "--out", str(tmp_path)])
+    assert "sk-secret-123" not in (tmp_path / "report.json").read_text()
+    assert "sk-secret-123" not in (tmp_path / "records.jsonl").read_text()
 
 
 def test_cli_compare_alternates_targets(clean_mock, tmp_path) -> None:

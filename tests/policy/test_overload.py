@@ -184,3 +184,10 @@ def test_a_request_id_in_flight_cannot_arrive_again() -> None:
     control.arrive(0.0, _facts(request_id="twice"))
     with pytest.raises(ValueError):
         control.arrive(0.0, _facts(request_id="twice"))
+
+
+def test_a_flooding_tenant_does_not_get_a_quiet_tenant_refused() -> None:
+    control = _control()
+    now_s = _saturate(control)  # tenant "t" floods the standard tier: 9.5 s of work queued
+    assert control.arrive(now_s, _facts(tenant="t")).outcome is ArrivalOutcome.PRESET_REPLY
+    assert control.arrive(now_s, _facts(tenant="quiet")).outcome is ArrivalOutcome.QUEUED

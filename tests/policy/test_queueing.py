@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidegate.policy.queueing import EnqueueOutcome, FairPriorityQueue, ShedReason
+from tidegate.policy.queueing import EnqueueOutcome, FairPriorityQueue, QueueAhead, ShedReason
 from tidegate.policy.tiers import TierSpec, TierTable, default_tiers
 
 _ids = itertools.count()
@@ -264,3 +264,33 @@ def test_shed_is_always_the_lowest_tiers_newest(puts, max_queued: int) -> None:
         if not decision.queued:
             assert decision.request.request_id == lowest_newest
         assert len(queue) == len(waiting) <= max_queued
+
+
+def test_another_tenants_flood_counts_only_its_fair_share_ahead() -> None:
+    queue = FairPriorityQueue(_tiers(), max_queued=1000)
+    for _ in range(100):
+        _put(queue, 0.0, tenant="flood", tokens=10)
+    _put(queue, 0.0, tenant="quiet", tokens=10)
+    ahead = queue.work_ahead("standard", "quiet", tokens=10)
+    assert (ahead.requests, ahead.tokens) == (1 + 2, 10 + 20)  # its own one, then one each more
+    assert queue.work_ahead("standard").requests == 101
+
+
+def test_work_ahead_forgets_drained_tenants() -> None:
+    queue = FairPriorityQueue(_tiers(), max_queued=10)
+    _put(queue, 0.0, tenant="gone", tokens=10)
+    queue.dequeue(0.0)
+    assert queue.work_ahead("standard", "new", tokens=5) == QueueAhead(0, 0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from("abc"), st.integers(1, 50)), max_size=40))
+def test_peek_names_the_next_dequeue(puts) -> None:
+    tiers = _tiers(aging=True)
+    names = [tier.name for tier in tiers]
+    queue = FairPriorityQueue(tiers, max_queued=1000)
+    for number, (rank, tenant, tokens) in enumerate(puts):
+        _put(queue, float(number), tenant=tenant, tier=names[rank], tokens=tokens)
+    while (peeked := queue.peek()) is not None:
+        assert queue.dequeue(float(len(puts))).request == peeked
+    assert queue.dequeue(0.0).request is None

@@ -50,7 +50,6 @@ DTYPES = ("auto", "bf16", "fp32")
 QUANTIZATIONS = ("int8",)
 # transformers `model_type`s whose AutoModel returns BERT-style last_hidden_state we can pool
 _BERT_FAMILY = frozenset({"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra"})
-PAD_MULTIPLE = int(os.environ.get("PADM", "1"))
 _POOLING_MODES = {"pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
 
 
@@ -152,6 +151,8 @@ class EmbeddingModel:
     def __init__(self, *, name: str, model: Any, tokenizer: Any, counting_tokenizer: Any,
                  config: _SentenceTransformerConfig, dimensions: int, precision: str) -> None:
         self.name = name
+        # every name a request's `model` may use for this model
+        self.aliases = BUILTIN_EMBEDDING_NAMES if _is_builtin_name(name) else (name,)
         self.dimensions = dimensions
         self.max_tokens = config.max_tokens
         self.precision = precision  # "bf16" | "fp32" | "int8"
@@ -206,7 +207,7 @@ class EmbeddingModel:
         if not texts:
             return np.zeros((0, self.dimensions), dtype=np.float32)
         batch = self._tokenizer(texts, padding=True, truncation=True, max_length=self.max_tokens,
-                                pad_to_multiple_of=PAD_MULTIPLE, return_tensors="pt")
+                                return_tensors="pt")
         with torch.inference_mode():
             hidden = self._model(**batch).last_hidden_state.float()
             if self._pooling == "cls":

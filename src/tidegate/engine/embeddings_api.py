@@ -114,7 +114,7 @@ def _check_options(body: dict[str, Any], served_names: set[str], dimensions: int
 
 
 def make_embeddings_routes(batcher: EmbeddingBatcher, served_model_name: str) -> list[web.RouteDef]:
-    served_names = {served_model_name, batcher.model.name}
+    served_names = {served_model_name, batcher.model.name, *getattr(batcher.model, "aliases", ())}
     dimensions = batcher.model.dimensions
 
     async def create_embeddings(request: web.Request) -> web.Response:

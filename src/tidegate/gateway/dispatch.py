@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Collection
-from typing import Protocol
+from typing import Any, Protocol
 
 from tidegate.errors import OverloadedError
 from tidegate.gateway.upstream import ConnectionPool
@@ -68,11 +68,13 @@ class Replica:
 
 
 class Waiter:
-    __slots__ = ("future", "exclude")
+    __slots__ = ("future", "exclude", "ticket")
 
-    def __init__(self, future: asyncio.Future[Replica], exclude: Collection[str]) -> None:
+    def __init__(self, future: asyncio.Future[Replica], exclude: Collection[str], ticket: Any = None) -> None:
         self.future = future
         self.exclude = exclude
+        # what overload control knows of the request (tenant, priority, token estimate), for its queue
+        self.ticket = ticket
 
 
 class WaitQueue(Protocol):
@@ -143,7 +145,7 @@ class ModelPool:
         replica.outstanding += 1
         return replica
 
-    async def acquire(self, now_s: float, exclude: Collection[str] = ()) -> Replica:
+    async def acquire(self, now_s: float, exclude: Collection[str] = (), ticket: Any = None) -> Replica:
         replica = self.try_acquire(now_s, exclude)
         if replica is not None:
             return replica
@@ -154,7 +156,7 @@ class ModelPool:
             raise OverloadedError(f"model {self.name!r} is overloaded: queue full",
                                   code="queue_full", retry_after_s=self._retry_after_s)
         loop = asyncio.get_running_loop()
-        waiter = Waiter(loop.create_future(), exclude)
+        waiter = Waiter(loop.create_future(), exclude, ticket)
         self.queue.push(waiter)
         timer = loop.call_later(self._queue_timeout_s, self._expire, waiter)
         try:

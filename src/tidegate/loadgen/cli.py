@@ -140,10 +140,28 @@ class _PlannedRun:
     phases: tuple[tuple[str, float, float], ...] = ()
 
 
+def _effective_duration_s(args: argparse.Namespace) -> float | None:
+    if args.duration is None and args.requests is None:
+        return _DEFAULT_DURATION_S
+    return args.duration
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("rate", "requests", "duration", "concurrency", "max_inflight", "speedup", "rate_scale", "timeout_s"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value:g}")
+
+
+def _redacted_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The command line for the report, without API keys."""
+    config = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    config["tenant"] = [f"{t.name}:***:{t.tier}:{t.share:g}" for t in map(parse_tenant, args.tenant)]
+    return config
+
+
 def _plan(args: argparse.Namespace, rng: np.random.Generator) -> _PlannedRun:
-    duration = args.duration
-    if duration is None and args.requests is None:
-        duration = _DEFAULT_DURATION_S
+    duration = _effective_duration_s(args)
     prompt = parse_length(args.prompt_tokens) if args.prompt_tokens else None
     output = parse_length(args.max_tokens) if args.max_tokens else None
     if args.scenario == "surge":
@@ -184,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
         targets = tuple(parse_url(u) for u in [args.url or "http://127.0.0.1:8000", args.compare] if u)
         for endpoint in targets:
             check_target_allowed(endpoint, args.allow_remote_host)
+        _validate(args)
         planned = _plan(args, np.random.default_rng(args.seed))
     except (ValueError, OSError) as error:
         print(f"tidegate bench: {error}", file=sys.stderr)
@@ -191,16 +210,17 @@ def run(args: argparse.Namespace) -> int:
     config = RunConfig(
         targets=targets, model=args.model, kind=ApiKind(args.endpoint), stream=args.stream,
         timeout_s=args.timeout_s, concurrency=args.concurrency,
-        duration_s=args.duration if args.concurrency else None, max_inflight=args.max_inflight,
+        duration_s=_effective_duration_s(args) if args.concurrency else None, max_inflight=args.max_inflight,
         scrape_metrics=args.scrape_metrics,
         **({"metric_patterns": tuple(args.metric)} if args.metric else {}),
     )
+    _raise_fd_limit()
     progress = None if args.no_progress or not sys.stdout.isatty() else _progress(len(planned.plan))
     driver = Driver(config, planned.plan, on_progress=progress)
     result = _run_loop(driver.run())
     slo = Slo(ttft_s=args.slo_ttft_ms / 1000 if args.slo_ttft_ms else None,
               tpot_s=args.slo_tpot_ms / 1000 if args.slo_tpot_ms else None)
-    report_config: dict[str, Any] = {k: v for k, v in vars(args).items() if not k.startswith("_")}
+    report_config = _redacted_config(args)
     report_config["load"] = planned.load
     report = build_report(result, config=report_config, slo=slo, targets=len(targets),
                           lag_threshold_ms=args.lag_warn_ms, credits=planned.credits, open_loop=not args.concurrency,
@@ -216,6 +236,19 @@ def run(args: argparse.Namespace) -> int:
             write_plots(report, out)
         print(f"report: {path}")
     return 0
+
+
+def _raise_fd_limit() -> None:
+    """An open loop opens a connection per concurrent request: the usual soft limit of 1,024
+    sockets would turn a surge into 'too many open files' errors in the generator itself."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < hard:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    except (ImportError, ValueError, OSError):  # not on this platform, or not allowed: keep going
+        pass
 
 
 def _run_loop(coroutine):

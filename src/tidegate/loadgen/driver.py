@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import orjson
 
-from tidegate.loadgen.http_client import Endpoint, HttpClient
+from tidegate.loadgen.http_client import Endpoint, HttpClient, InFlight
 from tidegate.loadgen.mix import synthetic_prompt
 from tidegate.loadgen.plan import PlannedRequest
 from tidegate.loadgen.records import ApiKind, RequestRecord, measure
@@ -53,7 +53,7 @@ class MetricSample:
     value: float
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunResult:
     records: list[RequestRecord]
     metrics: list[MetricSample]
@@ -124,17 +124,25 @@ class Driver:
             self._auth_cache[key] = auth
         return client.render("POST", self._path, orjson.dumps(body), auth)
 
-    async def _one(self, request: PlannedRequest) -> None:
-        target = request.index % len(self._clients)
-        client = self._clients[target]
-        data = self._render(request, client)
-        sent_at = time.perf_counter()
+    def _count_send(self) -> None:
+        # counted by whoever sends, at once: the in-flight cap must see sends of this loop turn
         self.sent += 1
         self.in_flight += 1
         if self.in_flight > self.peak_in_flight:
             self.peak_in_flight = self.in_flight
+
+    async def _one(self, request: PlannedRequest, data: bytes | None = None, sent_at: float | None = None,
+                   in_flight: InFlight | None = None) -> None:
+        """One request, from sending (unless the open loop already wrote it) to its record.
+        The caller has counted it with `_count_send`."""
+        target = request.index % len(self._clients)
+        client = self._clients[target]
+        if data is None:
+            data = self._render(request, client)
+        if sent_at is None:
+            sent_at = time.perf_counter()
         try:
-            response = await client.request(data)
+            response = await (client.response(in_flight) if in_flight is not None else client.request(data))
         finally:
             self.in_flight -= 1
         self.records.append(measure(
@@ -159,6 +167,8 @@ class Driver:
         loop = asyncio.get_running_loop()
         cap = self.config.max_inflight
         for request in self.plan:
+            client = self._clients[request.index % len(self._clients)]
+            data = self._render(request, client)  # before the wait, so it costs no lag
             due = self._start + request.send_at_s
             while (wait := due - time.perf_counter()) > 0:
                 # Event-loop timers tick in milliseconds: sleep to within a tick, then yield
@@ -167,7 +177,10 @@ class Driver:
             if cap is not None and self.in_flight >= cap:
                 self._drop(request)
                 continue
-            task = loop.create_task(self._one(request))
+            sent_at = time.perf_counter()
+            in_flight = client.send_now(data)
+            self._count_send()
+            task = loop.create_task(self._one(request, data, sent_at, in_flight))
             tasks.add(task)
             task.add_done_callback(tasks.discard)
         while tasks:
@@ -182,6 +195,7 @@ class Driver:
             for request in pending:
                 if deadline is not None and time.perf_counter() >= deadline:
                     return
+                self._count_send()
                 await self._one(request)
 
         await asyncio.gather(*(worker() for _ in range(self.config.concurrency)))

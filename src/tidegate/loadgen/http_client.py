@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import httptools
 
-__all__ = ["Endpoint", "HttpResponse", "HttpClient", "parse_url"]
+__all__ = ["Endpoint", "HttpResponse", "HttpClient", "InFlight", "parse_url"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +119,17 @@ class _Connection(asyncio.Protocol):
             waiter.set_result(response)
 
 
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A request written to a connection whose response has not been awaited yet."""
+
+    connection: _Connection
+    waiter: asyncio.Future[HttpResponse]
+    timer: asyncio.TimerHandle
+    data: bytes
+    reused: bool  # on a kept-alive connection (which the server may have closed meanwhile)
+
+
 class HttpClient:
     """Keep-alive pool to one host:port; no cap on connections (open loop must not queue here)."""
 
@@ -132,13 +143,10 @@ class HttpClient:
 
     def render(self, method: str, path: str, body: bytes = b"", headers: bytes = b"") -> bytes:
         """Request bytes; `headers` is pre-rendered `Name: value\\r\\n` lines (e.g. auth)."""
-        head = (
-            f"{method} {self.endpoint.base_path}{path} HTTP/1.1\r\n".encode()
-            + self._host_header
-            + headers
-            + (b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) if body or method == "POST" else b"\r\n")
-        )
-        return head + body
+        head = f"{method} {self.endpoint.base_path}{path} HTTP/1.1\r\n".encode() + self._host_header + headers
+        if body or method == "POST":
+            head += b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+        return head + b"\r\n" + body
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
@@ -149,41 +157,57 @@ class HttpClient:
         self._all.add(connection)
         return connection
 
+    def _idle_connection(self) -> _Connection | None:
+        while self._idle:
+            candidate = self._idle.pop()
+            if not candidate.closed:
+                return candidate
+        return None
+
+    def _dispatch(self, connection: _Connection, data: bytes, reused: bool) -> InFlight:
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[HttpResponse] = loop.create_future()
+        timer = loop.call_later(self.timeout_s, connection.abort, "timeout")
+        connection.send(data, waiter)
+        return InFlight(connection, waiter, timer, data, reused)
+
+    def send_now(self, data: bytes) -> InFlight | None:
+        """Writes the request at once on an idle keep-alive connection, without a loop turn, so
+        an open-loop send lands when it is due; None when a new connection is needed first."""
+        connection = self._idle_connection()
+        return None if connection is None else self._dispatch(connection, data, reused=True)
+
+    async def _send_fresh(self, data: bytes) -> InFlight | HttpResponse:
+        try:
+            connection = await asyncio.wait_for(self._connect(), self.timeout_s)
+        except asyncio.TimeoutError:
+            return HttpResponse(error="timeout")
+        except OSError:
+            return HttpResponse(error="connection_error")
+        return self._dispatch(connection, data, reused=False)
+
+    async def response(self, in_flight: InFlight) -> HttpResponse:
+        """Waits for the response of a sent request and returns its connection to the pool."""
+        response = await in_flight.waiter
+        in_flight.timer.cancel()
+        connection = in_flight.connection
+        if connection.reusable and not connection.closed:
+            self._idle.append(connection)
+        else:
+            self._all.discard(connection)
+            if not connection.closed and connection.transport is not None:
+                connection.transport.close()
+        # A reused connection the server closed while idle fails before any byte: retry once on a
+        # fresh one; that is not the target's fault.
+        if response.error == "connection_error" and in_flight.reused and not response.chunks:
+            retried = await self._send_fresh(in_flight.data)
+            return retried if isinstance(retried, HttpResponse) else await self.response(retried)
+        return response
+
     async def request(self, data: bytes) -> HttpResponse:
         """Sends pre-rendered request bytes; never raises for network trouble (see `error`)."""
-        loop = asyncio.get_running_loop()
-        for attempt in range(2):
-            reused = False
-            connection: _Connection | None = None
-            while self._idle:
-                candidate = self._idle.pop()
-                if not candidate.closed:
-                    connection, reused = candidate, True
-                    break
-            if connection is None:
-                try:
-                    connection = await asyncio.wait_for(self._connect(), self.timeout_s)
-                except asyncio.TimeoutError:
-                    return HttpResponse(error="timeout")
-                except OSError:
-                    return HttpResponse(error="connection_error")
-            waiter: asyncio.Future[HttpResponse] = loop.create_future()
-            timer = loop.call_later(self.timeout_s, connection.abort, "timeout")
-            connection.send(data, waiter)
-            response = await waiter
-            timer.cancel()
-            if connection.reusable and not connection.closed:
-                self._idle.append(connection)
-            else:
-                self._all.discard(connection)
-                if not connection.closed and connection.transport is not None:
-                    connection.transport.close()
-            # A reused connection the server closed while idle fails before any byte: retry once
-            # on a fresh one; that is not the target's fault.
-            if response.error == "connection_error" and reused and not response.chunks and attempt == 0:
-                continue
-            return response
-        return response
+        in_flight = self.send_now(data) or await self._send_fresh(data)
+        return in_flight if isinstance(in_flight, HttpResponse) else await self.response(in_flight)
 
     async def close(self) -> None:
         for connection in list(self._all):

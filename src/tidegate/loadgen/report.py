@@ -181,6 +181,12 @@ def print_summary(report: dict[str, Any], console=None) -> None:
     console.print(f"schedule lag p50/p99/max: {_ms(lag['p50_ms'])}/{_ms(lag['p99_ms'])}/{_ms(lag['max_ms'])} ms; "
                   f"elapsed {report['elapsed_s']:.1f} s; connections {report['connections_opened']}; "
                   f"peak in flight {report['peak_in_flight']}")
+    overall = next((s for s in report["summaries"] if s["tier"] == "all"), None)
+    if overall and overall["mean_prompt_tokens_reported"] is not None:
+        # synthetic prompts are sized in bytes (1 token per byte for a byte-level tokenizer); the
+        # server's usage says what its tokenizer and chat template made of them
+        console.print(f"prompt tokens: asked {overall['mean_prompt_tokens_target']:.0f} on average, "
+                      f"server reported {overall['mean_prompt_tokens_reported']:.0f}")
     if report["comparison"]:
         ratios = ", ".join(f"{k} {v:.3f}" for k, v in report["comparison"]["ratios"].items() if v is not None)
         console.print(f"compare (target 1 / target 0): {ratios}")

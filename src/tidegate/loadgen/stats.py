@@ -2,7 +2,8 @@
 
 Goodput follows DistServe (Zhong et al., OSDI 2024): a request counts when it succeeded AND met
 both the TTFT and the TPOT SLO; goodput is such requests per second, attainment their share of
-all requests issued.
+all requests issued. A non-streaming request has one "token time": its TTFT is the whole response
+and its TPOT 0, so only the TTFT SLO can fail it.
 """
 
 from __future__ import annotations

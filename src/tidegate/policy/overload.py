@@ -124,9 +124,10 @@ class OverloadControl:
         self._reservations[facts.request_id] = admission.reservation
 
         deadline_s = now_s + self._wait_budget_s(tier, facts)
-        prediction = self._predict(now_s, policies, tier, deadline_s)
+        prediction = self._predict(now_s, policies, tier, deadline_s, facts)
         fallback = self._fallback(policies)
-        fallback_ok = fallback is not None and not self._predict(now_s, fallback, tier, deadline_s).misses_deadline
+        fallback_ok = (fallback is not None
+                       and not self._predict(now_s, fallback, tier, deadline_s, facts).misses_deadline)
         decision = policies.ladder.decide(
             tier, prediction.pressure, misses_deadline=prediction.misses_deadline,
             fallback_has_capacity=fallback_ok, cached_answer_available=cached_answer_available,
@@ -165,6 +166,10 @@ class OverloadControl:
             self._dispatched[request.request_id] = (policies, request)
         return Dispatch(request, shed)
 
+    def peek(self, pool: str) -> QueuedRequest | None:
+        """The request `dispatch` would hand out next, left waiting (to check a replica suits it)."""
+        return self.pools[pool].queue.peek()
+
     def expire(self, now_s: float, pool: str) -> tuple[ShedNotice, ...]:
         """Requests of `pool` past their deadline (call at `queue.next_deadline_s()`): answer them."""
         policies = self.pools[pool]
@@ -200,8 +205,11 @@ class OverloadControl:
         return tier.max_queue_wait_s if facts.timeout_s is None else min(tier.max_queue_wait_s, facts.timeout_s)
 
     @staticmethod
-    def _predict(now_s: float, policies: PoolPolicies, tier: TierSpec, deadline_s: float) -> WaitPrediction:
-        return policies.predictor.predict(now_s, policies.queue.work_ahead(tier.name), deadline_s)
+    def _predict(now_s: float, policies: PoolPolicies, tier: TierSpec, deadline_s: float,
+                 facts: RequestFacts | None = None) -> WaitPrediction:
+        ahead = (policies.queue.work_ahead(tier.name) if facts is None else
+                 policies.queue.work_ahead(tier.name, facts.tenant, facts.prompt_tokens + facts.max_tokens))
+        return policies.predictor.predict(now_s, ahead, deadline_s)
 
     def _fallback(self, policies: PoolPolicies) -> PoolPolicies | None:
         name = policies.ladder.config.fallback_pool

@@ -106,12 +106,14 @@ class QueueAhead:
 class _TierQueue:
     """One tier: arrival order, per-tenant FIFOs and the VTC counters of its tenants."""
 
-    __slots__ = ("spec", "arrivals", "by_tenant", "counters", "heap", "heap_token", "idle_floor", "tokens")
+    __slots__ = ("spec", "arrivals", "by_tenant", "tenant_tokens", "counters", "heap", "heap_token", "idle_floor",
+                 "tokens")
 
     def __init__(self, spec: TierSpec) -> None:
         self.spec = spec
         self.arrivals: OrderedDict[int, QueuedRequest] = OrderedDict()  # seq -> request, oldest first
         self.by_tenant: dict[str, OrderedDict[int, QueuedRequest]] = {}  # backlogged tenants only
+        self.tenant_tokens: dict[str, int] = {}  # backlogged tenant -> tokens it has queued
         self.counters: dict[str, float] = {}  # tenant -> weighted service received
         # min-heap of (counter, token, tenant); an item is current only if heap_token[tenant] == token
         self.heap: list[tuple[float, int, str]] = []
@@ -157,11 +159,32 @@ class FairPriorityQueue:
     def depth(self, tier: str) -> int:
         return len(self._queues[tier].arrivals)
 
-    def work_ahead(self, tier: str) -> QueueAhead:
-        """What a new request of `tier` would wait behind (ignoring aging and later arrivals)."""
+    def work_ahead(self, tier: str, tenant: str | None = None, tokens: int = 0) -> QueueAhead:
+        """What a new request of `tier` (from `tenant`, of `tokens`) would wait behind.
+
+        All work of better tiers counts. Within its own tier, fair sharing serves the newcomer
+        after its tenant's own queued work and, from every other tenant, about as much again
+        (round-robin equivalence of VTC), so another tenant's flood does not count in full; without
+        a tenant, all of the tier counts. Aging and later arrivals are ignored.
+        """
         rank = self._tiers[tier].rank
-        queues = [queue for queue in self._queues.values() if queue.spec.rank <= rank]
-        return QueueAhead(sum(len(q.arrivals) for q in queues), sum(q.tokens for q in queues))
+        requests = total_tokens = 0
+        for queue in self._queues.values():  # best rank first
+            if queue.spec.rank > rank:
+                break
+            if queue.spec.rank < rank or tenant is None:
+                requests += len(queue.arrivals)
+                total_tokens += queue.tokens
+            else:
+                own = queue.by_tenant.get(tenant)
+                own_requests, own_tokens = (len(own), queue.tenant_tokens[tenant]) if own else (0, 0)
+                requests += own_requests
+                total_tokens += own_tokens
+                for other, waiting in queue.by_tenant.items():
+                    if other != tenant:
+                        requests += min(len(waiting), own_requests + 1)
+                        total_tokens += min(queue.tenant_tokens[other], own_tokens + tokens)
+        return QueueAhead(requests, total_tokens)
 
     def oldest_wait_s(self, now_s: float, tier: str) -> float:
         """How long the oldest request of `tier` has waited; 0 when none waits."""
@@ -173,6 +196,16 @@ class FairPriorityQueue:
         while self._deadlines and not self._is_current(self._deadlines[0]):
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines else None
+
+    def peek(self) -> QueuedRequest | None:
+        """The request `dequeue` would hand out next (expiry aside), left in place.
+
+        For a dispatcher that must first find a replica this request may use (retry exclusions).
+        """
+        queue = self._pick_tier()
+        if queue is None:
+            return None
+        return next(iter(queue.by_tenant[self._least_served_tenant(queue)].values()))
 
     def service_counter(self, tier: str, tenant: str) -> float:
         return self._queues[tier].counters.get(tenant, 0.0)
@@ -302,6 +335,7 @@ class FairPriorityQueue:
         queue.by_tenant[tenant][seq] = request
         queue.arrivals[seq] = request
         queue.tokens += request.tokens
+        queue.tenant_tokens[tenant] = queue.tenant_tokens.get(tenant, 0) + request.tokens
         self._by_id[request.request_id] = (seq, request)
         heapq.heappush(self._deadlines, (request.deadline_s, seq, request.request_id))
         if len(self._deadlines) > 2 * len(self._by_id) + 1024:
@@ -313,8 +347,10 @@ class FairPriorityQueue:
         request = queue.arrivals.pop(seq)
         tenant_queue = queue.by_tenant[request.tenant]
         del tenant_queue[seq]
+        queue.tenant_tokens[request.tenant] -= request.tokens
         if not tenant_queue:
             del queue.by_tenant[request.tenant]
+            del queue.tenant_tokens[request.tenant]
             del queue.heap_token[request.tenant]  # its heap items go stale
         queue.tokens -= request.tokens
         del self._by_id[request.request_id]
