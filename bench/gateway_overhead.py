@@ -6,7 +6,8 @@ Prints, for non-streaming and streaming (16 chunks) requests:
 - added latency at concurrency 16 (p50, p99 of end-to-end; streaming: time to first chunk), gateway
   minus direct-to-mock, measured in alternating rounds;
 - requests/s at concurrency 64 through one gateway process vs the minimal aiohttp proxy
-  (bench/minimal_proxy.py), alternating, median of rounds; direct-to-mock for scale.
+  (bench/minimal_proxy.py), alternating, median of rounds; direct-to-mock for scale;
+- CPU time per request of the process under test over those rounds (Linux /proc).
 Latency comes from a raw asyncio + httptools client; throughput from `wrk` when installed (a C client
 cannot hide the difference between proxies), else from the same raw client.
 Bars: added p50 <= 0.6 ms, p99 <= 3 ms; rps >= 1.5x (non-streaming) and >= 1.2x (streaming) the minimal proxy.
@@ -131,7 +132,16 @@ def drive(port: int, path: str, body: bytes, concurrency: int, duration_s: float
         return asyncio.run(_drive(port, path, body, concurrency, duration_s))
 
 
-def wrk_rps(port: int, path: str, body: bytes, concurrency: int, duration_s: float, cpu: str | None) -> float:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of one process so far (Linux /proc)."""
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk_run(port: int, path: str, body: bytes, concurrency: int, duration_s: float, cpu: str | None
+            ) -> tuple[float, int]:
+    """(requests/s, requests completed)."""
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(f'wrk.method = "POST"\nwrk.body = [[{body.decode()}]]\n'
                      f'wrk.headers["Content-Type"] = "application/json"\n')
@@ -143,7 +153,8 @@ def wrk_rps(port: int, path: str, body: bytes, concurrency: int, duration_s: flo
     os.unlink(script.name)
     if "Non-2xx" in output:
         raise RuntimeError(f"wrk saw errors:\n{output}")
-    return float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1))
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1))
+    return rps, int(re.search(r"(\d+) requests in", output).group(1))
 
 
 # -- processes -----------------------------------------------------------------------------------
@@ -154,6 +165,7 @@ class Stack:
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self.processes: list[subprocess.Popen] = []
+        self.pids: dict[str, int] = {}  # process under test, by target name
         self.workdir = tempfile.mkdtemp(prefix="tidegate-bench-")
         self.mock_port, self.gateway_port, self.proxy_port = free_port(), free_port(), free_port()
 
@@ -161,7 +173,9 @@ class Stack:
         if self.pin:
             argv = ["taskset", "-c", cpu, *argv]
         log = open(os.path.join(self.workdir, f"{name}.log"), "wb")
-        self.processes.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT))
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)  # taskset execs: same pid
+        self.processes.append(process)
+        self.pids[name] = process.pid
 
     def start(self) -> None:
         py = sys.executable
@@ -239,15 +253,22 @@ def main() -> int:
                   f" {'PASS' if latency_ok else 'FAIL'}")
             # -- throughput at c=64, alternating gateway and minimal proxy
             rps: dict[str, list[float]] = {"direct": [], "gateway": [], "minimal proxy": []}
+            cpu_s = {name: 0.0 for name in rps}
+            served = {name: 0 for name in rps}
+            owner = {"direct": "mock", "gateway": "gateway", "minimal proxy": "proxy"}
             targets = (("gateway", stack.gateway_port), ("minimal proxy", stack.proxy_port), ("direct", stack.mock_port))
             for _ in range(args.rounds):
                 for name, port in targets:
+                    cpu_before = cpu_seconds(stack.pids[owner[name]])
                     if use_wrk:
-                        rps[name].append(wrk_rps(port, path, body_direct, 64, args.seconds, client_cpu))
+                        rate, count = wrk_run(port, path, body_direct, 64, args.seconds, client_cpu)
                     else:
                         e2e, _, elapsed, errors = drive(port, path, body_direct, 64, args.seconds)
                         assert errors == 0, f"{name}: {errors} errors"
-                        rps[name].append(len(e2e) / elapsed)
+                        rate, count = len(e2e) / elapsed, len(e2e)
+                    cpu_s[name] += cpu_seconds(stack.pids[owner[name]]) - cpu_before
+                    served[name] += count
+                    rps[name].append(rate)
             medians = {name: statistics.median(values) for name, values in rps.items()}
             ratio = medians["gateway"] / medians["minimal proxy"]
             bar = 1.2 if stream else 1.5
@@ -255,6 +276,8 @@ def main() -> int:
             print(f"{label.split(' (')[0]}, c=64 req/s (median of {args.rounds}): "
                   + "  ".join(f"{name} {value:,.0f}" for name, value in medians.items())
                   + f" | gateway / minimal proxy = {ratio:.2f}x (bar {bar}x) {'PASS' if ratio >= bar else 'FAIL'}")
+            print("  CPU per request of the process under test: " + "  ".join(
+                f"{name} ({owner[name]}) {cpu_s[name] / max(1, served[name]) * 1e6:.0f} us" for name in rps))
             print("  rounds: " + "; ".join(f"{name} " + ", ".join(f"{v:,.0f}" for v in values)
                                            for name, values in rps.items()))
     finally:

@@ -40,6 +40,7 @@ from tidegate.mock.latency import Distribution, LatencyModel  # noqa: E402
 GENERATOR_CORE, MOCK_CORE = 0, 1
 QUANTILES = (0.5, 0.9, 0.99)
 TTFT_MS, ITL_MS, SIGMA, TOKENS = 50.0, 20.0, 0.5, 16
+MAX_ATTEMPTS, DISTURBED_LAG_MS = 3, 2.0
 
 
 def start_mock(port: int, *args: str) -> subprocess.Popen:
@@ -80,16 +81,23 @@ def latency_accuracy(port: int, rate: float, seconds: float) -> bool:
     all_ok = True
     rng = np.random.default_rng(0)
     for dist in ("const", "exp", "lognormal", "uniform"):
-        mock = start_mock(port, "--tokens", str(TOKENS), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
-                          "--ttft-dist", dist, "--itl-dist", dist, "--sigma", str(SIGMA), "--seed", "7")
-        try:
-            stream = TrafficStream(Poisson(rate), (DEFAULT_TENANT,), parse_length("const:64"),
-                                   parse_length(f"const:{TOKENS}"))
-            plan = build_plan([stream], np.random.default_rng(1), duration_s=seconds)
-            config = RunConfig(targets=(parse_url(f"http://127.0.0.1:{port}"),), kind=ApiKind.CHAT, stream=True)
-            result = uvloop.run(Driver(config, plan).run())
-        finally:
-            stop(mock)
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            mock = start_mock(port, "--tokens", str(TOKENS), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
+                              "--ttft-dist", dist, "--itl-dist", dist, "--sigma", str(SIGMA), "--seed", "7")
+            try:
+                stream = TrafficStream(Poisson(rate), (DEFAULT_TENANT,), parse_length("const:64"),
+                                       parse_length(f"const:{TOKENS}"))
+                plan = build_plan([stream], np.random.default_rng(1), duration_s=seconds)
+                config = RunConfig(targets=(parse_url(f"http://127.0.0.1:{port}"),), kind=ApiKind.CHAT, stream=True)
+                result = uvloop.run(Driver(config, plan).run())
+            finally:
+                stop(mock)
+            # The generator's own send lag tells when another process took the cores (the machine
+            # is shared): then the latencies measure that process, not the mock. Run again.
+            lag_p99_ms = lag_summary(result.records, 10.0).p99_ms
+            if lag_p99_ms < DISTURBED_LAG_MS:
+                break
+            print(f"{dist:9} attempt {attempt} disturbed (send lag p99 {lag_p99_ms:.1f} ms): discarded")
         ok_records = [r for r in result.records if r.ok]
         samples = {
             "ttft": np.asarray([r.ttft_s for r in ok_records]),
@@ -150,8 +158,9 @@ def trace_accuracy(port: int, speedup: float) -> bool:
     achieved_gaps = np.diff(sent)
     mean_gap_err = abs(achieved_gaps.mean() / expected_gaps.mean() - 1) * 100
     per_gap_err = np.abs(achieved_gaps - expected_gaps).mean() / expected_gaps.mean() * 100
-    # achieved minutes counted from the scheduled start, as the schedule's are
-    achieved_counts = per_minute_counts(sent - (sent[0] - planned[0]), minute_s)
+    # sent_s and send_at_s share the run's start as origin
+    achieved_counts = per_minute_counts(sent, minute_s)
+    crossed = np.flatnonzero(np.floor(sent / minute_s) != np.floor(planned / minute_s))
     differing = int(np.sum(achieved_counts[: len(expected_counts)] != expected_counts[: len(achieved_counts)]))
     counts_equal = np.array_equal(achieved_counts, expected_counts)
     lag = lag_summary(result.records, 10.0)
@@ -161,6 +170,10 @@ def trace_accuracy(port: int, speedup: float) -> bool:
           f"per-minute counts equal: {counts_equal} ({differing} of {len(expected_counts)} minutes differ, "
           f"max diff {int(np.abs(achieved_counts[:len(expected_counts)] - expected_counts[:len(achieved_counts)]).max())}); "
           f"send lag p50/p99/max {lag.p50_ms:.3f}/{lag.p99_ms:.3f}/{lag.max_ms:.3f} ms")
+    for index in crossed:
+        print(f"  request {index}: due {planned[index]:.6f} s, sent {sent[index]:.6f} s "
+              f"(lag {1000 * (sent[index] - planned[index]):.3f} ms, "
+              f"{1000 * (np.ceil(planned[index] / minute_s) * minute_s - planned[index]):.3f} ms before its minute ended)")
     return plan_gap_err < 1 and plan_counts_equal and mean_gap_err < 1 and counts_equal
 
 
@@ -170,12 +183,16 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=400.0)
     parser.add_argument("--seconds", type=float, default=25.0)
     parser.add_argument("--speedup", type=float, default=60.0)
+    parser.add_argument("--only", choices=["latency", "trace"], help="run one half")
     args = parser.parse_args()
     os.sched_setaffinity(0, {GENERATOR_CORE})
-    latency_ok = latency_accuracy(args.port, args.rate, args.seconds)
-    trace_ok = trace_accuracy(args.port, args.speedup)
-    print(f"latency bar (5 % or 0.5 ms): {'MET' if latency_ok else 'NOT MET'}; "
-          f"trace bar (1 % mean inter-arrival, exact per-minute counts): {'MET' if trace_ok else 'NOT MET'}")
+    latency_ok = latency_accuracy(args.port, args.rate, args.seconds) if args.only != "trace" else None
+    trace_ok = trace_accuracy(args.port, args.speedup) if args.only != "latency" else None
+    def verdict(ok: bool | None) -> str:
+        return "not run" if ok is None else ("MET" if ok else "NOT MET")
+
+    print(f"latency bar (5 % or 0.5 ms): {verdict(latency_ok)}; "
+          f"trace bar (1 % mean inter-arrival, exact per-minute counts): {verdict(trace_ok)}")
     return 0
 
 

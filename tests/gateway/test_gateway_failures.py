@@ -178,3 +178,44 @@ def test_replica_failing_requests_is_ejected_though_its_health_check_passes(star
     with pytest.raises(openai.APIStatusError) as caught:
         client.chat.completions.create(model="flaky", messages=MESSAGES)
     assert caught.value.status_code == 503
+
+
+class _BreaksMidStreamHandler(BaseHTTPRequestHandler):
+    """An upstream that sends one SSE event, then drops the connection."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:  # noqa: N802
+        self.send_response(200)
+        self.send_header("content-length", "2")
+        self.end_headers()
+        self.wfile.write(b"{}")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        event = b'data: {"id":"x","object":"chat.completion.chunk","created":0,"model":"m","choices":' \
+                b'[{"index":0,"delta":{"content":"hi"},"finish_reason":null}]}\n\n'
+        self.wfile.write(b"%x\r\n%b\r\n" % (len(event), event))
+        self.wfile.flush()
+        self.close_connection = True
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_stream_broken_midway_ends_with_an_error_event(start_gateway) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _BreaksMidStreamHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        gateway = start_gateway([upstream_pool("breaks", f"http://127.0.0.1:{server.server_address[1]}/v1")])
+        stream = _client(gateway).chat.completions.create(model="breaks", messages=MESSAGES, stream=True)
+        first = next(iter(stream))
+        assert first.choices[0].delta.content == "hi"
+        with pytest.raises(openai.APIError, match="failed mid-stream"):
+            list(stream)
+    finally:
+        server.shutdown()

@@ -178,3 +178,15 @@ def test_pipelined_requests_are_answered_in_order(gateway: Gateway) -> None:
             assert chunk, "connection closed early"
             received += chunk
     assert received.index(b"x-request-id: first") < received.index(b"x-request-id: second")
+
+
+def test_head_request_gets_no_body_and_connection_stays_usable(gateway: Gateway) -> None:
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", gateway.port, timeout=5)
+    connection.request("HEAD", "/health")
+    head = connection.getresponse()
+    assert head.status == 200 and head.read() == b""
+    connection.request("GET", "/health")
+    assert connection.getresponse().read() == b'{"status":"ok"}'
+    connection.close()

@@ -97,6 +97,14 @@ def test_aging_lets_batch_overtake_after_its_offset() -> None:
     assert _drain(queue, 182.0) == ["c1", "old-batch", "c2"]
 
 
+def test_best_tier_without_offset_goes_before_younger_aged_tiers() -> None:
+    # default_tiers(): critical has no aging offset, the tiers below it have one
+    queue = FairPriorityQueue(default_tiers(), max_queued=10)
+    _put(queue, 0.0, tier="sheddable", request_id="s")
+    _put(queue, 1.0, tier="critical", request_id="c")
+    assert queue.dequeue(2.0).request.request_id == "c"
+
+
 def test_expired_request_is_returned_not_dispatched() -> None:
     queue = FairPriorityQueue(_tiers(wait_s=5.0), max_queued=10)
     _put(queue, 0.0, request_id="late")

@@ -249,7 +249,7 @@ class EmbeddingBatcher:
     worker thread and releases the GIL, so the loop keeps serving HTTP while a batch computes.
     """
 
-    def __init__(self, model: EmbeddingModel, *, max_batch_size: int = 32, max_queue_delay_ms: float = 2.0,
+    def __init__(self, model: EmbeddingModel, *, max_batch_size: int = 32, max_queue_delay_ms: float = 1.0,
                  max_batch_tokens: int = 2048, sort_by_length: bool = True, max_queued_texts: int = 8192) -> None:
         self.model = model
         self.max_batch_size = max_batch_size

@@ -93,6 +93,9 @@ class Gateway:
         self.supervisor = WorkerSupervisor(workers)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
         self.health_checker = HealthChecker(all_replicas, health.interval_s, health.timeout_s, self._wake_pools)
+        # how long `serve` waits for every pool to turn ready before it warns
+        self.startup_timeout_s = max((b.startup_timeout_s for p in config.pools for b in p.backends
+                                      if isinstance(b, EmbeddedBackend)), default=60.0)
         self._server: asyncio.base_events.Server | None = None
         self.port = server.port
 

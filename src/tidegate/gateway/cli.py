@@ -22,6 +22,15 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-access-log", action="store_true", help="no per-request access log line")
 
 
+def _report_readiness(task: asyncio.Task[bool]) -> None:
+    if task.cancelled():
+        return
+    if task.result():
+        log.info("ready")
+    else:
+        log.warning("not every pool is ready yet; /ready answers 503 until it is")
+
+
 async def _serve(config) -> int:
     from tidegate.gateway.app import Gateway
 
@@ -31,9 +40,8 @@ async def _serve(config) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     await gateway.start()
-    ready_task = loop.create_task(gateway.wait_ready(timeout_s=600.0))
-    ready_task.add_done_callback(
-        lambda task: log.info("ready") if task.result() else log.warning("not every pool is ready after 600 s"))
+    ready_task = loop.create_task(gateway.wait_ready(timeout_s=gateway.startup_timeout_s))
+    ready_task.add_done_callback(_report_readiness)
     await stop.wait()
     log.info("stopping")
     ready_task.cancel()

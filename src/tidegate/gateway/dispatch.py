@@ -9,17 +9,20 @@ limit writes `Replica.slot_limit` from the samples `release` receives.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Collection
 from typing import Any, Protocol
 
 from tidegate.errors import OverloadedError
 from tidegate.gateway.upstream import ConnectionPool
-from tidegate.policy.health import CLOSED_BREAKER, Breaker, BreakerPolicy
+from tidegate.policy.health import CLOSED_BREAKER, Breaker, BreakerPolicy, BreakerState
 from tidegate.policy.routing import any_routable, pick_replica
 from tidegate.types import ReplicaHealth, ReplicaLoad
 
 __all__ = ["Replica", "Waiter", "WaitQueue", "FifoWaitQueue", "ModelPool"]
+
+log = logging.getLogger("tidegate.dispatch")
 
 
 class Replica:
@@ -206,4 +209,9 @@ class ModelPool:
         replica.breaker = replica.breaker.on_success()
 
     def record_failure(self, replica: Replica, now_s: float) -> None:
-        replica.breaker = replica.breaker.on_failure(now_s, self.breaker_policy)
+        before = replica.breaker
+        replica.breaker = after = before.on_failure(now_s, self.breaker_policy)
+        if after.state is BreakerState.OPEN and after.reopen_at_s != before.reopen_at_s:
+            log.warning("replica ejected", extra={"fields": {
+                "replica": replica.replica_id, "consecutive_failures": after.consecutive_failures,
+                "cooldown_s": after.cooldown_s}})

@@ -61,6 +61,7 @@ class HttpConnection(asyncio.Protocol):
         self._pending: deque[HttpRequest] = deque()
         self._task: asyncio.Task[None] | None = None
         self._keep_alive = True
+        self._answering_head = False  # a HEAD request: its answer has headers only
         self.closed = False
         # set by a streaming handler so that a slow client pauses the upstream instead of buffering
         self.on_pause_writing: Callable[[], None] | None = None
@@ -158,6 +159,7 @@ class HttpConnection(asyncio.Protocol):
     # -- request lifecycle
     def _start(self, request: HttpRequest) -> None:
         self._keep_alive = request.keep_alive
+        self._answering_head = request.method == b"HEAD"
         self._task = asyncio.get_running_loop().create_task(self._run(request))
 
     async def _run(self, request: HttpRequest) -> None:
@@ -190,9 +192,8 @@ class HttpConnection(asyncio.Protocol):
             return
         connection = b"" if self._keep_alive else b"connection: close\r\n"
         self.transport.write(
-            b"".join(
-                (status_line(status), headers, connection, b"content-length: ", str(len(body)).encode(), b"\r\n\r\n", body)
-            )
+            b"".join((status_line(status), headers, connection, b"content-length: ", str(len(body)).encode(),
+                      b"\r\n\r\n", b"" if self._answering_head else body))
         )
 
     def start_stream(self, status: int, headers: bytes) -> None:

@@ -27,7 +27,7 @@ from tidegate.errors import (
 )
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection, HttpRequest
-from tidegate.gateway.upstream import Exchange, UpstreamFailure, _UpstreamConnection
+from tidegate.gateway.upstream import Exchange, UpstreamFailure, UpstreamConnection
 from tidegate.gateway.validation import Endpoint, check_body
 from tidegate.policy.health import is_routable
 from tidegate.telemetry.logs import AccessLog
@@ -293,7 +293,7 @@ class _StreamRelay:
     __slots__ = ("proxy", "conn", "connection", "request_id", "started", "metrics", "timer", "streaming",
                  "pending", "exchange")
 
-    def __init__(self, proxy: Proxy, conn: HttpConnection, connection: _UpstreamConnection, request_id: bytes,
+    def __init__(self, proxy: Proxy, conn: HttpConnection, connection: UpstreamConnection, request_id: bytes,
                  started: float, metrics: PoolMetrics) -> None:
         self.proxy = proxy
         self.conn = conn
@@ -348,6 +348,6 @@ class _RetryElsewhere(Exception):
         self.error = error
 
 
-def _time_out(connection: _UpstreamConnection, exchange: Exchange) -> None:
+def _time_out(connection: UpstreamConnection, exchange: Exchange) -> None:
     exchange.fail(UpstreamFailure("timed out", before_first_byte=not exchange.got_bytes, timed_out=True))
     connection.close()

@@ -16,7 +16,7 @@ from typing import Protocol
 
 import httptools
 
-__all__ = ["Endpoint", "UpstreamFailure", "BodyRelay", "Exchange", "ConnectionPool"]
+__all__ = ["Endpoint", "UpstreamFailure", "BodyRelay", "Exchange", "UpstreamConnection", "ConnectionPool"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +69,7 @@ class Exchange:
             self.done.set_exception(failure)
 
 
-class _UpstreamConnection(asyncio.Protocol):
+class UpstreamConnection(asyncio.Protocol):
     def __init__(self, pool: ConnectionPool) -> None:
         self._pool = pool
         self._parser = httptools.HttpResponseParser(self)
@@ -158,10 +158,10 @@ class ConnectionPool:
         self.endpoint = endpoint
         self._connect_timeout_s = connect_timeout_s
         self._max_idle = max_idle
-        self._idle: list[_UpstreamConnection] = []
+        self._idle: list[UpstreamConnection] = []
         self._ssl = ssl_module.create_default_context() if endpoint.use_tls else None
 
-    async def connection(self, fresh: bool = False) -> tuple[_UpstreamConnection, bool]:
+    async def connection(self, fresh: bool = False) -> tuple[UpstreamConnection, bool]:
         """(connection, reused): a reused one may turn out closed by the server (retry it fresh)."""
         idle = self._idle
         while idle and not fresh:
@@ -172,7 +172,7 @@ class ConnectionPool:
         try:
             _transport, connection = await asyncio.wait_for(
                 loop.create_connection(
-                    lambda: _UpstreamConnection(self), self.endpoint.host, self.endpoint.port, ssl=self._ssl
+                    lambda: UpstreamConnection(self), self.endpoint.host, self.endpoint.port, ssl=self._ssl
                 ),
                 self._connect_timeout_s,
             )
@@ -182,7 +182,7 @@ class ConnectionPool:
             raise UpstreamFailure(f"connect failed: {error.strerror or error}", before_first_byte=True, connect=True) from None
         return connection, False
 
-    def put_back(self, connection: _UpstreamConnection) -> None:
+    def put_back(self, connection: UpstreamConnection) -> None:
         if len(self._idle) < self._max_idle:
             self._idle.append(connection)
         else:

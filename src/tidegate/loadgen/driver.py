@@ -206,7 +206,7 @@ class Driver:
             while not stop.is_set():
                 tick = time.perf_counter()
                 for target, client in enumerate(scrapers):
-                    response = await client.request(client.render("GET", "/metrics"))
+                    response = await client.request(client.render("GET", "/metrics", under_base=False))
                     if response.status == 200:
                         t_s = tick - self._start
                         for series, value in parse_prometheus(response.body().decode("utf-8", "replace"),

@@ -305,9 +305,13 @@ class FairPriorityQueue:
         for queue in self._queues.values():  # best rank first; a tie keeps the better rank
             if queue.arrivals:
                 offset_s = queue.spec.aging_offset_s
-                key = math.inf if offset_s is None else next(iter(queue.arrivals.values())).enqueued_at_s + offset_s
-                if best is None or key < best_key:
-                    best, best_key = queue, key
+                oldest_s = next(iter(queue.arrivals.values())).enqueued_at_s
+                if best is None:
+                    # the best tier waiting competes from its own arrival; without an offset it
+                    # cannot overtake anything, but it can still be overtaken by an aged lower tier
+                    best, best_key = queue, oldest_s + (offset_s or 0.0)
+                elif offset_s is not None and oldest_s + offset_s < best_key:
+                    best, best_key = queue, oldest_s + offset_s
         return best
 
     def _least_served_tenant(self, queue: _TierQueue) -> str:

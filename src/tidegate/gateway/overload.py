@@ -1,0 +1,376 @@
+"""Overload control at the gateway: the I/O edge of the pure policies in `policy/`.
+
+Per request (see `policy.overload` for the decisions themselves):
+`authenticate` (API key -> tenant, tier; 401) -> `admit` (rate limits, predicted wait, degradation
+ladder; refusals raise at once with `x-ratelimit-*`, `Retry-After` and `x-tidegate-degradation`)
+-> `acquire` (waits in the pool's `FairWaitQueue` until a replica's adaptive slot frees: late
+binding) -> `first_token` / `ended` (latency samples for the replica's slot limit) -> `settle`
+(refund the unused token reservation, correct the tenant's fair share).
+
+The clock is read here and passed in; every decision stays in the policies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from tidegate.errors import AuthenticationError, OverloadedError, RateLimitError
+from tidegate.gateway.dispatch import ModelPool, Replica, Waiter
+from tidegate.gateway.overload_config import OverloadPolicies
+from tidegate.gateway.overload_metrics import OverloadMetrics
+from tidegate.policy.admission import LimitKind
+from tidegate.policy.concurrency import ReplicaSlots
+from tidegate.policy.degradation import DEGRADATION_HEADER, Rung
+from tidegate.policy.identity import Identity
+from tidegate.policy.overload import ArrivalOutcome, OverloadControl, RequestFacts, ShedNotice
+
+__all__ = [
+    "TenantRateLimitError",
+    "DegradedReplyError",
+    "Ticket",
+    "FairWaitQueue",
+    "OverloadRuntime",
+    "estimate_prompt_tokens",
+    "extra_headers",
+]
+
+log = logging.getLogger("tidegate.overload")
+
+
+class TenantRateLimitError(RateLimitError):
+    """429 with the tenant's `x-ratelimit-*` headers."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None, headers: bytes) -> None:
+        super().__init__(message, retry_after_s=retry_after_s)
+        self.headers = headers
+
+
+class DegradedReplyError(OverloadedError):
+    """503 + Retry-After carrying the preset reply text, named as such by `x-tidegate-degradation`."""
+
+    def __init__(self, message: str, *, retry_after_s: float | None, headers: bytes) -> None:
+        super().__init__(message, code="overloaded", retry_after_s=retry_after_s)
+        self.headers = headers
+
+
+def extra_headers(error: BaseException) -> bytes:
+    """Header lines an error adds to its response (rate-limit, degradation); b"" for most errors."""
+    return getattr(error, "headers", b"")
+
+
+def _header_lines(headers: Mapping[str, str]) -> bytes:
+    return b"".join(f"{name}: {value}\r\n".encode() for name, value in headers.items())
+
+
+def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
+    """Prompt tokens from the request body without a tokenizer: ~4 characters a token (OpenAI's rule of
+    thumb), plus a few per chat message for its role and separators. Only for reservations and
+    fair share: settlement corrects it with the usage the upstream reports."""
+    chars = 0
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                chars += len(content)
+            elif isinstance(content, list):
+                chars += sum(len(part.get("text", "")) for part in content if isinstance(part, dict))
+        return chars // 4 + 4 * len(messages) + 1
+    prompt = body.get("prompt", body.get("input"))
+    if isinstance(prompt, str):
+        return len(prompt) // 4 + 1
+    if isinstance(prompt, list):
+        return sum(len(p) // 4 + 1 if isinstance(p, str) else len(p) if isinstance(p, list) else 1 for p in prompt)
+    return 1
+
+
+class Ticket:
+    """What overload control knows of one admitted request; rides on `Waiter.ticket`."""
+
+    __slots__ = ("request_id", "pool", "tier", "tenant", "prompt_tokens", "arrived_s", "predicted_wait_s",
+                 "response_headers", "dispatched_s", "waiter")
+
+    def __init__(self, request_id: str, pool: str, tier: str, tenant: str, prompt_tokens: int, arrived_s: float,
+                 predicted_wait_s: float | None, response_headers: bytes) -> None:
+        self.request_id = request_id
+        self.pool = pool  # the pool it waits in: the fallback pool when degraded to it
+        self.tier = tier
+        self.tenant = tenant
+        self.prompt_tokens = prompt_tokens
+        self.arrived_s = arrived_s
+        self.predicted_wait_s = predicted_wait_s
+        self.response_headers = response_headers  # rate-limit (+ degradation) lines for the answer
+        self.dispatched_s: float | None = None
+        self.waiter: Waiter | None = None
+
+
+class FairWaitQueue:
+    """`dispatch.WaitQueue` over a pool's `FairPriorityQueue` (inside `OverloadControl`).
+
+    A waiter's ticket is already queued in the policy when it is pushed (`OverloadControl.arrive`
+    enqueues); this maps request ids to waiters, keeps the deadline timer armed and answers
+    requests the policy sheds. Waiters without a ticket (a retry on another replica after a
+    connection failure: already dispatched once) go first, in FIFO order.
+    """
+
+    def __init__(self, runtime: OverloadRuntime, pool: str) -> None:
+        self._runtime = runtime
+        self._control = runtime.control
+        self._pool = pool
+        self._policies = runtime.control.pools[pool]
+        self._waiting: dict[str, Waiter] = {}
+        self._retries: deque[Waiter] = deque()
+        self._peeked_at_s = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at_s: float | None = None
+
+    def push(self, waiter: Waiter) -> None:
+        ticket = waiter.ticket
+        if ticket is None:
+            self._retries.append(waiter)
+            return
+        self._waiting[ticket.request_id] = waiter
+        self._arm_timer()
+
+    def peek(self) -> Waiter | None:
+        if self._retries:
+            return self._retries[0]
+        now_s = self._peeked_at_s = self._runtime.clock()
+        self._runtime.answer_shed(now_s, self._control.expire(now_s, self._pool))
+        while True:
+            head = self._control.peek(self._pool)
+            if head is None:
+                return None
+            waiter = self._waiting.get(head.request_id)
+            if waiter is not None:
+                return waiter
+            # queued in the policy but nobody waits for it (its handler failed before waiting)
+            self._control.cancel(now_s, head.request_id)
+
+    def pop(self) -> Waiter:
+        if self._retries:
+            return self._retries.popleft()
+        now_s = self._peeked_at_s  # the instant `peek` looked: the same request comes out
+        dispatch = self._control.dispatch(now_s, self._pool)
+        self._runtime.answer_shed(now_s, dispatch.shed)
+        request = dispatch.request
+        if request is None:
+            raise IndexError("pop from an empty FairWaitQueue")
+        waiter = self._waiting.pop(request.request_id)
+        ticket: Ticket = waiter.ticket
+        ticket.dispatched_s = now_s
+        self._runtime.on_dispatch(ticket, now_s - request.enqueued_at_s)
+        self._arm_timer()
+        return waiter
+
+    def remove(self, waiter: Waiter) -> None:
+        ticket = waiter.ticket
+        if ticket is None:
+            try:
+                self._retries.remove(waiter)
+            except ValueError:
+                pass
+            return
+        if self._waiting.pop(ticket.request_id, None) is not None:
+            self._control.cancel(self._runtime.clock(), ticket.request_id)
+
+    def take_shed(self, request_id: str) -> Waiter | None:
+        """The waiter of a request the policy dropped, no longer queued."""
+        return self._waiting.pop(request_id, None)
+
+    def __len__(self) -> int:
+        return len(self._policies.queue) + len(self._retries)
+
+    # -- deadlines: answer a request at its deadline, not when the next slot happens to free
+    def _arm_timer(self) -> None:
+        deadline_s = self._policies.queue.next_deadline_s()
+        if deadline_s is None or (self._timer_at_s is not None and self._timer_at_s <= deadline_s):
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        delay_s = max(0.0, deadline_s - self._runtime.clock())
+        self._timer = asyncio.get_running_loop().call_later(delay_s, self._on_deadline)
+        self._timer_at_s = deadline_s
+
+    def _on_deadline(self) -> None:
+        self._timer = self._timer_at_s = None
+        now_s = self._runtime.clock()
+        self._runtime.answer_shed(now_s, self._control.expire(now_s, self._pool))
+        if len(self._policies.queue):
+            self._arm_timer()
+
+
+class OverloadRuntime:
+    """Owns the overload policies of a running gateway and drives them from the request path."""
+
+    def __init__(self, policies: OverloadPolicies, pools: Mapping[str, ModelPool], metrics: OverloadMetrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.identity = policies.identity
+        self.control: OverloadControl = policies.control
+        self.config = policies.config
+        self.pools = pools
+        self.metrics = metrics
+        self.clock = clock
+        self.queues: dict[str, FairWaitQueue] = {}
+        self.slots: dict[str, ReplicaSlots] = {}  # replica id -> its adaptive slots
+        self._tickets: dict[str, Ticket] = {}  # queued, by request id: to find a shed request's waiter
+        slots_config = self.config.limits.slots
+        for name, pool in pools.items():
+            queue = self.queues[name] = FairWaitQueue(self, name)
+            pool.queue = queue
+            tier_queue = self.control.pools[name].queue
+            for tier in self.control.tiers:
+                metrics.watch_queue(name, tier.name, lambda q=tier_queue, t=tier.name: q.depth(t),
+                                    lambda q=tier_queue, t=tier.name: q.oldest_wait_s(self.clock(), t))
+            for replica in pool.replicas:
+                slots = self.slots[replica.replica_id] = slots_config.new_slots()
+                replica.slot_limit = slots.slot_limit
+                metrics.watch_slot_limit(name, replica.replica_id, lambda r=replica: r.slot_limit)
+
+    # -- 0. identity
+    def authenticate(self, authorization: bytes | None) -> Identity:
+        key = None
+        if authorization is not None:
+            scheme, _, value = authorization.decode("latin-1").partition(" ")
+            key = value.strip() if scheme.lower() == "bearer" else None
+        decision = self.identity.resolve(key)
+        if decision.identity is None:
+            raise AuthenticationError("missing or invalid API key (send 'Authorization: Bearer <key>')")
+        return decision.identity
+
+    def check_tier(self, identity: Identity) -> None:
+        if identity.tier is not None and identity.tier not in self.control.tiers:
+            raise AuthenticationError(f"the key's tier {identity.tier!r} is not configured")
+
+    # -- 1. admission
+    def admit(self, now_s: float, request_id: str, identity: Identity, model: str, body: Mapping[str, Any],
+              timeout_s: float | None = None) -> Ticket:
+        """Admits a request into its pool's queue, or raises the answer to send at once."""
+        prompt_tokens = estimate_prompt_tokens(body)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+        if not isinstance(max_tokens, int) or max_tokens <= 0:
+            max_tokens = 0 if "input" in body else self.config.limits.default_max_tokens
+        facts = RequestFacts(request_id, identity.tenant, identity.tier, model, prompt_tokens, max_tokens,
+                             timeout_s=timeout_s)
+        arrival = self.control.arrive(now_s, facts)
+        tier = arrival.tier.name
+        self.answer_shed(now_s, arrival.shed)
+        limits = arrival.admission.headers
+        headers = _header_lines(limits.as_http_headers()) if limits is not None else b""
+        outcome = arrival.outcome
+        metrics = self.metrics
+        if outcome is ArrivalOutcome.QUEUED:
+            assert arrival.pool is not None
+            if arrival.rung is not Rung.PRIMARY:
+                headers += _header_lines({DEGRADATION_HEADER: arrival.rung.value})
+                metrics.degraded.labels(model, arrival.rung.value).inc()
+            metrics.admissions.labels(model, tier, "queued" if arrival.rung is Rung.PRIMARY
+                                      else arrival.rung.value).inc()
+            prediction = arrival.prediction
+            ticket = Ticket(request_id, arrival.pool, tier, identity.tenant, prompt_tokens, now_s,
+                            prediction.predicted_wait_s if prediction is not None else None, headers)
+            self._tickets[request_id] = ticket
+            # the waiter joins at once, so that the policy's queue and the waiters never disagree
+            ticket.waiter = Waiter(asyncio.get_running_loop().create_future(), (), ticket)
+            self.pools[arrival.pool].queue.push(ticket.waiter)
+            return ticket
+        metrics.admissions.labels(model, tier, outcome.value).inc()
+        if outcome in (ArrivalOutcome.RATE_LIMITED, ArrivalOutcome.TOO_LARGE):
+            kind = arrival.admission.limit_hit or LimitKind.REQUESTS
+            reason = "too_large" if outcome is ArrivalOutcome.TOO_LARGE else f"rate_limited_{kind.value}"
+            metrics.rejections.labels(model, tier, reason).inc()
+            metrics.rejection_latency.labels(model).observe(self.clock() - now_s)
+            raise TenantRateLimitError(arrival.admission.message, retry_after_s=arrival.admission.retry_after_s,
+                                       headers=headers)
+        # PRESET_REPLY (CACHED_ANSWER cannot happen: no cache is offered to the policy yet)
+        reply = arrival.reply
+        assert reply is not None
+        reason = ("predicted_miss" if arrival.prediction is not None and arrival.prediction.misses_deadline
+                  else "degraded")
+        metrics.rejections.labels(model, tier, reason).inc()
+        metrics.degraded.labels(model, Rung.PRESET_REPLY.value).inc()
+        metrics.rejection_latency.labels(model).observe(self.clock() - now_s)
+        raise DegradedReplyError(reply.message or "overloaded", retry_after_s=reply.retry_after_s,
+                                 headers=headers + _header_lines(reply.headers()))
+
+    # -- 2./3. queue and late-binding dispatch
+    async def acquire(self, ticket: Ticket) -> Replica:
+        """Waits until a replica of the ticket's pool has a free slot and this request is next.
+
+        Await it right after `admit`, with `settle` in a `finally`: the request is already queued.
+        """
+        pool = self.pools[ticket.pool]
+        waiter = ticket.waiter
+        assert waiter is not None
+        pool.dispatch_waiting(self.clock())
+        try:
+            return await waiter.future
+        except asyncio.CancelledError:
+            pool.queue.remove(waiter)
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
+                pool.release(future.result(), self.clock())  # handed a slot just as the client left
+            raise
+
+    def on_dispatch(self, ticket: Ticket, waited_s: float) -> None:
+        self._tickets.pop(ticket.request_id, None)
+        self.metrics.queue_wait.labels(ticket.pool, ticket.tier).observe(waited_s)
+        if ticket.predicted_wait_s is not None:
+            self.metrics.predicted_wait.labels(ticket.pool, ticket.tier).observe(ticket.predicted_wait_s)
+
+    def answer_shed(self, now_s: float, notices: tuple[ShedNotice, ...]) -> None:
+        """Answers requests the policy dropped from a queue (deadline passed, or displaced)."""
+        for notice in notices:
+            request = notice.request
+            ticket = self._tickets.pop(request.request_id, None)
+            self.metrics.rejections.labels(ticket.pool if ticket else "", request.tier,
+                                           f"shed_{notice.reason.value}").inc()
+            if ticket is None:
+                continue
+            self.metrics.degraded.labels(ticket.pool, Rung.PRESET_REPLY.value).inc()
+            waiter = self.queues[ticket.pool].take_shed(request.request_id)
+            if waiter is None or waiter.future.done():
+                continue
+            reply = notice.reply
+            waiter.future.set_exception(DegradedReplyError(
+                reply.message or "overloaded", retry_after_s=reply.retry_after_s,
+                headers=ticket.response_headers + _header_lines(reply.headers())))
+
+    # -- 4./5. adaptive slots
+    def first_token(self, replica: Replica, latency_s: float) -> None:
+        """Time from dispatch to the first token (or to the whole answer when not streamed)."""
+        self._sample(replica, latency_s, dropped=False)
+
+    def ended_badly(self, replica: Replica, elapsed_s: float) -> None:
+        """An error or timeout at the replica: the limit backs off."""
+        self._sample(replica, elapsed_s, dropped=True)
+
+    def _sample(self, replica: Replica, latency_s: float, dropped: bool) -> None:
+        slots = self.slots.get(replica.replica_id)
+        if slots is None:
+            return
+        now_s = self.clock()
+        slots.inflight = replica.outstanding  # the pool counts held slots; the policy reads them
+        slots.observe_load(now_s, replica.load)
+        before = replica.slot_limit
+        replica.slot_limit = slots.observe(now_s, latency_s, dropped)
+        self.metrics.slot_samples.labels(replica.pool_name, replica.replica_id, "drop" if dropped else "ok").inc()
+        if replica.slot_limit > before:
+            pool = self.pools[replica.pool_name]
+            if len(pool.queue):
+                pool.dispatch_waiting(now_s)
+
+    # -- 6. settle
+    def settle(self, ticket: Ticket, prompt_tokens: int | None, completion_tokens: int) -> None:
+        """Ends the request's accounts: refund unused tokens, correct fair share. Call exactly once."""
+        now_s = self.clock()
+        self._tickets.pop(ticket.request_id, None)
+        if ticket.dispatched_s is None and self.control.cancel(now_s, ticket.request_id):
+            return
+        prompt = ticket.prompt_tokens if prompt_tokens is None else prompt_tokens
+        self.control.finish(now_s, ticket.request_id, prompt_tokens=prompt, completion_tokens=completion_tokens)

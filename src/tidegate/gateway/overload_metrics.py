@@ -1,0 +1,54 @@
+"""Prometheus metrics of overload control, registered on the gateway's registry.
+
+Queue depth and oldest wait per tier and replica slot limits are read at scrape time (callback
+gauges), so the hot path pays nothing for them; counters and histograms are updated as things happen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = ["OverloadMetrics"]
+
+_WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
+# rejections must be answered in milliseconds: fine buckets there
+_REJECTION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 1.0)
+
+
+class OverloadMetrics:
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.queue_depth = Gauge("tidegate_overload_queue_depth", "Requests waiting, by pool and tier",
+                                 ["pool", "tier"], registry=r)
+        self.oldest_wait = Gauge("tidegate_overload_queue_oldest_wait_seconds",
+                                 "Wait so far of the oldest waiting request, by pool and tier", ["pool", "tier"],
+                                 registry=r)
+        self.queue_wait = Histogram("tidegate_overload_queue_wait_seconds",
+                                    "Arrival to dispatch of dispatched requests, by pool and tier",
+                                    ["pool", "tier"], buckets=_WAIT_BUCKETS_S, registry=r)
+        self.predicted_wait = Histogram("tidegate_overload_predicted_wait_seconds",
+                                        "Wait predicted at arrival for requests later dispatched (compare with "
+                                        "tidegate_overload_queue_wait_seconds)", ["pool", "tier"],
+                                        buckets=_WAIT_BUCKETS_S, registry=r)
+        self.admissions = Counter("tidegate_overload_admissions", "Arrivals by outcome (queued, rate_limited, "
+                                  "too_large, preset_reply, fallback_pool)", ["pool", "tier", "outcome"], registry=r)
+        self.rejections = Counter("tidegate_overload_rejections", "Requests refused or shed, by reason",
+                                  ["pool", "tier", "reason"], registry=r)
+        self.degraded = Counter("tidegate_overload_degraded_responses", "Responses served below the primary "
+                                "rung, by rung", ["pool", "rung"], registry=r)
+        self.rejection_latency = Histogram("tidegate_overload_rejection_seconds",
+                                           "Arrival to the answer of a request refused at admission",
+                                           ["pool"], buckets=_REJECTION_BUCKETS_S, registry=r)
+        self.slot_limit = Gauge("tidegate_replica_slot_limit", "Adaptive slot limit, by replica",
+                                ["pool", "replica"], registry=r)
+        self.slot_samples = Counter("tidegate_replica_slot_samples", "Latency samples fed to the slot limit",
+                                    ["pool", "replica", "kind"], registry=r)
+
+    def watch_queue(self, pool: str, tier: str, depth: Callable[[], float], oldest_wait_s: Callable[[], float]) -> None:
+        self.queue_depth.labels(pool, tier).set_function(depth)
+        self.oldest_wait.labels(pool, tier).set_function(oldest_wait_s)
+
+    def watch_slot_limit(self, pool: str, replica: str, limit: Callable[[], float]) -> None:
+        self.slot_limit.labels(pool, replica).set_function(limit)

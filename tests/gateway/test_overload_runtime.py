@@ -1,0 +1,205 @@
+"""The overload glue over real ModelPools (no network): admission answers, fair queueing, deadlines, slots."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from tidegate.errors import AuthenticationError
+from tidegate.gateway.dispatch import ModelPool, Replica
+from tidegate.gateway.overload import (
+    DegradedReplyError,
+    OverloadRuntime,
+    TenantRateLimitError,
+    estimate_prompt_tokens,
+    extra_headers,
+)
+from tidegate.gateway.overload_config import build_policies, parse_overload_sections
+from tidegate.gateway.overload_metrics import OverloadMetrics
+from tidegate.gateway.upstream import ConnectionPool, Endpoint
+from tidegate.policy.health import BreakerPolicy
+from tidegate.policy.identity import Identity
+
+_ENDPOINT = Endpoint("127.0.0.1", 9, False, b"/v1", b"127.0.0.1:9")
+_BODY = {"model": "m", "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 10}
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now_s = 100.0
+
+    def __call__(self) -> float:
+        return self.now_s
+
+
+def _runtime(sections: dict | None = None, replicas: int = 1, clock=None) -> tuple[OverloadRuntime, ModelPool]:
+    sections = sections or {}
+    sections.setdefault("limits", {}).setdefault("slots", {"initial": 1, "minimum": 1, "maximum": 8,
+                                                           "target_latency_s": 0.5, "window_s": 0})
+    config = parse_overload_sections(sections)
+    pool = ModelPool("m", [Replica(f"r{i}", "m", ConnectionPool(_ENDPOINT, 1.0), 64, "m", None, None)
+                           for i in range(replicas)], BreakerPolicy(), 100, 30.0, 1)
+    registry = CollectorRegistry()
+    runtime = OverloadRuntime(build_policies(config, ["m"]), {"m": pool}, OverloadMetrics(registry),
+                              clock or FakeClock())
+    runtime.registry = registry  # type: ignore[attr-defined]  # for the metric assertions
+    return runtime, pool
+
+
+def _metric(runtime: OverloadRuntime, name: str, **labels: str) -> float | None:
+    return runtime.registry.get_sample_value(name, labels)
+
+
+_TENANTS = {"tenants": {"gold": {"api_keys": ["sk-gold"], "tier": "critical"},
+                        "free": {"api_keys": ["sk-free"], "tier": "sheddable"},
+                        "capped": {"api_keys": ["sk-capped"], "requests_per_minute": 1}}}
+
+
+def test_bad_key_is_401() -> None:
+    runtime, _ = _runtime(dict(_TENANTS))
+    with pytest.raises(AuthenticationError):
+        runtime.authenticate(b"Bearer sk-wrong")
+
+
+def test_missing_key_is_401_when_auth_is_on() -> None:
+    runtime, _ = _runtime(dict(_TENANTS))
+    with pytest.raises(AuthenticationError):
+        runtime.authenticate(None)
+
+
+def test_key_resolves_to_tenant_and_tier() -> None:
+    runtime, _ = _runtime(dict(_TENANTS))
+    assert runtime.authenticate(b"Bearer sk-gold") == Identity("gold", "critical")
+
+
+def test_without_tenants_everyone_is_anonymous() -> None:
+    runtime, _ = _runtime()
+    assert runtime.authenticate(None).tenant == "anonymous"
+
+
+async def test_free_slot_dispatches_at_once_and_settle_refunds() -> None:
+    runtime, pool = _runtime()
+    ticket = runtime.admit(runtime.clock(), "a", Identity("t", None), "m", _BODY)
+    replica = await runtime.acquire(ticket)
+    assert replica.outstanding == 1 and ticket.dispatched_s is not None
+    pool.release(replica, runtime.clock())
+    runtime.settle(ticket, None, 3)
+    assert runtime.control.open_requests == 0
+
+
+async def test_second_request_over_rpm_gets_429_with_headers() -> None:
+    runtime, _ = _runtime(dict(_TENANTS))
+    who = runtime.authenticate(b"Bearer sk-capped")
+    runtime.admit(runtime.clock(), "a", who, "m", _BODY)
+    with pytest.raises(TenantRateLimitError) as refused:
+        runtime.admit(runtime.clock(), "b", who, "m", _BODY)
+    assert refused.value.status == 429 and refused.value.retry_after_s > 0
+    assert b"x-ratelimit-limit-requests: 1\r\n" in extra_headers(refused.value)
+    assert b"x-ratelimit-remaining-requests: 0\r\n" in extra_headers(refused.value)
+
+
+async def test_admitted_request_carries_rate_limit_headers() -> None:
+    runtime, _ = _runtime(dict(_TENANTS))
+    ticket = runtime.admit(runtime.clock(), "a", runtime.authenticate(b"Bearer sk-capped"), "m", _BODY)
+    assert b"x-ratelimit-limit-requests: 1\r\n" in ticket.response_headers
+
+
+async def test_full_tier_gets_preset_reply_naming_the_rung() -> None:
+    levels = {"default": "low", "levels": {"low": {"rank": 0, "queue_bound": 0, "max_queue_wait_s": 1,
+                                                   "ttft_target_s": 2}}}
+    runtime, _ = _runtime({"tiers": levels, "degradation": {"preset_reply": "busy, retry"}})
+    with pytest.raises(DegradedReplyError) as refused:
+        runtime.admit(runtime.clock(), "a", Identity("t", None), "m", _BODY)
+    assert refused.value.status == 503 and refused.value.message == "busy, retry"
+    assert refused.value.retry_after_s >= 1
+    assert b"x-tidegate-degradation: preset_reply\r\n" in extra_headers(refused.value)
+    assert _metric(runtime, "tidegate_overload_degraded_responses_total", pool="m", rung="preset_reply") == 1
+
+
+async def test_critical_overtakes_earlier_sheddable_when_a_slot_frees() -> None:
+    runtime, pool = _runtime(dict(_TENANTS))
+    gold, free = runtime.authenticate(b"Bearer sk-gold"), runtime.authenticate(b"Bearer sk-free")
+    holder = await runtime.acquire(runtime.admit(runtime.clock(), "h", gold, "m", _BODY))
+    sheddable = asyncio.ensure_future(runtime.acquire(runtime.admit(runtime.clock(), "s", free, "m", _BODY)))
+    critical = asyncio.ensure_future(runtime.acquire(runtime.admit(runtime.clock(), "c", gold, "m", _BODY)))
+    await asyncio.sleep(0)
+    assert len(pool.queue) == 2
+    pool.release(holder, runtime.clock())
+    await asyncio.sleep(0)
+    assert critical.done() and not sheddable.done()
+    sheddable.cancel()
+
+
+async def test_request_past_its_deadline_is_answered_by_the_timer() -> None:
+    levels = {"default": "low", "levels": {"low": {"rank": 0, "max_queue_wait_s": 0.05, "ttft_target_s": 1}}}
+    runtime, pool = _runtime({"tiers": levels}, clock=asyncio.get_running_loop().time)
+    who = Identity("t", None)
+    await runtime.acquire(runtime.admit(runtime.clock(), "h", who, "m", _BODY))
+    waiting = runtime.admit(runtime.clock(), "w", who, "m", _BODY)
+    with pytest.raises(DegradedReplyError):
+        await asyncio.wait_for(runtime.acquire(waiting), timeout=2.0)
+    assert len(pool.queue) == 0
+    assert _metric(runtime, "tidegate_overload_rejections_total", pool="m", tier="low", reason="shed_deadline") == 1
+
+
+async def test_client_leaving_while_queued_is_removed_and_refunded() -> None:
+    runtime, pool = _runtime()
+    who = Identity("t", None)
+    await runtime.acquire(runtime.admit(runtime.clock(), "h", who, "m", _BODY))
+    ticket = runtime.admit(runtime.clock(), "w", who, "m", _BODY)
+    waiting = asyncio.ensure_future(runtime.acquire(ticket))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    runtime.settle(ticket, None, 0)
+    assert len(pool.queue) == 0 and runtime.control.open_requests == 1  # only the holder
+
+
+async def test_fast_samples_at_the_limit_raise_the_slot_limit() -> None:
+    runtime, pool = _runtime()
+    replica = await runtime.acquire(runtime.admit(runtime.clock(), "h", Identity("t", None), "m", _BODY))
+    for _ in range(60):
+        runtime.clock.now_s += 0.1
+        runtime.first_token(replica, 0.05)
+    assert replica.slot_limit > 1
+
+
+async def test_raised_limit_dispatches_a_waiting_request() -> None:
+    runtime, pool = _runtime()
+    who = Identity("t", None)
+    replica = await runtime.acquire(runtime.admit(runtime.clock(), "h", who, "m", _BODY))
+    waiting = asyncio.ensure_future(runtime.acquire(runtime.admit(runtime.clock(), "w", who, "m", _BODY)))
+    await asyncio.sleep(0)
+    for _ in range(60):
+        runtime.clock.now_s += 0.1
+        runtime.first_token(replica, 0.05)
+    await asyncio.sleep(0)
+    assert waiting.done() and replica.outstanding == 2
+
+
+async def test_drops_back_the_slot_limit_off() -> None:
+    runtime, pool = _runtime({"limits": {"slots": {"initial": 8, "maximum": 8, "window_s": 0}}})
+    replica = pool.replicas[0]
+    for _ in range(3):
+        runtime.clock.now_s += 0.1
+        runtime.ended_badly(replica, 1.0)
+    assert replica.slot_limit < 8
+
+
+async def test_queue_depth_gauge_reads_the_policy_queue() -> None:
+    runtime, _ = _runtime()
+    runtime.admit(runtime.clock(), "a", Identity("t", None), "m", _BODY)
+    assert _metric(runtime, "tidegate_overload_queue_depth", pool="m", tier="standard") == 1
+
+
+@pytest.mark.parametrize(("body", "tokens"), [
+    ({"messages": [{"role": "user", "content": "x" * 40}]}, 40 // 4 + 4 + 1),
+    ({"prompt": "y" * 80}, 21),
+    ({"prompt": [[1, 2, 3], "abcd"]}, 3 + 2),
+    ({"input": "z" * 8}, 3),
+])
+def test_prompt_tokens_are_estimated_from_characters(body: dict, tokens: int) -> None:
+    assert estimate_prompt_tokens(body) == tokens
