@@ -1,6 +1,6 @@
 """Gateway overhead against a 0 ms mock upstream, as ratios against baselines measured in the same run.
 
-    flock /tmp/tidegate-bench.lock python bench/gateway_overhead.py [--pin] [--rounds 3]
+    python bench/gateway_overhead.py [--pin] [--rounds 3]      # alone on the machine: it measures CPU
 
 Prints, for non-streaming and streaming (16 chunks) requests:
 - added latency at concurrency 16 (p50, p99 of end-to-end; streaming: time to first chunk), gateway

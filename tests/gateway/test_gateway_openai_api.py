@@ -190,3 +190,12 @@ def test_head_request_gets_no_body_and_connection_stays_usable(gateway: Gateway)
     connection.request("GET", "/health")
     assert connection.getresponse().read() == b'{"status":"ok"}'
     connection.close()
+
+
+def test_oversized_headers_are_431_and_gateway_keeps_serving(gateway: Gateway) -> None:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=5) as sock:
+        sock.sendall(b"GET /health HTTP/1.1\r\nx-padding: " + b"a" * 100_000 + b"\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 431")
+    assert _get(f"{gateway.base}/health")[0] == 200

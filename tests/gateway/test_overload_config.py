@@ -76,3 +76,9 @@ def test_degradation_for_unknown_pool_is_refused() -> None:
 def test_slot_bounds_must_be_ordered() -> None:
     with pytest.raises(ValidationError, match="minimum <= initial <= maximum"):
         parse_overload_sections({"limits": {"slots": {"initial": 8, "maximum": 4}}})
+
+
+def test_backend_slot_limit_caps_the_adaptive_limit() -> None:
+    slots = parse_overload_sections({"limits": {"slots": {"initial": 8, "maximum": 256}}}).limits.slots
+    capped = slots.new_slots(ceiling=4)
+    assert capped.slot_limit == 4

@@ -14,7 +14,7 @@ from http import HTTPStatus
 
 import httptools
 
-__all__ = ["HttpRequest", "HttpConnection", "RequestHandler", "status_line"]
+__all__ = ["HttpRequest", "HttpConnection", "RequestHandler", "MAX_HEAD_BYTES", "status_line"]
 
 _STATUS_LINES = {
     int(status): f"HTTP/1.1 {int(status)} {status.phrase}\r\n".encode() for status in HTTPStatus
@@ -43,6 +43,9 @@ class HttpRequest:
 
 RequestHandler = Callable[["HttpConnection", HttpRequest], Awaitable[None]]
 
+# request line + headers; the parser would otherwise buffer a header of any length
+MAX_HEAD_BYTES = 64 * 1024
+
 
 class HttpConnection(asyncio.Protocol):
     """One client connection. The handler answers through `respond` or `start_stream`/`stream_chunk`/`end_stream`."""
@@ -57,6 +60,8 @@ class HttpConnection(asyncio.Protocol):
         self._body_size = 0
         self._too_large = False
         self._expect_continue = False
+        self._head_done = False
+        self._head_bytes = 0
         self._current: HttpRequest | None = None
         self._pending: deque[HttpRequest] = deque()
         self._task: asyncio.Task[None] | None = None
@@ -72,6 +77,11 @@ class HttpConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if not self._head_done:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._reject(431, b"request line and headers too large")
+                return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -122,6 +132,8 @@ class HttpConnection(asyncio.Protocol):
             self._expect_continue = True
 
     def on_headers_complete(self) -> None:
+        self._head_done = True
+        self._head_bytes = 0
         # curl and others wait for this before sending a body over 1 KiB; a body we will refuse is
         # not invited (the client sends it after its own timeout, then gets 413)
         if self._expect_continue and not self._too_large and self.transport is not None:
@@ -138,6 +150,7 @@ class HttpConnection(asyncio.Protocol):
         self._body_parts.append(body)
 
     def on_message_complete(self) -> None:
+        self._head_done = False
         request = self._current
         self._current = None
         if request is None:

@@ -93,7 +93,7 @@ class Ticket:
     """What overload control knows of one admitted request; rides on `Waiter.ticket`."""
 
     __slots__ = ("request_id", "pool", "tier", "tenant", "prompt_tokens", "arrived_s", "predicted_wait_s",
-                 "response_headers", "dispatched_s", "waiter")
+                 "response_headers", "dispatched_s", "waiter", "replica")
 
     def __init__(self, request_id: str, pool: str, tier: str, tenant: str, prompt_tokens: int, arrived_s: float,
                  predicted_wait_s: float | None, response_headers: bytes) -> None:
@@ -107,6 +107,7 @@ class Ticket:
         self.response_headers = response_headers  # rate-limit (+ degradation) lines for the answer
         self.dispatched_s: float | None = None
         self.waiter: Waiter | None = None
+        self.replica: Replica | None = None  # set at admission by the uncontended fast path
 
 
 class FairWaitQueue:
@@ -220,6 +221,11 @@ class OverloadRuntime:
         self.slots: dict[str, ReplicaSlots] = {}  # replica id -> its adaptive slots
         self._tickets: dict[str, Ticket] = {}  # queued, by request id: to find a shed request's waiter
         slots_config = self.config.limits.slots
+        # One anonymous tenant, no rate limit: a request that finds the queue empty and a slot free
+        # would be admitted, queued and dispatched at once, so it skips the policy round trip.
+        default_tier = self.control.tiers.default
+        self._fast_path = (not self.config.tenants and self.config.limits.default is None
+                           and default_tier.queue_bound > 0 and self.config.limits.max_queued > 0)
         for name, pool in pools.items():
             queue = self.queues[name] = FairWaitQueue(self, name)
             pool.queue = queue
@@ -228,7 +234,8 @@ class OverloadRuntime:
                 metrics.watch_queue(name, tier.name, lambda q=tier_queue, t=tier.name: q.depth(t),
                                     lambda q=tier_queue, t=tier.name: q.oldest_wait_s(self.clock(), t))
             for replica in pool.replicas:
-                slots = self.slots[replica.replica_id] = slots_config.new_slots()
+                # the backend's configured slot_limit stays a ceiling the adaptive limit never passes
+                slots = self.slots[replica.replica_id] = slots_config.new_slots(ceiling=replica.slot_limit)
                 replica.slot_limit = slots.slot_limit
                 metrics.watch_slot_limit(name, replica.replica_id, lambda r=replica: r.slot_limit)
 
@@ -255,6 +262,12 @@ class OverloadRuntime:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             max_tokens = 0 if "input" in body else self.config.limits.default_max_tokens
+        if self._fast_path and identity.tier is None and timeout_s is None:
+            pool = self.pools[model]
+            replica = pool.try_acquire(now_s) if not len(pool.queue) else None
+            if replica is not None:
+                return self._dispatched_at_once(now_s, request_id, identity, model, replica,
+                                                prompt_tokens, prompt_tokens + max_tokens)
         facts = RequestFacts(request_id, identity.tenant, identity.tier, model, prompt_tokens, max_tokens,
                              timeout_s=timeout_s)
         arrival = self.control.arrive(now_s, facts)
@@ -268,8 +281,8 @@ class OverloadRuntime:
             assert arrival.pool is not None
             if arrival.rung is not Rung.PRIMARY:
                 headers += _header_lines({DEGRADATION_HEADER: arrival.rung.value})
-                metrics.degraded.labels(model, arrival.rung.value).inc()
-            metrics.admissions.labels(model, tier, "queued" if arrival.rung is Rung.PRIMARY
+                metrics.of(metrics.degraded, model, arrival.rung.value).inc()
+            metrics.of(metrics.admissions, model, tier, "queued" if arrival.rung is Rung.PRIMARY
                                       else arrival.rung.value).inc()
             prediction = arrival.prediction
             ticket = Ticket(request_id, arrival.pool, tier, identity.tenant, prompt_tokens, now_s,
@@ -279,12 +292,12 @@ class OverloadRuntime:
             ticket.waiter = Waiter(asyncio.get_running_loop().create_future(), (), ticket)
             self.pools[arrival.pool].queue.push(ticket.waiter)
             return ticket
-        metrics.admissions.labels(model, tier, outcome.value).inc()
+        metrics.of(metrics.admissions, model, tier, outcome.value).inc()
         if outcome in (ArrivalOutcome.RATE_LIMITED, ArrivalOutcome.TOO_LARGE):
             kind = arrival.admission.limit_hit or LimitKind.REQUESTS
             reason = "too_large" if outcome is ArrivalOutcome.TOO_LARGE else f"rate_limited_{kind.value}"
-            metrics.rejections.labels(model, tier, reason).inc()
-            metrics.rejection_latency.labels(model).observe(self.clock() - now_s)
+            metrics.of(metrics.rejections, model, tier, reason).inc()
+            metrics.of(metrics.rejection_latency, model).observe(self.clock() - now_s)
             raise TenantRateLimitError(arrival.admission.message, retry_after_s=arrival.admission.retry_after_s,
                                        headers=headers)
         # PRESET_REPLY (CACHED_ANSWER cannot happen: no cache is offered to the policy yet)
@@ -292,11 +305,24 @@ class OverloadRuntime:
         assert reply is not None
         reason = ("predicted_miss" if arrival.prediction is not None and arrival.prediction.misses_deadline
                   else "degraded")
-        metrics.rejections.labels(model, tier, reason).inc()
-        metrics.degraded.labels(model, Rung.PRESET_REPLY.value).inc()
-        metrics.rejection_latency.labels(model).observe(self.clock() - now_s)
+        metrics.of(metrics.rejections, model, tier, reason).inc()
+        metrics.of(metrics.degraded, model, Rung.PRESET_REPLY.value).inc()
+        metrics.of(metrics.rejection_latency, model).observe(self.clock() - now_s)
         raise DegradedReplyError(reply.message or "overloaded", retry_after_s=reply.retry_after_s,
                                  headers=headers + _header_lines(reply.headers()))
+
+    def _dispatched_at_once(self, now_s: float, request_id: str, identity: Identity, model: str, replica: Replica,
+                            prompt_tokens: int, tokens: int) -> Ticket:
+        tier = self.control.tiers.default.name
+        # the predictor still learns of the dispatch, so its next backlogged interval starts here
+        self.control.pools[model].predictor.on_dispatch(now_s, tokens, queued_after=0)
+        metrics = self.metrics
+        metrics.of(metrics.admissions, model, tier, "queued").inc()
+        metrics.of(metrics.queue_wait, model, tier).observe(0.0)
+        ticket = Ticket(request_id, model, tier, identity.tenant, prompt_tokens, now_s, 0.0, b"")
+        ticket.dispatched_s = now_s
+        ticket.replica = replica
+        return ticket
 
     # -- 2./3. queue and late-binding dispatch
     async def acquire(self, ticket: Ticket) -> Replica:
@@ -304,6 +330,8 @@ class OverloadRuntime:
 
         Await it right after `admit`, with `settle` in a `finally`: the request is already queued.
         """
+        if ticket.replica is not None:
+            return ticket.replica  # the fast path took a slot at admission
         pool = self.pools[ticket.pool]
         waiter = ticket.waiter
         assert waiter is not None
@@ -319,20 +347,21 @@ class OverloadRuntime:
 
     def on_dispatch(self, ticket: Ticket, waited_s: float) -> None:
         self._tickets.pop(ticket.request_id, None)
-        self.metrics.queue_wait.labels(ticket.pool, ticket.tier).observe(waited_s)
+        self.metrics.of(self.metrics.queue_wait, ticket.pool, ticket.tier).observe(waited_s)
         if ticket.predicted_wait_s is not None:
-            self.metrics.predicted_wait.labels(ticket.pool, ticket.tier).observe(ticket.predicted_wait_s)
+            predicted = self.metrics.of(self.metrics.predicted_wait, ticket.pool, ticket.tier)
+            predicted.observe(ticket.predicted_wait_s)
 
     def answer_shed(self, now_s: float, notices: tuple[ShedNotice, ...]) -> None:
         """Answers requests the policy dropped from a queue (deadline passed, or displaced)."""
         for notice in notices:
             request = notice.request
             ticket = self._tickets.pop(request.request_id, None)
-            self.metrics.rejections.labels(ticket.pool if ticket else "", request.tier,
+            self.metrics.of(self.metrics.rejections, ticket.pool if ticket else "", request.tier,
                                            f"shed_{notice.reason.value}").inc()
             if ticket is None:
                 continue
-            self.metrics.degraded.labels(ticket.pool, Rung.PRESET_REPLY.value).inc()
+            self.metrics.of(self.metrics.degraded, ticket.pool, Rung.PRESET_REPLY.value).inc()
             waiter = self.queues[ticket.pool].take_shed(request.request_id)
             if waiter is None or waiter.future.done():
                 continue
@@ -359,7 +388,8 @@ class OverloadRuntime:
         slots.observe_load(now_s, replica.load)
         before = replica.slot_limit
         replica.slot_limit = slots.observe(now_s, latency_s, dropped)
-        self.metrics.slot_samples.labels(replica.pool_name, replica.replica_id, "drop" if dropped else "ok").inc()
+        kind = "drop" if dropped else "ok"
+        self.metrics.of(self.metrics.slot_samples, replica.pool_name, replica.replica_id, kind).inc()
         if replica.slot_limit > before:
             pool = self.pools[replica.pool_name]
             if len(pool.queue):
@@ -368,6 +398,8 @@ class OverloadRuntime:
     # -- 6. settle
     def settle(self, ticket: Ticket, prompt_tokens: int | None, completion_tokens: int) -> None:
         """Ends the request's accounts: refund unused tokens, correct fair share. Call exactly once."""
+        if ticket.replica is not None:
+            return  # the fast path: nothing reserved, nothing queued
         now_s = self.clock()
         self._tickets.pop(ticket.request_id, None)
         if ticket.dispatched_s is None and self.control.cancel(now_s, ticket.request_id):

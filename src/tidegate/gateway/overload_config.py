@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from tidegate.policy.admission import RateLimit, RateLimiter
 from tidegate.policy.concurrency import AimdSlotLimit, GradientSlotLimit, ReplicaSlots, SlotLimitBounds
@@ -57,6 +57,7 @@ __all__ = [
     "DegradationConfig",
     "OverloadConfig",
     "OverloadPolicies",
+    "check_tenant_tiers",
     "parse_overload_sections",
     "build_policies",
 ]
@@ -80,6 +81,14 @@ class TenantConfig(LimitConfig):
     tier: str | None = None  # None: the default tier
     weight: float = Field(1.0, gt=0)
     models: dict[str, LimitConfig] = {}  # per-model limits, on top of the tenant's own
+
+    @field_validator("api_key_sha256")
+    @classmethod
+    def _hex_digests(cls, digests: tuple[str, ...]) -> tuple[str, ...]:
+        lowered = tuple(digest.lower() for digest in digests)
+        for digest in lowered:
+            ApiKeyEntry(digest, "-")  # raises for anything but 64 hex digits
+        return lowered
 
     @property
     def has_limit(self) -> bool:
@@ -129,8 +138,11 @@ class SlotsConfig(_Strict):
             raise ValueError("need minimum <= initial <= maximum")
         return self
 
-    def new_slots(self) -> ReplicaSlots:
-        bounds = SlotLimitBounds(self.initial, self.minimum, self.maximum)
+    def new_slots(self, ceiling: int | None = None) -> ReplicaSlots:
+        """Slots for one replica; `ceiling`: the backend's own `slot_limit`, never exceeded."""
+        maximum = self.maximum if ceiling is None else max(1, min(self.maximum, ceiling))
+        minimum = min(self.minimum, maximum)
+        bounds = SlotLimitBounds(min(max(self.initial, minimum), maximum), minimum, maximum)
         kind = GradientSlotLimit if self.algorithm is SlotAlgorithm.GRADIENT else AimdSlotLimit
         return ReplicaSlots(kind(self.target_latency_s, bounds=bounds, window_s=self.window_s))
 
@@ -149,7 +161,7 @@ class PoolLadderConfig(_Strict):
 
 
 class DegradationConfig(_Strict):
-    preset_reply: str = LadderConfig.preset_reply
+    preset_reply: str = LadderConfig().preset_reply  # "system busy, please retry later"
     min_retry_after_s: float = Field(1.0, ge=0)
     pools: dict[str, PoolLadderConfig] = {}
 
@@ -170,17 +182,20 @@ class OverloadConfig(_Strict):
 
     @model_validator(mode="after")
     def _references_exist(self) -> OverloadConfig:
-        table = self.tiers.table()  # raises for a bad default or duplicate ranks
-        for name, tenant in self.tenants.items():
-            if tenant.tier is not None and tenant.tier not in table:
-                raise ValueError(f"tenant {name}: unknown tier {tenant.tier!r}")
-            for digest in tenant.api_key_sha256:
-                ApiKeyEntry(digest.lower(), name)  # raises for a malformed digest
+        check_tenant_tiers(self.tenants, self.tiers)
         return self
 
     @property
     def auth_enabled(self) -> bool:
         return any(t.api_key_sha256 or t.api_keys for t in self.tenants.values())
+
+
+def check_tenant_tiers(tenants: Mapping[str, TenantConfig], tiers: TiersConfig) -> None:
+    """Raises ValueError for bad tiers (default, ranks) or a tenant in a tier that does not exist."""
+    table = tiers.table()
+    for name, tenant in tenants.items():
+        if tenant.tier is not None and tenant.tier not in table:
+            raise ValueError(f"tenant {name}: unknown tier {tenant.tier!r}")
 
 
 def parse_overload_sections(sections: Mapping[str, Any]) -> OverloadConfig:
@@ -204,7 +219,7 @@ class OverloadPolicies:
 def _key_entries(tenants: Mapping[str, TenantConfig]) -> Iterable[ApiKeyEntry]:
     for name, tenant in tenants.items():
         for digest in tenant.api_key_sha256:
-            yield ApiKeyEntry(digest.lower(), name, tenant.tier)
+            yield ApiKeyEntry(digest, name, tenant.tier)
         for key in tenant.api_keys:
             yield ApiKeyEntry.from_plain_key(key.get_secret_value(), name, tenant.tier)
 

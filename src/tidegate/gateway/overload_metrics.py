@@ -7,6 +7,7 @@ gauges), so the hot path pays nothing for them; counters and histograms are upda
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -20,6 +21,7 @@ _REJECTION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0
 class OverloadMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         self.queue_depth = Gauge("tidegate_overload_queue_depth", "Requests waiting, by pool and tier",
                                  ["pool", "tier"], registry=r)
         self.oldest_wait = Gauge("tidegate_overload_queue_oldest_wait_seconds",
@@ -45,6 +47,14 @@ class OverloadMetrics:
                                 ["pool", "replica"], registry=r)
         self.slot_samples = Counter("tidegate_replica_slot_samples", "Latency samples fed to the slot limit",
                                     ["pool", "replica", "kind"], registry=r)
+
+    def of(self, metric: Any, *labels: str) -> Any:
+        """The labelled child, resolved once: `labels()` takes a lock and builds a key each call."""
+        key = (id(metric), labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
 
     def watch_queue(self, pool: str, tier: str, depth: Callable[[], float], oldest_wait_s: Callable[[], float]) -> None:
         self.queue_depth.labels(pool, tier).set_function(depth)

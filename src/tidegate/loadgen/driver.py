@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import orjson
 
-from tidegate.loadgen.http_client import Endpoint, HttpClient, InFlight
+from tidegate.loadgen.http_client import Endpoint, HttpClient, HttpResponse, InFlight
 from tidegate.loadgen.mix import synthetic_prompt
 from tidegate.loadgen.plan import PlannedRequest
 from tidegate.loadgen.records import ApiKind, RequestRecord, measure
@@ -143,6 +143,8 @@ class Driver:
             sent_at = time.perf_counter()
         try:
             response = await (client.response(in_flight) if in_flight is not None else client.request(data))
+        except Exception as error:  # a generator bug must cost one record, never the run
+            response = HttpResponse(error=f"client_error:{type(error).__name__}")
         finally:
             self.in_flight -= 1
         self.records.append(measure(

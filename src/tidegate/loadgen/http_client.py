@@ -69,8 +69,14 @@ class _Connection(asyncio.Protocol):
         self._response = HttpResponse()
         self._waiter = waiter
         self.reusable = False
-        assert self.transport is not None
-        self.transport.write(data)
+        if self.closed or self.transport is None or self.transport.is_closing():
+            self._finish_with_error("connection_error")
+            return
+        try:
+            self.transport.write(data)
+        except (RuntimeError, OSError):  # closed by the peer between connect and write
+            self.closed = True
+            self._finish_with_error("connection_error")
 
     def abort(self, reason: str) -> None:
         self._finish_with_error(reason)

@@ -181,6 +181,10 @@ def print_summary(report: dict[str, Any], console=None) -> None:
     console.print(f"schedule lag p50/p99/max: {_ms(lag['p50_ms'])}/{_ms(lag['p99_ms'])}/{_ms(lag['max_ms'])} ms; "
                   f"elapsed {report['elapsed_s']:.1f} s; connections {report['connections_opened']}; "
                   f"peak in flight {report['peak_in_flight']}")
+    for s in report["summaries"]:
+        if s["tier"] == "all" and s["reasons"]:
+            top = sorted(s["reasons"].items(), key=lambda item: -item[1])[:5]
+            console.print(f"target {s['target']} failures: " + ", ".join(f"{reason} {count}" for reason, count in top))
     overall = next((s for s in report["summaries"] if s["tier"] == "all"), None)
     if overall and overall["mean_prompt_tokens_reported"] is not None:
         # synthetic prompts are sized in bytes (1 token per byte for a byte-level tokenizer); the
