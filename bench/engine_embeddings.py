@@ -18,6 +18,7 @@ import importlib.util
 import itertools
 import os
 import random
+import statistics
 import subprocess
 import sys
 import time
@@ -124,7 +125,7 @@ def stop(process: subprocess.Popen) -> None:
 
 
 # ---------------------------------------------------------------- client side
-async def http_throughput(base: str, texts: list[str], clients: int, max_requests: int, max_s: float) -> float:
+async def http_throughput(base: str, texts: list[str], clients: int, max_s: float, max_requests: int = 50_000) -> float:
     """Texts/s over loopback with `clients` closed-loop clients, bounded in count and time."""
     import aiohttp
     import orjson
@@ -135,10 +136,7 @@ async def http_throughput(base: str, texts: list[str], clients: int, max_request
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as session:
         async def client(deadline: float) -> None:
             nonlocal completed
-            while time.perf_counter() < deadline:
-                i = next(counter)
-                if i >= max_requests:
-                    return
+            while time.perf_counter() < deadline and (i := next(counter)) < max_requests:
                 async with session.post(base + "/v1/embeddings", data=bodies[i % len(bodies)],
                                         headers={"Content-Type": "application/json"}) as response:
                     await response.read()
@@ -146,9 +144,6 @@ async def http_throughput(base: str, texts: list[str], clients: int, max_request
                         raise RuntimeError(f"HTTP {response.status}")
                 completed += 1
 
-        # warm up at the same concurrency: oneDNN builds kernels for each new batch shape on first use
-        await asyncio.gather(*(client(time.perf_counter() + 3) for _ in range(clients)))
-        counter, completed = itertools.count(), 0
         start = time.perf_counter()
         await asyncio.gather(*(client(start + max_s) for _ in range(clients)))
         return completed / (time.perf_counter() - start)
@@ -175,6 +170,10 @@ async def batcher_run(model, texts: list[str], sort_by_length: bool, clients: in
     return stats.texts / elapsed, stats
 
 
+def _rates(values: list[float]) -> str:
+    return ", ".join(f"{value:.0f}" for value in values)
+
+
 def run_async(coroutine):  # type: ignore[no-untyped-def]
     try:
         import uvloop  # as the engine runs: less client overhead on a machine the server shares
@@ -188,7 +187,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of the server")
     parser.add_argument("--server", choices=["auto", "engine", "bench-app"], default="auto")
-    parser.add_argument("--seconds", type=float, default=8.0, help="per measurement, at most")
+    parser.add_argument("--seconds", type=float, default=4.0, help="per slice of a measurement")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved slices per measurement")
     parser.add_argument("--serve-port", type=int, help=argparse.SUPPRESS)  # internal: bench-app mode
     args = parser.parse_args()
     # as `tidegate engine` does: the worker thread re-takes the GIL after each torch op
@@ -198,17 +198,24 @@ def main() -> int:
         return 0
 
     print(f"machine: {os.cpu_count()} CPUs; server torch threads: {args.threads}")
+    print(f"each figure: median of {args.rounds} interleaved slices of {args.seconds:g} s, so that other "
+          "load on the machine hurts both sides of a ratio alike")
     process, base, what = start_server(args.server, args.threads)
     print(f"server: {what} ({MODEL}, default dtype), one text per request")
     try:
         for label, words in WORKLOADS.items():
             texts = workload(4096, words=words)
-            one = run_async(http_throughput(base, texts, clients=1, max_requests=2000, max_s=args.seconds))
-            many = run_async(http_throughput(base, texts, clients=64, max_requests=20000, max_s=args.seconds))
+            # warm up at full concurrency: oneDNN builds kernels for each new batch shape on first use
+            run_async(http_throughput(base, texts, clients=64, max_s=3.0))
+            one, many = [], []
+            for _ in range(args.rounds):
+                one.append(run_async(http_throughput(base, texts, clients=1, max_s=args.seconds)))
+                many.append(run_async(http_throughput(base, texts, clients=64, max_s=args.seconds)))
+            ratio = statistics.median(many) / statistics.median(one)
             print(f"  {label}:")
-            print(f"    1 client:    {one:8.1f} texts/s")
-            print(f"    64 clients:  {many:8.1f} texts/s")
-            print(f"    ratio 64/1:  {many / one:8.2f}x   (bar >= 3x: {'PASS' if many / one >= 3 else 'FAIL'})")
+            print(f"    1 client:    {statistics.median(one):8.1f} texts/s  (slices: {_rates(one)})")
+            print(f"    64 clients:  {statistics.median(many):8.1f} texts/s  (slices: {_rates(many)})")
+            print(f"    ratio 64/1:  {ratio:8.2f}x   (bar >= 3x: {'PASS' if ratio >= 3 else 'FAIL'})")
     finally:
         stop(process)
 
@@ -219,14 +226,20 @@ def main() -> int:
     model = EmbeddingModel.load(MODEL, threads=args.threads)
     texts = workload(4096)
     print(f"in-process batcher, 64 clients, mixed texts, {model.precision}, torch threads {torch.get_num_threads()}:")
-    results = {}
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    waste: dict[bool, float] = {}
+    batch: dict[bool, float] = {}
+    for _ in range(args.rounds):
+        for sort_by_length in (True, False):
+            rate, stats = run_async(batcher_run(model, texts, sort_by_length, clients=64, max_s=args.seconds))
+            rates[sort_by_length].append(rate)
+            waste[sort_by_length], batch[sort_by_length] = stats.padding_waste, stats.texts / max(stats.batches, 1)
     for sort_by_length in (True, False):
-        rate, stats = run_async(batcher_run(model, texts, sort_by_length, clients=64, max_s=args.seconds))
-        results[sort_by_length] = rate
         label = "sorted by length" if sort_by_length else "arrival order   "
-        print(f"  {label}: {rate:8.1f} texts/s, padding waste {stats.padding_waste:5.1%}, "
-              f"mean batch {stats.texts / max(stats.batches, 1):.1f} texts")
-    print(f"  sorted/unsorted throughput: {results[True] / results[False]:.2f}x")
+        print(f"  {label}: {statistics.median(rates[sort_by_length]):8.1f} texts/s, padding waste "
+              f"{waste[sort_by_length]:5.1%}, mean batch {batch[sort_by_length]:.1f} texts  "
+              f"(slices: {_rates(rates[sort_by_length])})")
+    print(f"  sorted/unsorted throughput: {statistics.median(rates[True]) / statistics.median(rates[False]):.2f}x")
     return 0
 
 

@@ -50,7 +50,12 @@ from tidegate.policy.tiers import default_tiers
 HERE = Path(__file__).resolve().parent
 KNEE, STEP_MS, MAX_RUNNING, TOKENS, PROMPT_TOKENS = 4, 25.0, 64, 16, 64
 REPLICAS = 2
-SLOT_TARGET_S = 0.2
+# the slot limit's latency target: just above the unloaded p90 TTFT (about 1.9 steps), so each
+# replica is kept at its knee, where throughput is full and latency still flat
+SLOT_TARGET_S = 0.05
+# the adaptive-slots phase runs on its own gateway with a target past the knee, where the best
+# limit is well above the minimum and halves when the replica is slowed 2x
+SLOWDOWN_SLOT_TARGET_S = 0.2
 TTFT_TARGET_S = {tier.name: tier.ttft_target_s for tier in default_tiers()}
 
 TENANTS = {  # name -> tier; keys are "sk-<name>"
@@ -113,13 +118,13 @@ class Processes:
                 process.kill()
 
 
-def gateway_config(port: int, upstreams: list[str], overload: bool) -> dict:
+def gateway_config(port: int, upstreams: list[str], overload: bool, slot_target_s: float = SLOT_TARGET_S) -> dict:
     config: dict = {
         "server": {"port": port, "access_log": False, "queue_timeout_s": 30.0},
         "pools": [{"name": "m", "backends": [{"type": "upstream", "url": url, "health_path": "/health"}
                                               for url in upstreams]}],
         "tenants": {name: {"api_keys": [f"sk-{name}"], "tier": tier} for name, tier in TENANTS.items()},
-        "limits": {"slots": {"target_latency_s": SLOT_TARGET_S, "initial": 4, "maximum": 256}},
+        "limits": {"slots": {"target_latency_s": slot_target_s, "initial": 4, "maximum": 256}},
         "overload_control": overload,
     }
     return config
@@ -234,10 +239,11 @@ async def _run(processes: Processes, phase_s: float) -> int:
         upstreams.append(f"http://127.0.0.1:{port}/v1")
     gateways: dict[str, str] = {}
     workdir = Path(tempfile.mkdtemp(prefix="tidegate-overload-"))
-    for mode, overload in (("fifo", False), ("tidegate", True)):
+    for mode, overload, target_s in (("fifo", False, SLOT_TARGET_S), ("tidegate", True, SLOT_TARGET_S),
+                                     ("slowdown", True, SLOWDOWN_SLOT_TARGET_S)):
         port = free_port()
         path = workdir / f"{mode}.yaml"
-        path.write_text(yaml.safe_dump(gateway_config(port, upstreams, overload), allow_unicode=True))
+        path.write_text(yaml.safe_dump(gateway_config(port, upstreams, overload, target_s), allow_unicode=True))
         processes.start([sys.executable, "-m", "tidegate", "serve", "--config", str(path), "--no-access-log",
                          "--log-level", "warning"], f"http://127.0.0.1:{port}/ready")
         gateways[mode] = f"http://127.0.0.1:{port}"
@@ -295,8 +301,9 @@ async def _run(processes: Processes, phase_s: float) -> int:
     # -- a noisy tenant at 10x its share
     share = capacity / len(standard)
     others = {"t1", "t2", "t3"}
-    fair = await both([(name, 0.5 * share) for name in standard], seed=201)
-    noisy = await both([(name, 0.5 * share) for name in others] + [("noisy", 10 * share)], seed=202)
+    # fair: every tenant sends its share (together: capacity); noisy: one sends 10x its share
+    fair = await both([(name, share) for name in standard], seed=201)
+    noisy = await both([(name, share) for name in others] + [("noisy", 10 * share)], seed=202)
     for mode in ("fifo", "tidegate"):
         before, during = p99_ttft(fair[mode], others), p99_ttft(noisy[mode], others)
         rise = during / before - 1.0
@@ -313,7 +320,7 @@ async def _run(processes: Processes, phase_s: float) -> int:
           f"{'PASS' if count and p99_s < 0.005 else 'FAIL'})")
 
     # -- adaptive slots: replica 0 slowed 2x under a 2x load
-    target = gateways["tidegate"]
+    target = gateways["slowdown"]
     replica_ids = sorted(slot_limits(target))
     slowed = replica_ids[0]
     load = asyncio.create_task(run_open(target, [(name, 2.0 * capacity / len(standard)) for name in standard],
@@ -322,17 +329,18 @@ async def _run(processes: Processes, phase_s: float) -> int:
     started = time.monotonic()
     slowed_at = started + phase_s
     slow_sent = False
+    slow_url = f"http://127.0.0.1:{re.search(r'@[^:]+:([0-9]+)', slowed).group(1)}/admin/slow"
     while not load.done():
         await asyncio.sleep(1.0)
         now = time.monotonic()
         if not slow_sent and now >= slowed_at:
-            port = re.search(r"@[^:]+:(\d+)", slowed).group(1)
-            http_text(f"http://127.0.0.1:{port}/admin/slow", b"2")
+            http_text(slow_url, b"2")
             slow_sent = True
         trace.append((now - slowed_at, await asyncio.to_thread(slot_limits, target)))
     await load
-    http_text(f"http://127.0.0.1:{re.search(r'@[^:]+:(\d+)', slowed).group(1)}/admin/slow", b"1")
-    print(f"slot limit trace (t = s since replica {slowed} was slowed 2x; target {SLOT_TARGET_S * 1000:.0f} ms):")
+    http_text(slow_url, b"1")
+    print(f"slot limit trace (t = s since replica {slowed} was slowed 2x; target {SLOWDOWN_SLOT_TARGET_S * 1000:.0f} "
+          "ms, a gateway of its own):")
     for t, limits in trace:
         print(f"  t={t:+5.1f}  " + "  ".join(f"{rid.split('@')[0]}={limits.get(rid, math.nan):.0f}"
                                              for rid in replica_ids))
@@ -340,7 +348,7 @@ async def _run(processes: Processes, phase_s: float) -> int:
     settled_before = float(np.median(before)) if before else math.nan
     # The model's best limit: the largest concurrency whose p90 TTFT (about 1.9 steps: a request
     # waits for the step in progress, then its own) meets the target.
-    best_after_model = SLOT_TARGET_S * KNEE / (1.9 * STEP_MS / 1000.0 * 2.0)
+    best_after_model = SLOWDOWN_SLOT_TARGET_S * KNEE / (1.9 * STEP_MS / 1000.0 * 2.0)
     best_after = settled_before / 2.0  # step time doubles at every batch size: the best limit halves
     settle_t = next((t for t, limits in trace if t >= 0 and all(
         abs(l2[slowed] / best_after - 1.0) <= 0.25 for t2, l2 in trace if t2 >= t)), None)

@@ -1,8 +1,8 @@
 """Typed gateway configuration: YAML plus `${ENV}` substitution. The only module reading the environment.
 
 Every model forbids unknown keys, so a typo is named in the error instead of silently ignored.
-Sections `tenants`, `tiers`, `limits` and `degradation` are reserved for overload control and are
-kept as plain mappings until their policies define them.
+The overload control sections `tenants`, `tiers`, `limits` and `degradation` are typed in
+`tidegate.gateway.overload_config`.
 """
 
 from __future__ import annotations
@@ -10,11 +10,20 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Literal, Union
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+
+from tidegate.gateway.overload_config import (
+    DegradationConfig,
+    LimitsConfig,
+    OverloadConfig,
+    TenantConfig,
+    TiersConfig,
+    check_tenant_tiers,
+)
 
 __all__ = [
     "ConfigError",
@@ -107,11 +116,12 @@ class GatewayConfig(_Strict):
     server: ServerConfig = ServerConfig()
     health: HealthConfig = HealthConfig()
     pools: tuple[PoolConfig, ...] = Field(min_length=1)
-    # reserved for overload control (tenants, tiers, rate limits, degradation ladder)
-    tenants: dict[str, Any] | None = None
-    tiers: dict[str, Any] | None = None
-    limits: dict[str, Any] | None = None
-    degradation: dict[str, Any] | None = None
+    # overload control: on unless switched off (off: FIFO queues and static slot limits, the baseline)
+    overload_control: bool = True
+    tenants: dict[str, TenantConfig] = {}
+    tiers: TiersConfig = TiersConfig()
+    limits: LimitsConfig = LimitsConfig()
+    degradation: DegradationConfig = DegradationConfig()
 
     @model_validator(mode="after")
     def _unique_pool_names(self) -> GatewayConfig:
@@ -119,7 +129,17 @@ class GatewayConfig(_Strict):
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"pool names must be unique; repeated: {', '.join(duplicates)}")
+        for pool, ladder in self.degradation.pools.items():
+            for name in (pool, ladder.fallback_pool):
+                if name is not None and name not in names:
+                    raise ValueError(f"degradation.pools: unknown pool {name!r}")
+        check_tenant_tiers(self.tenants, self.tiers)
         return self
+
+    @property
+    def overload(self) -> OverloadConfig:
+        return OverloadConfig(tenants=self.tenants, tiers=self.tiers, limits=self.limits,
+                              degradation=self.degradation)
 
 
 def _substitute_env(text: str, environ: dict[str, str], source: str) -> str:

@@ -14,6 +14,7 @@ __all__ = [
     "AuthenticationError",
     "PermissionDeniedError",
     "NotFoundError",
+    "MethodNotAllowedError",
     "PayloadTooLargeError",
     "RateLimitError",
     "OverloadedError",
@@ -65,6 +66,12 @@ class NotFoundError(TidegateError):
     status = 404
     error_type = "invalid_request_error"
     default_code = "model_not_found"
+
+
+class MethodNotAllowedError(TidegateError):
+    status = 405
+    error_type = "invalid_request_error"
+    default_code = "method_not_allowed"
 
 
 class PayloadTooLargeError(TidegateError):

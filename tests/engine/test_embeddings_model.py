@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -105,3 +107,12 @@ def test_other_names_are_not(name: str) -> None:
 def test_unsupported_precision_is_refused(options: dict) -> None:
     with pytest.raises(ValueError):
         EmbeddingModel.load("all-MiniLM-L6-v2", **options)
+
+
+def test_builtin_model_answers_to_both_names(fp32_model: EmbeddingModel) -> None:
+    assert set(fp32_model.aliases) == {"all-MiniLM-L6-v2", "sentence-transformers/all-MiniLM-L6-v2"}
+
+
+def test_importing_embeddings_does_not_import_torch() -> None:
+    code = "import sys, tidegate.engine.embeddings_api; print('torch' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "False"

@@ -71,9 +71,19 @@ def test_pools_are_required() -> None:
         parse_config("server:\n  port: 1\n", environ={})
 
 
-def test_reserved_overload_sections_are_accepted() -> None:
-    config = parse_config(MINIMAL + "tenants:\n  acme: {tier: gold}\n", environ={})
-    assert config.tenants == {"acme": {"tier": "gold"}}
+def test_overload_sections_are_typed() -> None:
+    config = parse_config(MINIMAL + "tenants:\n  acme: {tier: critical, requests_per_minute: 5}\n", environ={})
+    assert config.tenants["acme"].requests_per_minute == 5 and config.overload_control
+
+
+def test_tenant_in_unknown_tier_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown tier 'gold'"):
+        parse_config(MINIMAL + "tenants:\n  acme: {tier: gold}\n", environ={})
+
+
+def test_degradation_naming_an_unknown_pool_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown pool 'small'"):
+        parse_config(MINIMAL + "degradation:\n  pools:\n    chat: {fallback_pool: small}\n", environ={})
 
 
 def test_not_yaml_is_a_config_error() -> None:

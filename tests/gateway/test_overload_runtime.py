@@ -34,10 +34,14 @@ class FakeClock:
         return self.now_s
 
 
-def _runtime(sections: dict | None = None, replicas: int = 1, clock=None) -> tuple[OverloadRuntime, ModelPool]:
+def _runtime(sections: dict | None = None, replicas: int = 1, clock=None,
+             fast_path: bool = False) -> tuple[OverloadRuntime, ModelPool]:
     sections = sections or {}
-    sections.setdefault("limits", {}).setdefault("slots", {"initial": 1, "minimum": 1, "maximum": 8,
-                                                           "target_latency_s": 0.5, "window_s": 0})
+    limits = sections.setdefault("limits", {})
+    limits.setdefault("slots", {"initial": 1, "minimum": 1, "maximum": 8, "target_latency_s": 0.5, "window_s": 0,
+                                "priority_headroom": 0})
+    if not fast_path:  # a (generous) limit makes every request take the full policy path
+        limits.setdefault("default", {"requests_per_minute": 1_000_000})
     config = parse_overload_sections(sections)
     pool = ModelPool("m", [Replica(f"r{i}", "m", ConnectionPool(_ENDPOINT, 1.0), 64, "m", None, None)
                            for i in range(replicas)], BreakerPolicy(), 100, 30.0, 1)
@@ -89,6 +93,22 @@ async def test_free_slot_dispatches_at_once_and_settle_refunds() -> None:
     assert runtime.control.open_requests == 0
 
 
+async def test_uncontended_request_skips_the_policy_queue() -> None:
+    runtime, pool = _runtime(fast_path=True)
+    ticket = runtime.admit(runtime.clock(), "a", runtime.authenticate(None), "m", _BODY)
+    assert ticket.replica is pool.replicas[0] and await runtime.acquire(ticket) is ticket.replica
+    assert runtime.control.open_requests == 0
+
+
+async def test_fast_path_is_not_taken_past_waiting_requests() -> None:
+    runtime, pool = _runtime(fast_path=True)
+    who = runtime.authenticate(None)
+    await runtime.acquire(runtime.admit(runtime.clock(), "h", who, "m", _BODY))
+    waiting = runtime.admit(runtime.clock(), "w", who, "m", _BODY)
+    assert waiting.replica is None and len(pool.queue) == 1
+    assert runtime.admit(runtime.clock(), "x", who, "m", _BODY).replica is None
+
+
 async def test_second_request_over_rpm_gets_429_with_headers() -> None:
     runtime, _ = _runtime(dict(_TENANTS))
     who = runtime.authenticate(b"Bearer sk-capped")
@@ -129,6 +149,19 @@ async def test_critical_overtakes_earlier_sheddable_when_a_slot_frees() -> None:
     pool.release(holder, runtime.clock())
     await asyncio.sleep(0)
     assert critical.done() and not sheddable.done()
+    sheddable.cancel()
+
+
+async def test_only_the_best_tier_takes_the_headroom_slot() -> None:
+    slots = {"initial": 1, "minimum": 1, "maximum": 1, "window_s": 0, "priority_headroom": 1}
+    runtime, pool = _runtime({**_TENANTS, "limits": {"slots": slots}})
+    gold, free = runtime.authenticate(b"Bearer sk-gold"), runtime.authenticate(b"Bearer sk-free")
+    await runtime.acquire(runtime.admit(runtime.clock(), "h", free, "m", _BODY))
+    sheddable = asyncio.ensure_future(runtime.acquire(runtime.admit(runtime.clock(), "s", free, "m", _BODY)))
+    critical = asyncio.ensure_future(runtime.acquire(runtime.admit(runtime.clock(), "c", gold, "m", _BODY)))
+    await asyncio.sleep(0)
+    assert critical.done() and not sheddable.done()
+    assert pool.replicas[0].outstanding == 2
     sheddable.cancel()
 
 
@@ -203,3 +236,24 @@ async def test_queue_depth_gauge_reads_the_policy_queue() -> None:
 ])
 def test_prompt_tokens_are_estimated_from_characters(body: dict, tokens: int) -> None:
     assert estimate_prompt_tokens(body) == tokens
+
+
+async def test_full_primary_pool_degrades_to_the_fallback_pool_and_says_so() -> None:
+    def pool(name: str) -> ModelPool:
+        return ModelPool(name, [Replica(f"{name}0", name, ConnectionPool(_ENDPOINT, 1.0), 1, name, None, None)],
+                         BreakerPolicy(), 100, 30.0, 1)
+
+    levels = {"default": "only", "levels": {"only": {"rank": 0, "queue_bound": 1, "max_queue_wait_s": 5,
+                                                     "ttft_target_s": 9}}}
+    config = parse_overload_sections({"tiers": levels, "degradation": {"pools": {"big": {"fallback_pool": "small"}}},
+                                      "limits": {"default": {"requests_per_minute": 1000},
+                                                 "slots": {"priority_headroom": 0}}})
+    pools = {"big": pool("big"), "small": pool("small")}
+    runtime = OverloadRuntime(build_policies(config, pools), pools, OverloadMetrics(CollectorRegistry()), FakeClock())
+    who = Identity("t", None)
+    await runtime.acquire(runtime.admit(runtime.clock(), "held", who, "big", _BODY))  # big's one slot
+    runtime.admit(runtime.clock(), "queued", who, "big", _BODY)  # big's tier queue is now full
+    degraded = runtime.admit(runtime.clock(), "over", who, "big", _BODY)
+    assert degraded.pool == "small"
+    assert b"x-tidegate-degradation: fallback_pool\r\n" in degraded.response_headers
+    assert (await runtime.acquire(degraded)).pool_name == "small"

@@ -67,3 +67,8 @@ def test_timeline_counts_rejections_by_send_second() -> None:
     records = [make_record(0, sent_s=0.5), make_record(1, sent_s=1.5, status=429, reason="rate_limit_exceeded")]
     buckets = timeline(records)
     assert [(b["sent"], b["ok"], b["rejected"]) for b in buckets[:2]] == [(1, 1, 0), (1, 0, 1)]
+
+
+def test_answer_without_output_tokens_is_judged_by_ttft_alone() -> None:
+    embedding = make_record(ttft_s=0.1, e2e_s=0.1, completion_tokens=None)
+    assert meets_slo(embedding, SLO)

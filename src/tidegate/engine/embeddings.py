@@ -6,10 +6,11 @@ downloaded. Inputs longer than the model's window (256 tokens for MiniLM) are tr
 sentence-transformers truncates them; token counts are the tokens actually embedded ([CLS] and
 [SEP] included).
 
-Precision, chosen by measurement on this project's CPUs (bench/engine_quantize_embeddings.py):
-bf16 keeps >= 0.9999 cosine to fp32 and runs 1.4-2.8x faster where the CPU has native bf16, so
-`dtype="auto"` means bf16 there and fp32 elsewhere. Dynamic int8 (`quantize="int8"`) loses
-fidelity on MiniLM (mean cosine ~0.95-0.98 vs fp32), so it is never a default, only opt-in.
+Precision, chosen by measurement (bench/engine_quantize_embeddings.py, 2 threads, AMX CPU): bf16
+kept 0.99995 mean cosine to fp32 and ran 2.7x faster in batches of 32 (1.55x one at a time), so
+`dtype="auto"` means bf16 where the CPU computes bf16 natively and fp32 elsewhere. Dynamic int8
+is lossy on MiniLM (mean cosine to fp32: 0.939 per-tensor, 0.976 per-channel) and slower than
+bf16, so it is never a default, only opt-in (`quantize="int8"`, per-channel).
 """
 
 from __future__ import annotations
@@ -23,14 +24,14 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import numpy as np
 
 from tidegate.engine.batching import BatchAction, BatchFormingPolicy, PendingText, padded_tokens
 from tidegate.errors import InternalError, OverloadedError
 
-if TYPE_CHECKING:  # torch is imported lazily: importing this module must stay cheap
-    import numpy as np
-
+# torch and transformers are imported inside functions: importing this module must stay cheap
 __all__ = [
     "BUILTIN_EMBEDDING_NAMES",
     "DTYPES",
@@ -39,6 +40,7 @@ __all__ = [
     "EmbeddingBatcher",
     "EmbeddingModel",
     "is_embedding_model",
+    "quantize_int8",
     "resolve_model_dir",
 ]
 
@@ -166,7 +168,10 @@ class EmbeddingModel:
     @classmethod
     def load(cls, name_or_dir: str, *, dtype: str = "auto", quantize: str | None = None,
              threads: int | None = None) -> EmbeddingModel:
-        """Loads offline. `threads` sets torch's intra-op threads for the whole process."""
+        """Loads offline. `threads` sets torch's intra-op threads for the whole process.
+
+        With `quantize="int8"` the model runs fp32 around its int8 Linear layers, whatever `dtype`.
+        """
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
         from transformers import AutoModel, AutoTokenizer
@@ -201,7 +206,6 @@ class EmbeddingModel:
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """(len(texts), dimensions) float32, each row L2-normalised."""
-        import numpy as np
         import torch
 
         if not texts:
@@ -295,8 +299,6 @@ class EmbeddingBatcher:
 
     async def embed(self, texts: list[str]) -> tuple[np.ndarray, int]:
         """(len(texts) x dimensions float32 L2-normalised rows, prompt tokens)."""
-        import numpy as np
-
         if self._task is None:
             raise RuntimeError("EmbeddingBatcher.start() was not awaited")
         if len(self._pending) + len(texts) > self.max_queued_texts:

@@ -14,6 +14,9 @@ from tidegate.control.health_checks import HealthChecker
 from tidegate.control.supervisor import WorkerSpec, WorkerSupervisor
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection
+from tidegate.gateway.overload import OverloadRuntime
+from tidegate.gateway.overload_config import build_policies
+from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.gateway.proxy import Proxy, ProxySettings
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
 from tidegate.policy.health import BreakerPolicy
@@ -87,9 +90,14 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(server.access_log)
         api_keys = frozenset(b"Bearer " + key.get_secret_value().encode() for key in server.api_keys)
+        # overload control drives the pools' queues and slot limits; off: FIFO and static limits
+        self.overload: OverloadRuntime | None = None
+        if config.overload_control:
+            self.overload = OverloadRuntime(build_policies(config.overload, self.pools), self.pools,
+                                            OverloadMetrics(self.metrics.registry))
         self.proxy = Proxy(self.pools, ProxySettings(server.max_tokens_cap, server.first_byte_timeout_s,
                                                      server.request_timeout_s, api_keys),
-                           self.metrics, self.access_log)
+                           self.metrics, self.access_log, overload=self.overload)
         self.supervisor = WorkerSupervisor(workers)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
         self.health_checker = HealthChecker(all_replicas, health.interval_s, health.timeout_s, self._wake_pools)

@@ -189,7 +189,8 @@ class ModelPool:
         queue = self.queue
         while len(queue):
             waiter = queue.peek()
-            assert waiter is not None
+            if waiter is None:
+                return  # the queue holds its head back (overload control keeps headroom for its best tier)
             if waiter.future.done():
                 queue.pop()
                 continue

@@ -26,6 +26,7 @@ from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.policy.admission import LimitKind
 from tidegate.policy.concurrency import ReplicaSlots
 from tidegate.policy.degradation import DEGRADATION_HEADER, Rung
+from tidegate.policy.health import is_routable
 from tidegate.policy.identity import Identity
 from tidegate.policy.overload import ArrivalOutcome, OverloadControl, RequestFacts, ShedNotice
 
@@ -149,6 +150,8 @@ class FairWaitQueue:
                 return None
             waiter = self._waiting.get(head.request_id)
             if waiter is not None:
+                if head.tier != self._runtime.best_tier and not self._runtime.ordinary_slot_free(self._pool, now_s):
+                    return None  # only the best tier may use the headroom above the limits: hold it back
                 return waiter
             # queued in the policy but nobody waits for it (its handler failed before waiting)
             self._control.cancel(now_s, head.request_id)
@@ -221,6 +224,8 @@ class OverloadRuntime:
         self.slots: dict[str, ReplicaSlots] = {}  # replica id -> its adaptive slots
         self._tickets: dict[str, Ticket] = {}  # queued, by request id: to find a shed request's waiter
         slots_config = self.config.limits.slots
+        self.best_tier = next(iter(self.control.tiers)).name
+        self._headroom = slots_config.priority_headroom
         # One anonymous tenant, no rate limit: a request that finds the queue empty and a slot free
         # would be admitted, queued and dispatched at once, so it skips the policy round trip.
         default_tier = self.control.tiers.default
@@ -236,8 +241,9 @@ class OverloadRuntime:
             for replica in pool.replicas:
                 # the backend's configured slot_limit stays a ceiling the adaptive limit never passes
                 slots = self.slots[replica.replica_id] = slots_config.new_slots(ceiling=replica.slot_limit)
-                replica.slot_limit = slots.slot_limit
-                metrics.watch_slot_limit(name, replica.replica_id, lambda r=replica: r.slot_limit)
+                # routing's cap: the adaptive limit plus the best tier's headroom
+                replica.slot_limit = slots.slot_limit + self._headroom
+                metrics.watch_slot_limit(name, replica.replica_id, lambda s=slots: s.slot_limit)
 
     # -- 0. identity
     def authenticate(self, authorization: bytes | None) -> Identity:
@@ -265,6 +271,9 @@ class OverloadRuntime:
         if self._fast_path and identity.tier is None and timeout_s is None:
             pool = self.pools[model]
             replica = pool.try_acquire(now_s) if not len(pool.queue) else None
+            if replica is not None and replica.outstanding > self.slots[replica.replica_id].slot_limit:
+                pool.release(replica, now_s)  # it took the best tier's headroom: queue instead
+                replica = None
             if replica is not None:
                 return self._dispatched_at_once(now_s, request_id, identity, model, replica,
                                                 prompt_tokens, prompt_tokens + max_tokens)
@@ -387,13 +396,20 @@ class OverloadRuntime:
         slots.inflight = replica.outstanding  # the pool counts held slots; the policy reads them
         slots.observe_load(now_s, replica.load)
         before = replica.slot_limit
-        replica.slot_limit = slots.observe(now_s, latency_s, dropped)
+        replica.slot_limit = slots.observe(now_s, latency_s, dropped) + self._headroom
         kind = "drop" if dropped else "ok"
         self.metrics.of(self.metrics.slot_samples, replica.pool_name, replica.replica_id, kind).inc()
         if replica.slot_limit > before:
             pool = self.pools[replica.pool_name]
             if len(pool.queue):
                 pool.dispatch_waiting(now_s)
+
+    def ordinary_slot_free(self, pool: str, now_s: float) -> bool:
+        """Has some routable replica of `pool` a slot below its adaptive limit (not headroom)?"""
+        slots = self.slots
+        return any(replica.outstanding < slots[replica.replica_id].slot_limit
+                   and is_routable(replica.health, replica.breaker, now_s)
+                   for replica in self.pools[pool].replicas)
 
     # -- 6. settle
     def settle(self, ticket: Ticket, prompt_tokens: int | None, completion_tokens: int) -> None:

@@ -131,6 +131,9 @@ class SlotsConfig(_Strict):
     minimum: int = Field(1, ge=1)
     maximum: int = Field(256, ge=1)
     window_s: float = Field(1.0, ge=0)
+    # slots per replica above the adaptive limit that only the best tier may take: a critical
+    # request then finds a slot at once, instead of waiting for one to free under a flood
+    priority_headroom: int = Field(1, ge=0)
 
     @model_validator(mode="after")
     def _ordered_bounds(self) -> SlotsConfig:

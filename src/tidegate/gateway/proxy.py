@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
+import re
 import time
 from collections.abc import Callable
 
@@ -27,9 +29,11 @@ from tidegate.errors import (
 )
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection, HttpRequest
+from tidegate.gateway.overload import OverloadRuntime, Ticket, extra_headers
 from tidegate.gateway.upstream import Exchange, UpstreamFailure, UpstreamConnection
 from tidegate.gateway.validation import Endpoint, check_body
 from tidegate.policy.health import is_routable
+from tidegate.policy.identity import Identity
 from tidegate.telemetry.logs import AccessLog
 from tidegate.telemetry.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from tidegate.telemetry.metrics import GatewayMetrics, PoolMetrics
@@ -45,6 +49,7 @@ _API_ROUTES = {
 }
 _JSON = b"content-type: application/json\r\n"
 _STATUS_CLIENT_CLOSED = 499  # nginx's convention for "the client left first"
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 
 class ProxySettings:
@@ -60,8 +65,11 @@ class ProxySettings:
 
 class Proxy:
     def __init__(self, pools: dict[str, ModelPool], settings: ProxySettings, metrics: GatewayMetrics,
-                 access_log: AccessLog, clock: Callable[[], float] = time.monotonic) -> None:
+                 access_log: AccessLog, clock: Callable[[], float] = time.monotonic,
+                 overload: OverloadRuntime | None = None) -> None:
         self.pools = pools
+        self.overload = overload  # None: FIFO queues, static slot limits, server.api_keys only
+        self._ticket_ids = 0  # overload control's own request ids: clients may repeat x-request-id
         self.settings = settings
         self.metrics = metrics
         self.pool_metrics: dict[str, PoolMetrics] = {name: metrics.for_pool(name) for name in pools}
@@ -87,7 +95,7 @@ class Proxy:
             if endpoint is None or request.method != b"POST" or request.too_large:
                 status = self._handle_other(conn, request, request_id)
                 return
-            self._authenticate(request)
+            identity = self._authenticate(request)
             try:
                 body = orjson.loads(request.body)
             except orjson.JSONDecodeError:
@@ -97,7 +105,7 @@ class Proxy:
             if pool is None:
                 raise NotFoundError(f"model {model!r} does not exist; see /v1/models", param="model")
             status, replica_id = await self._forward(conn, pool, endpoint, body, request.body, stream,
-                                                     request_id, started)
+                                                     request_id, started, identity)
         except TidegateError as error:
             status = error.status
             self._send_error(conn, error, request_id)
@@ -118,15 +126,20 @@ class Proxy:
             self.access_log.record(request_id, request.method, request.path, model, status,
                                    self.clock() - started, replica_id)
 
-    def _authenticate(self, request: HttpRequest) -> None:
+    def _authenticate(self, request: HttpRequest) -> Identity | None:
+        overload = self.overload
+        if overload is not None and overload.identity.auth_enabled:
+            return overload.authenticate(request.authorization)  # tenants' keys: tenant and tier
         keys = self.settings.api_keys
         if keys and request.authorization not in keys:
             raise AuthenticationError("missing or invalid API key (send 'Authorization: Bearer <key>')")
+        return overload.authenticate(None) if overload is not None else None  # the anonymous tenant
 
     def _send_error(self, conn: HttpConnection, error: TidegateError, request_id: bytes) -> None:
-        headers = _JSON + b"x-request-id: " + request_id + b"\r\n"
+        headers = _JSON + b"x-request-id: " + request_id + b"\r\n" + extra_headers(error)
         if error.retry_after_s is not None:
-            headers += b"retry-after: %d\r\n" % max(0, round(error.retry_after_s))
+            # rounded up: retrying a little early would only be refused again
+            headers += b"retry-after: %d\r\n" % max(0, math.ceil(error.retry_after_s))
         conn.respond(error.status, headers, orjson.dumps(openai_error_body(error)))
 
     # -- non-API routes: probes, metrics, model list
@@ -169,14 +182,23 @@ class Proxy:
 
     # -- proxying
     async def _forward(self, conn: HttpConnection, pool: ModelPool, endpoint: Endpoint, body: dict,
-                       raw_body: bytes, stream: bool, request_id: bytes, started: float) -> tuple[int, str]:
+                       raw_body: bytes, stream: bool, request_id: bytes, started: float,
+                       identity: Identity | None = None) -> tuple[int, str]:
+        overload = self.overload
+        ticket: Ticket | None = None
+        if overload is not None and identity is not None:
+            self._ticket_ids += 1
+            # raises the answer for a refusal (429, or 503 with the preset reply) at once
+            ticket = overload.admit(started, str(self._ticket_ids), identity, pool.name, body)
+            pool = self.pools[ticket.pool]  # the fallback pool when degraded to it
         metrics = self.pool_metrics[pool.name]
         metrics.in_flight.inc()
+        usage = _Usage(ticket)
         try:
-            replica = await self._acquire(pool, started, ())
+            replica = await (overload.acquire(ticket) if ticket is not None else self._acquire(pool, started, ()))
             try:
                 status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
-                                                 request_id, started, metrics)
+                                                 request_id, started, metrics, usage=usage)
             except _RetryElsewhere as retry:
                 # a connection failure before the first byte: one more try, on another replica
                 try:
@@ -184,12 +206,14 @@ class Proxy:
                 except OverloadedError:
                     raise retry.error from None
                 status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
-                                                 request_id, started, metrics, retried=True)
+                                                 request_id, started, metrics, retried=True, usage=usage)
             metrics.count(status)
             metrics.e2e.observe(self.clock() - started)
             return status, replica.replica_id
         finally:
             metrics.in_flight.dec()
+            if ticket is not None:
+                overload.settle(ticket, None, usage.completion_tokens())
 
     async def _acquire(self, pool: ModelPool, now_s: float, exclude: tuple[str, ...]) -> Replica:
         replica = pool.try_acquire(now_s, exclude)
@@ -197,17 +221,21 @@ class Proxy:
 
     async def _exchange_on(self, conn: HttpConnection, pool: ModelPool, replica: Replica, endpoint: Endpoint,
                            body: dict, raw_body: bytes, stream: bool, request_id: bytes, started: float,
-                           metrics: PoolMetrics, retried: bool = False) -> int:
+                           metrics: PoolMetrics, retried: bool = False, usage: _Usage | None = None) -> int:
         if replica.upstream_model != body["model"]:
             payload = orjson.dumps({**body, "model": replica.upstream_model})
         else:
             payload = raw_body
         data = b"".join((replica.request_head(endpoint.value), b"x-request-id: ", request_id,
                          b"\r\ncontent-length: ", str(len(payload)).encode(), b"\r\n\r\n", payload))
+        if usage is not None and usage.ticket is not None:
+            usage.dispatched(replica, self.clock())
         try:
             try:
-                return await self._exchange(conn, replica, data, stream, request_id, started, metrics)
+                return await self._exchange(conn, replica, data, stream, request_id, started, metrics, usage)
             except UpstreamFailure as failure:
+                if usage is not None and usage.ticket is not None:
+                    usage.failed(self.overload)
                 kind = "timeout" if failure.timed_out else ("connect" if failure.connect else "broken")
                 self.metrics.upstream_errors.labels(pool.name, replica.replica_id, kind).inc()
                 pool.record_failure(replica, self.clock())
@@ -221,10 +249,10 @@ class Proxy:
             pool.release(replica, self.clock())
 
     async def _exchange(self, conn: HttpConnection, replica: Replica, data: bytes, stream: bool,
-                        request_id: bytes, started: float, metrics: PoolMetrics) -> int:
+                        request_id: bytes, started: float, metrics: PoolMetrics, usage: _Usage | None = None) -> int:
         loop = asyncio.get_running_loop()
         connection, reused = await replica.connections.connection()
-        relay = _StreamRelay(self, conn, connection, request_id, started, metrics) if stream else None
+        relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage) if stream else None
         exchange = Exchange(loop, relay)
         connection.send(data, exchange)
         timeout_s = self.settings.first_byte_timeout_s if stream else self.settings.request_timeout_s
@@ -240,7 +268,7 @@ class Proxy:
                 # the server closed this pooled connection while it sat idle: resend on a new one
                 timer.cancel()
                 connection, _ = await replica.connections.connection(fresh=True)
-                relay = _StreamRelay(self, conn, connection, request_id, started, metrics) if stream else None
+                relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage) if stream else None
                 exchange = Exchange(loop, relay)
                 connection.send(data, exchange)
                 timer = loop.call_later(timeout_s, _time_out, connection, exchange)
@@ -248,7 +276,7 @@ class Proxy:
                     relay.timer = timer
                 await exchange.done
             if relay is None or not relay.streaming:
-                return self._answer_whole(conn, replica, exchange, request_id)
+                return self._answer_whole(conn, replica, exchange, request_id, usage)
             self.pools[replica.pool_name].record_success(replica)
             conn.end_stream()
             return 200
@@ -272,17 +300,22 @@ class Proxy:
             if not done.done() or done.cancelled():
                 connection.close()  # client gone or timed out: stop the upstream's work
 
-    def _answer_whole(self, conn: HttpConnection, replica: Replica, exchange: Exchange, request_id: bytes) -> int:
+    def _answer_whole(self, conn: HttpConnection, replica: Replica, exchange: Exchange, request_id: bytes,
+                      usage: _Usage | None = None) -> int:
         status = exchange.status
         body = exchange.body()
+        extra = b""
+        if usage is not None and usage.ticket is not None:
+            extra = usage.ticket.response_headers
+            usage.answered_whole(self.overload, self.clock(), body)
         if status >= 500:
             self.pools[replica.pool_name].record_failure(replica, self.clock())
         else:
             self.pools[replica.pool_name].record_success(replica)
         if status >= 400 and replica.secret:
             body = body.replace(replica.secret.encode(), b"***")
-        conn.respond(status, b"content-type: " + exchange.content_type + b"\r\nx-request-id: " + request_id + b"\r\n",
-                     body)
+        conn.respond(status, b"content-type: " + exchange.content_type + b"\r\nx-request-id: " + request_id + b"\r\n"
+                     + extra, body)
         return status
 
 
@@ -291,10 +324,10 @@ class _StreamRelay:
     """Passes a 200 SSE response on as it arrives, from the upstream protocol's callbacks."""
 
     __slots__ = ("proxy", "conn", "connection", "request_id", "started", "metrics", "timer", "streaming",
-                 "pending", "exchange")
+                 "pending", "exchange", "usage")
 
     def __init__(self, proxy: Proxy, conn: HttpConnection, connection: UpstreamConnection, request_id: bytes,
-                 started: float, metrics: PoolMetrics) -> None:
+                 started: float, metrics: PoolMetrics, usage: _Usage | None = None) -> None:
         self.proxy = proxy
         self.conn = conn
         self.connection = connection
@@ -305,6 +338,7 @@ class _StreamRelay:
         self.streaming = False  # headers sent to the client: errors now go into the stream
         self.pending: list[bytes] = []
         self.exchange: Exchange | None = None
+        self.usage = usage if usage is not None and usage.ticket is not None else None  # overload control only
 
     def on_head(self, exchange: Exchange) -> None:
         if exchange.status == 200:
@@ -321,6 +355,8 @@ class _StreamRelay:
         conn = self.conn
         if not self.streaming:
             self._start(conn)
+        if self.usage is not None:
+            self.usage.stream_pieces(pending)
         conn.stream_chunks(pending)
         pending.clear()
 
@@ -330,8 +366,13 @@ class _StreamRelay:
         now_s = proxy.clock()
         self.metrics.ttft.observe(now_s - self.started)
         exchange = self.exchange
+        usage = self.usage
+        extra = b""
+        if usage is not None:
+            extra = usage.ticket.response_headers
+            usage.first_token(proxy.overload, now_s)
         conn.start_stream(200, b"content-type: " + exchange.content_type
-                          + b"\r\ncache-control: no-cache\r\nx-request-id: " + self.request_id + b"\r\n")
+                          + b"\r\ncache-control: no-cache\r\nx-request-id: " + self.request_id + b"\r\n" + extra)
         conn.on_pause_writing = self.connection.pause_reading
         conn.on_resume_writing = self.connection.resume_reading
         # the first-byte timeout is over; the rest of the stream has what is left of the request's time
@@ -339,6 +380,48 @@ class _StreamRelay:
             self.timer.cancel()
         remaining_s = max(0.0, proxy.settings.request_timeout_s - (now_s - self.started))
         self.timer = asyncio.get_running_loop().call_later(remaining_s, _time_out, self.connection, exchange)
+
+
+class _Usage:
+    """Overload control's view of one exchange: slot latency samples and the tokens to settle."""
+
+    __slots__ = ("ticket", "replica", "sent_s", "events", "reported")
+
+    def __init__(self, ticket: Ticket | None) -> None:
+        self.ticket = ticket
+        self.replica: Replica | None = None
+        self.sent_s = 0.0
+        self.events = 0  # SSE events passed on
+        self.reported: int | None = None  # completion_tokens of the upstream's usage, when it sent one
+
+    def dispatched(self, replica: Replica, now_s: float) -> None:
+        self.replica, self.sent_s = replica, now_s
+
+    def first_token(self, overload: OverloadRuntime, now_s: float) -> None:
+        overload.first_token(self.replica, now_s - self.sent_s)
+
+    def answered_whole(self, overload: OverloadRuntime, now_s: float, body: bytes) -> None:
+        overload.first_token(self.replica, now_s - self.sent_s)
+        found = _COMPLETION_TOKENS.search(body)
+        if found is not None:
+            self.reported = int(found.group(1))
+
+    def failed(self, overload: OverloadRuntime) -> None:
+        overload.ended_badly(self.replica, overload.clock() - self.sent_s)
+
+    def stream_pieces(self, pieces: list[bytes]) -> None:
+        for piece in pieces:
+            self.events += piece.count(b"data:")
+            if b'"usage"' in piece:
+                found = _COMPLETION_TOKENS.search(piece)
+                if found is not None:
+                    self.reported = int(found.group(1))
+
+    def completion_tokens(self) -> int:
+        if self.reported is not None:
+            return self.reported
+        # one event a token, less the closing `[DONE]`: an estimate when the upstream sent no usage
+        return max(0, self.events - 1)
 
 
 class _RetryElsewhere(Exception):

@@ -149,7 +149,9 @@ class Driver:
             self.in_flight -= 1
         self.records.append(measure(
             response, index=request.index, target=target, tenant=request.tenant.name,
-            tier=request.tenant.tier, scheduled_s=request.send_at_s, sent_at=sent_at,
+            tier=request.tenant.tier, sent_at=sent_at,
+            # a closed loop sends when a slot frees, not on a schedule: no lag to report
+            scheduled_s=request.send_at_s if self.config.concurrency is None else sent_at - self._start,
             run_start=self._start, stream=self.config.stream, kind=self.config.kind,
             target_prompt_tokens=request.prompt_tokens, max_tokens=request.max_tokens,
         ))

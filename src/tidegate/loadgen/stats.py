@@ -37,10 +37,10 @@ def meets_slo(record: RequestRecord, slo: Slo) -> bool:
         return False
     if slo.ttft_s is not None and (record.ttft_s is None or record.ttft_s > slo.ttft_s):
         return False
-    if slo.tpot_s is not None:
-        tpot = record.tpot_s
-        if tpot is None or tpot > slo.tpot_s:
-            return False
+    # TPOT is unknown only when no output tokens were reported (embeddings): nothing to judge
+    tpot = record.tpot_s
+    if slo.tpot_s is not None and tpot is not None and tpot > slo.tpot_s:
+        return False
     return True
 
 
