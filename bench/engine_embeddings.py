@@ -1,9 +1,10 @@
 """Embeddings throughput of the embedded engine: 64 concurrent clients vs 1 (bar: >= 3x).
 
 Starts a real `tidegate engine --model all-MiniLM-L6-v2` process and drives POST /v1/embeddings
-over loopback, one text per request, texts of varied length (4-120 words). While the engine does
-not serve embeddings yet, `--server bench-app` serves the same routes from a small aiohttp app
-(started as a subprocess of this script, so that clients and model do not share a GIL).
+over loopback, one text per request, for two fixed workloads: short queries (4-24 words) and
+queries mixed with passages (4-120 words). Long texts already keep the CPU busy one at a time, so
+batching gains less on the mixed workload. `--server bench-app` serves the same routes from a
+small aiohttp app instead (a subprocess, so that clients and model do not share a GIL).
 Then, in-process, the batcher with length-sorted vs arrival-order batches: throughput and the
 fraction of computed token positions that were padding.
 

@@ -208,8 +208,7 @@ class MockProtocol(asyncio.Protocol):
         model = request.get("model", config.model)
         request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-mock{next(self.state.ids)}"
         created = int(time.time())
-        loop = asyncio.get_running_loop()
-        start_s = loop.time()
+        start_s = time.perf_counter()
         ttft_s = self._ttft_s()
         # absolute send times, so timer granularity does not accumulate over a stream
         offsets_s = [ttft_s]
@@ -220,7 +219,7 @@ class MockProtocol(asyncio.Protocol):
             offsets_s.extend([ttft_s] * (n_tokens - 1))
 
         if not request.get("stream"):
-            await _sleep_until(loop, start_s + offsets_s[-1])
+            await _sleep_until(start_s + offsets_s[-1])
             text = "".join(_WORDS[i % len(_WORDS)] for i in range(n_tokens))
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
                       if is_chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
@@ -248,7 +247,7 @@ class MockProtocol(asyncio.Protocol):
             return _sse_chunk(orjson.dumps(payload))
 
         for index, offset_s in enumerate(offsets_s):
-            await _sleep_until(loop, start_s + offset_s)
+            await _sleep_until(start_s + offset_s)
             if self.transport is None:
                 return  # client went away: stop generating, as an engine would
             prefix = chunk(None, None, role=True) if (index == 0 and is_chat) else b""
@@ -265,10 +264,17 @@ class MockProtocol(asyncio.Protocol):
             self.transport.close()
 
 
-async def _sleep_until(loop: asyncio.AbstractEventLoop, deadline_s: float) -> None:
-    delay_s = deadline_s - loop.time()
-    if delay_s > 0:
-        await asyncio.sleep(delay_s)
+# Event-loop timers tick in whole milliseconds (libuv and epoll alike), which would make every token
+# 0-1 ms late; sleep to just short of the deadline, then yield until it is due.
+_TIMER_SLACK_S = 0.002
+
+
+async def _sleep_until(deadline_s: float) -> None:
+    delay_s = deadline_s - time.perf_counter()
+    if delay_s > _TIMER_SLACK_S:
+        await asyncio.sleep(delay_s - _TIMER_SLACK_S)
+    while time.perf_counter() < deadline_s:
+        await asyncio.sleep(0)
 
 
 async def serve(config: MockConfig, host: str, port: int, ready_message: bool = True) -> None:
