@@ -82,7 +82,7 @@ def latency_accuracy(port: int, rate: float, seconds: float) -> bool:
     rng = np.random.default_rng(0)
     for dist in ("const", "exp", "lognormal", "uniform"):
         for attempt in range(1, MAX_ATTEMPTS + 1):
-            mock = start_mock(port, "--tokens", str(TOKENS), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
+            mock = start_mock(port, "--precise-timing", "--tokens", str(TOKENS), "--ttft-ms", str(TTFT_MS), "--itl-ms", str(ITL_MS),
                               "--ttft-dist", dist, "--itl-dist", dist, "--sigma", str(SIGMA), "--seed", "7")
             try:
                 stream = TrafficStream(Poisson(rate), (DEFAULT_TENANT,), parse_length("const:64"),
@@ -116,10 +116,9 @@ def latency_accuracy(port: int, rate: float, seconds: float) -> bool:
                 print(f"{dist:9} {metric:5} {q:5.2f} {analytic:9.2f} {measured:9.2f} {100 * error / analytic:+7.2f}% "
                       f"{noise:6.2f}% {'ok' if ok else 'MISS'}")
         if dist == "const":
-            # the reference is the mock, and its event-loop timers tick in milliseconds
-            print(f"{'':9} note: the mock sends each token at a deadline on a 1 ms-tick timer, so each leaves "
-                  f"0-1 ms late; a constant gap then shows as a triangular {ITL_MS:g}+-1 ms (p90 +0.55 ms, "
-                  f"p99 +0.86 ms) before any error of the generator")
+            # the reference is the mock; --precise-timing paces its tokens to well under a millisecond
+            print(f"{'':9} note: the mock paces tokens with --precise-timing; without it, its 1 ms timer tick alone "
+                  f"would show a constant {ITL_MS:g} ms gap as a triangular +-1 ms (p99 +0.86 ms)")
         print(f"{'':9} ({len(result.records)} requests, {len(ok_records)} ok, {len(samples['itl'])} ITL samples, "
               f"send lag p99 {lag_summary(result.records, 10.0).p99_ms:.2f} ms)")
     return all_ok

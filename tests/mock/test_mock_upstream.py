@@ -41,12 +41,17 @@ def test_max_tokens_caps_tokens_and_finishes_by_length(client):
 
 
 def test_stream_sends_one_chunk_per_token_then_usage(client):
-    stream = client.chat.completions.create(
-        model="mock-model", messages=[{"role": "user", "content": "hi"}], stream=True,
-        stream_options={"include_usage": True},
-    )
+    def stream():
+        return client.chat.completions.create(
+            model="mock-model", messages=[{"role": "user", "content": "hi"}], stream=True,
+            stream_options={"include_usage": True},
+        )
+
+    # the client's first stream pays its lazy imports while tokens queue up: warm it first
+    for _event in stream():
+        pass
     arrivals, usage = [], None
-    for event in stream:
+    for event in stream():
         if event.choices and event.choices[0].delta.content:
             arrivals.append(time.monotonic())
         if event.usage:
@@ -89,3 +94,21 @@ def test_sampled_quantiles_match_analytic_quantiles(distribution):
     for q in (0.5, 0.9, 0.99):
         empirical = samples[int(q * len(samples))]
         assert empirical == pytest.approx(model.quantile_s(q), rel=0.05, abs=1e-9)
+
+
+async def test_precise_timer_never_wakes_early_and_keeps_deadline_order():
+    import asyncio
+
+    from tidegate.mock.server import PreciseTimer
+
+    timer, woke = PreciseTimer(), []
+    start_s = time.perf_counter()
+    deadlines_s = [start_s + 0.001 * ((i * 7) % 20) for i in range(40)]
+
+    async def sleeper(deadline_s: float) -> None:
+        await timer.sleep_until(deadline_s)
+        woke.append((time.perf_counter(), deadline_s))
+
+    await asyncio.wait_for(asyncio.gather(*(sleeper(d) for d in deadlines_s)), timeout=10)
+    assert all(woke_s >= deadline_s for woke_s, deadline_s in woke)
+    assert [deadline_s for _, deadline_s in woke] == sorted(deadlines_s)

@@ -11,6 +11,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 
 __all__ = ["configure_parser", "run"]
 
@@ -55,41 +56,89 @@ def run(args: argparse.Namespace) -> int:
     # The engine thread re-takes the GIL after every torch op; with the default 5 ms switch
     # interval it can wait that long behind the HTTP thread, many times per step
     sys.setswitchinterval(float(os.environ.get("TIDEGATE_ENGINE_SWITCH_INTERVAL_S", "0.0005")))
+    return _serve(options, args.host, args.port, args.drain_timeout)
+
+
+class _HttpThread:
+    """The asyncio side (aiohttp, uvloop when installed) in a background thread."""
+
+    def __init__(self, server, host: str, port: int) -> None:  # type: ignore[no-untyped-def]
+        self.server = server
+        self.loop = _new_event_loop()
+        self._runner = None
+        self._thread = threading.Thread(target=self.loop.run_forever, name="http", daemon=True)
+        self._thread.start()
+        self.call(self._start(host, port))
+
+    def call(self, coroutine, timeout_s: float | None = None):  # type: ignore[no-untyped-def]
+        """Runs a coroutine on the asyncio thread and waits for its result."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    async def _start(self, host: str, port: int) -> None:
+        from aiohttp import web
+
+        self._runner = web.AppRunner(self.server.app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, host, port).start()
+
+    async def _shutdown(self) -> None:
+        await self._runner.cleanup()
+        await self.server.close()
+
+    def shutdown(self) -> None:
+        self.call(self._shutdown(), timeout_s=30)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+def _new_event_loop() -> asyncio.AbstractEventLoop:
     try:
         import uvloop
 
-        uvloop.install()
+        return uvloop.new_event_loop()
     except ImportError:
-        pass
-    return asyncio.run(_serve(options, args.host, args.port, args.drain_timeout))
+        return asyncio.new_event_loop()
 
 
-async def _serve(options, host: str, port: int, drain_timeout_s: float) -> int:  # type: ignore[no-untyped-def]
-    from aiohttp import web
-
+def _serve(options, host: str, port: int, drain_timeout_s: float) -> int:  # type: ignore[no-untyped-def]
     from tidegate.engine.server import EngineServer
 
     server = EngineServer(options)
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    http = _HttpThread(server, host, port)
     log.info("listening on http://%s:%d, loading %s", host, port, options.model)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    loading = asyncio.create_task(server.load())
-    stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
-    exit_code = 0
-    if loading.done() and loading.exception() is not None:
-        log.error("loading %s failed", options.model, exc_info=loading.exception())
-        exit_code = 1
-    else:
-        await stopping
+    stopping = threading.Event()
+    drained = threading.Event()
+
+    async def drain_then_stop() -> None:
         log.info("draining (up to %.0f s)", drain_timeout_s)
         await server.drain(drain_timeout_s)
-    loading.cancel()
-    await runner.cleanup()
-    await server.close()
-    return exit_code
+        drained.set()
+        if server.engine_loop is not None:
+            server.engine_loop.stop()  # returns the main thread from run_forever
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        if not stopping.is_set():
+            stopping.set()
+            http.loop.call_soon_threadsafe(lambda: asyncio.ensure_future(drain_then_stop()))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, on_signal)
+    try:
+        if server.serves_embeddings:
+            model = server.load_embedding_model()
+            http.call(server.attach_embeddings(model))
+        else:
+            from tidegate.engine.builder import build_generation_engine
+
+            built = build_generation_engine(options, server.metrics)  # torch in the main thread
+            http.loop.call_soon_threadsafe(server.attach_generation, built)
+            if not stopping.is_set():
+                built.loop.run_forever(http.loop)
+    except Exception:
+        log.exception("loading %s failed", options.model)
+        http.shutdown()
+        return 1
+    while not drained.wait(timeout=0.5):
+        pass
+    http.shutdown()
+    return 0

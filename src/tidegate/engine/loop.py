@@ -1,8 +1,9 @@
-"""The engine loop: schedule -> run -> update, in a dedicated thread.
+"""The engine loop: schedule -> run -> update, in a thread of its own, apart from asyncio.
 
 The asyncio side submits and aborts through a locked inbox; results go back once per step with
-`loop.call_soon_threadsafe`, into one asyncio.Queue per request. Only this thread touches the
-scheduler and the runner.
+`loop.call_soon_threadsafe`, into one asyncio.Queue per request. Only the engine thread touches the
+scheduler and the runner. The CLI runs it in the process's main thread: measured here, torch's
+OpenMP matmuls ran up to 3x slower when called from a secondary thread (bench/engine_batching.py).
 """
 
 from __future__ import annotations
@@ -49,13 +50,20 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        """Runs the loop in a new thread (tests; the CLI calls `run_forever` from its main thread)."""
         self._aio_loop = aio_loop
         self._thread.start()
 
+    def run_forever(self, aio_loop: asyncio.AbstractEventLoop) -> None:
+        """Runs the loop in the calling thread until `stop`."""
+        self._aio_loop = aio_loop
+        self._run()
+
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Safe from any thread; joins the loop's thread when `start` made one."""
         self._stopping = True
         self._wake.set()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout_s)
 
     @property
@@ -89,11 +97,13 @@ class EngineLoop:
             outputs = self._drain_inbox()
             if self._scheduler.has_work:
                 outputs += self._step()
+            self._publish_state()
             if outputs:
                 assert self._aio_loop is not None
                 self._aio_loop.call_soon_threadsafe(self._deliver, outputs)
             if not self._scheduler.has_work and not self._inbox:
-                self._wake.wait()
+                # a timeout, so that a main thread waiting here still runs signal handlers
+                self._wake.wait(timeout=0.5)
                 self._wake.clear()
 
     def _drain_inbox(self) -> list[StepOutput]:
@@ -118,11 +128,13 @@ class EngineLoop:
             log.exception("engine step failed; aborting its %d sequences", len(batch.chunks))
             outputs = [o for c in batch.chunks if (o := self._scheduler.abort(c.seq.seq_id)) is not None]
         if self._metrics is not None:
-            blocks = self._scheduler.blocks
-            self._metrics.observe_step(
-                len(batch.chunks), len(self._scheduler.running), len(self._scheduler.waiting), blocks.usage
-            )
+            self._metrics.step_batch_size.observe(len(batch.chunks))
         return outputs
+
+    def _publish_state(self) -> None:
+        if self._metrics is not None:
+            scheduler = self._scheduler
+            self._metrics.set_state(len(scheduler.running), len(scheduler.waiting), scheduler.blocks.usage)
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         for output in outputs:

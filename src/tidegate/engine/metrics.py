@@ -33,9 +33,8 @@ class EngineMetrics:
             "tidegate_engine_step_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
         )
 
-    def observe_step(self, num_sequences: int, running: int, waiting: int, kv_usage: float) -> None:
-        """Called by the engine thread after each step (prometheus-client is thread-safe)."""
-        self.step_batch_size.observe(num_sequences)
+    def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
+        """Called by the engine thread after each iteration (prometheus-client is thread-safe)."""
         self.running.set(running)
         self.waiting.set(waiting)
         self.kv_usage.set(kv_usage)

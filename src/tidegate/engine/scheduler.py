@@ -101,7 +101,7 @@ class Scheduler:
             want = 1 if seq.is_decoding else self._chunk_size(seq, budget, bool(chunks))
             granted = self._reserve(seq, want, candidates)
             if granted == 0:
-                continue  # seq itself was preempted
+                continue  # preempted itself, or no room for it in this step
             chunks.append(self._chunk(seq, granted))
             scheduled.append(seq)
             budget -= granted

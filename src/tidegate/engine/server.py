@@ -1,6 +1,6 @@
 """The engine worker's HTTP edge (aiohttp): OpenAI routes, /health, /metrics, draining.
 
-The server listens at once and loads the model in the background, so that /health can say 503
+The server listens at once and the CLI attaches the model once loaded, so that /health says 503
 until it is ready. A model that `is_embedding_model` recognises is served for embeddings only.
 """
 
@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -21,7 +21,17 @@ from aiohttp import web
 from tidegate.engine.generation import Delta, GenerationService, PreparedRequest
 from tidegate.engine.metrics import EngineMetrics
 from tidegate.engine.schemas import ChatRequest, CompletionRequest, parse_request
-from tidegate.errors import InternalError, NotFoundError, OverloadedError, PayloadTooLargeError, TidegateError, openai_error_body
+from tidegate.errors import (
+    InternalError,
+    NotFoundError,
+    OverloadedError,
+    PayloadTooLargeError,
+    TidegateError,
+    openai_error_body,
+)
+
+if TYPE_CHECKING:
+    from tidegate.engine.builder import BuiltEngine
 
 __all__ = ["EngineOptions", "EngineServer", "ServerState"]
 
@@ -73,7 +83,7 @@ class EngineServer:
         self.served_model_name = options.model
         self.model_card: dict[str, Any] = {}
         self._service: GenerationService | None = None
-        self._engine_loop: Any = None
+        self.engine_loop: Any = None
         self._batcher: Any = None
         self._embeddings_handler: Any = None
         self.app = web.Application()
@@ -90,42 +100,36 @@ class EngineServer:
 
     # ---- lifecycle ----
 
-    async def load(self) -> None:
-        if self.serves_embeddings:
-            await self._load_embeddings()
-        else:
-            await asyncio.to_thread(self._load_generation)
-            self._engine_loop.start(asyncio.get_running_loop())
-        self.state = ServerState.READY
-        log.info("engine ready: %s", self.served_model_name)
-
-    def _load_generation(self) -> None:
-        from tidegate.engine.builder import build_generation_engine
-
-        built = build_generation_engine(self.options, self.metrics)
-        self._engine_loop = built.loop
+    def attach_generation(self, built: BuiltEngine) -> None:
+        """Asyncio thread: serve the engine that `build_generation_engine` made."""
+        self.engine_loop = built.loop
         self.served_model_name = built.served_model_name
         self.model_card = built.model_card
         self._service = GenerationService(
             built.loop, built.tokenizer, self.metrics, built.served_model_name, built.max_total_tokens
         )
+        self.state = ServerState.READY
+        log.info("engine ready: %s", self.served_model_name)
 
-    async def _load_embeddings(self) -> None:
-        from tidegate.engine.embeddings_api import make_embeddings_routes
-
-        model = await asyncio.to_thread(
-            self._embeddings.EmbeddingModel.load,
-            self.options.model,
-            dtype=self.options.dtype or "auto",
-            quantize=self.options.quantize,
+    def load_embedding_model(self) -> Any:
+        """Any thread: loads the embedding model (torch, slow)."""
+        return self._embeddings.EmbeddingModel.load(
+            self.options.model, dtype=self.options.dtype or "auto", quantize=self.options.quantize,
             threads=self.options.threads,
         )
+
+    async def attach_embeddings(self, model: Any) -> None:
+        """Asyncio thread: starts the dynamic batcher and serves /v1/embeddings."""
+        from tidegate.engine.embeddings_api import make_embeddings_routes
+
         self._batcher = self._embeddings.EmbeddingBatcher(model)
         await self._batcher.start()
         self.served_model_name = model.name
         self.model_card = {"description": "sentence embeddings", "dimensions": model.dimensions}
         (route,) = make_embeddings_routes(self._batcher, model.name)
         self._embeddings_handler = route.handler
+        self.state = ServerState.READY
+        log.info("engine ready: %s", self.served_model_name)
 
     async def drain(self, timeout_s: float) -> None:
         """Stops accepting (503), then waits for in-flight requests up to `timeout_s`."""
@@ -137,8 +141,8 @@ class EngineServer:
             log.warning("drain timeout: %d requests still in flight", self.in_flight)
 
     async def close(self) -> None:
-        if self._engine_loop is not None:
-            await asyncio.to_thread(self._engine_loop.stop)
+        if self.engine_loop is not None:
+            self.engine_loop.stop()
         if self._batcher is not None:
             await self._batcher.close()
 

@@ -8,6 +8,7 @@ body; `x-mock-ttft-ms: 250` replaces the sampled time to first token.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import random
 import signal
@@ -35,6 +36,7 @@ class MockConfig:
     embedding_dim: int = 384
     model: str = "mock-model"
     seed: int | None = None
+    precise_timing: bool = False  # sub-millisecond pacing at the cost of a busy core
 
 
 class MockState:
@@ -47,6 +49,7 @@ class MockState:
         self.errors_total = 0
         self.inflight = 0
         self.ids = itertools.count()
+        self.timer = PreciseTimer() if config.precise_timing else MillisecondTimer()
         self.models_body = orjson.dumps(
             {"object": "list", "data": [{"id": config.model, "object": "model", "created": 0, "owned_by": "mock"}]}
         )
@@ -219,7 +222,7 @@ class MockProtocol(asyncio.Protocol):
             offsets_s.extend([ttft_s] * (n_tokens - 1))
 
         if not request.get("stream"):
-            await _sleep_until(start_s + offsets_s[-1])
+            await self.state.timer.sleep_until(start_s + offsets_s[-1])
             text = "".join(_WORDS[i % len(_WORDS)] for i in range(n_tokens))
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
                       if is_chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
@@ -247,7 +250,7 @@ class MockProtocol(asyncio.Protocol):
             return _sse_chunk(orjson.dumps(payload))
 
         for index, offset_s in enumerate(offsets_s):
-            await _sleep_until(start_s + offset_s)
+            await self.state.timer.sleep_until(start_s + offset_s)
             if self.transport is None:
                 return  # client went away: stop generating, as an engine would
             prefix = chunk(None, None, role=True) if (index == 0 and is_chat) else b""
@@ -264,17 +267,59 @@ class MockProtocol(asyncio.Protocol):
             self.transport.close()
 
 
-# Event-loop timers tick in whole milliseconds (libuv and epoll alike), which would make every token
-# 0-1 ms late; sleep to just short of the deadline, then yield until it is due.
-_TIMER_SLACK_S = 0.002
+class MillisecondTimer:
+    """Event-loop timers: libuv and epoll tick in whole milliseconds, so each event is 0-1 ms late."""
+
+    async def sleep_until(self, deadline_s: float) -> None:
+        # the loop's cached clock can lag real time, so a timer may fire early: sleep again if so
+        while (delay_s := deadline_s - time.perf_counter()) > 0:
+            await asyncio.sleep(delay_s)
 
 
-async def _sleep_until(deadline_s: float) -> None:
-    delay_s = deadline_s - time.perf_counter()
-    if delay_s > _TIMER_SLACK_S:
-        await asyncio.sleep(delay_s - _TIMER_SLACK_S)
-    while time.perf_counter() < deadline_s:
-        await asyncio.sleep(0)
+class PreciseTimer:
+    """Sub-millisecond pacing for latency-accuracy measurements: one task sleeps to just short of the
+    earliest deadline, then yields to the loop until it is due and wakes every sleeper that is due.
+    Costs a busy core while deadlines are dense, so it is opt-in (`--precise-timing`)."""
+
+    SLACK_S = 0.002
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def sleep_until(self, deadline_s: float) -> None:
+        if deadline_s <= time.perf_counter():
+            return
+        future = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._heap, (deadline_s, next(self._order), future))
+        if self._heap[0][2] is future:
+            self._wake.set()
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run())
+        await future
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._heap:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            delay_s = self._heap[0][0] - time.perf_counter()
+            if delay_s > self.SLACK_S:
+                self._wake.clear()
+                handle = loop.call_later(delay_s - self.SLACK_S, self._wake.set)
+                await self._wake.wait()
+                handle.cancel()
+                continue
+            await asyncio.sleep(0)
+            now_s = time.perf_counter()
+            while self._heap and self._heap[0][0] <= now_s:
+                future = heapq.heappop(self._heap)[2]
+                if not future.done():
+                    future.set_result(None)
 
 
 async def serve(config: MockConfig, host: str, port: int, ready_message: bool = True) -> None:
