@@ -8,7 +8,7 @@ small aiohttp app instead (a subprocess, so that clients and model do not share 
 Then, in-process, the batcher with length-sorted vs arrival-order batches: throughput and the
 fraction of computed token positions that were padding.
 
-Run: flock /tmp/tidegate-bench.lock python bench/engine_embeddings.py [--threads N]
+Run: python bench/engine_embeddings.py [--threads N]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ Speed: texts/s embedding a fixed set of 256 texts (4-120 words) in length-sorted
 and one text at a time; variants are timed in interleaved repeats and the best repeat is kept,
 so that other load on the machine hurts every variant alike.
 
-Run: flock /tmp/tidegate-bench.lock python bench/engine_quantize_embeddings.py [--threads N]
+Run: python bench/engine_quantize_embeddings.py [--threads N]
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BuiltEngine", "DEFAULT_GENERATION_DTYPE", "build_generation_engine"]
 
-# fp32 by default: bf16 is faster on batched decode here but changes greedy tokens
-# (bench/engine_quantize_generation.py prints by how much); lossy settings are opt-in only
+# fp32 by default; lossy settings are opt-in only. bench/engine_quantize_generation.py, 2 threads,
+# 16 streams: bf16 1.69x fp32's tokens/s but 93.0 % greedy-token agreement; int8 1.96x, 64.5 %.
 DEFAULT_GENERATION_DTYPE = "fp32"
 
 

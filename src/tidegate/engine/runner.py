@@ -33,7 +33,9 @@ class ModelRunner:
         self.block_size = BLOCK_SIZE
         num_slots = (config.kv_cache_tokens // BLOCK_SIZE) * BLOCK_SIZE
         with torch.inference_mode():
-            self.model = PagedLlama(loaded.hf_model, DTYPES[config.dtype], num_slots, loaded.context_tokens)
+            self.model = PagedLlama(
+                loaded.hf_model, DTYPES[config.dtype], num_slots, loaded.context_tokens, BLOCK_SIZE
+            )
             if config.quantize == "int8":
                 self.model.quantize_int8()
         self.model.eval()
@@ -56,9 +58,9 @@ class ModelRunner:
         ids: list[int] = [chunk.seq.output_token_ids[-1] for chunk in decodes]
         positions: list[int] = [chunk.start for chunk in decodes]
         slots: list[int] = [chunk.seq.block_table[p // bs] * bs + p % bs for chunk, p in zip(decodes, positions)]
-        decode_slots = decode_mask = None
+        decode_blocks = decode_mask = None
         if decodes:
-            decode_slots, decode_mask = self._decode_context(decodes)
+            decode_blocks, decode_mask = self._decode_context(decodes)
         prefills: list[PrefillSpan] = []
         for chunk in batch.chunks[batch.num_decodes :]:
             row = len(ids)
@@ -83,7 +85,7 @@ class ModelRunner:
             positions=torch.tensor(positions),
             slot_mapping=torch.tensor(slots),
             num_decodes=len(decodes),
-            decode_slots=decode_slots,
+            decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefills=tuple(prefills),
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
@@ -97,10 +99,9 @@ class ModelRunner:
     def _decode_context(self, decodes: tuple[ScheduledChunk, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([chunk.start + 1 for chunk in decodes])
         width = -(-int(lengths.max()) // self.block_size)
-        tables = torch.tensor([(c.seq.block_table + [0] * width)[:width] for c in decodes])  # [B, blocks]
-        slots = (tables.unsqueeze(2) * self.block_size + torch.arange(self.block_size)).flatten(1)
-        mask = torch.arange(slots.shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
-        return slots, mask[:, None, None, :]
+        tables = torch.tensor([(c.seq.block_table + [0] * width)[:width] for c in decodes])  # [B, W]
+        mask = torch.arange(width * self.block_size).unsqueeze(0) < lengths.unsqueeze(1)
+        return tables, mask[:, None, None, :]
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         tokens = logits.argmax(dim=-1).tolist()
