@@ -23,9 +23,11 @@ def client() -> Iterator[openai.OpenAI]:
 
 
 def test_embedded_chat(client: openai.OpenAI) -> None:
-    reply = client.chat.completions.create(model="tiny-random-llama", max_tokens=4,
+    # random weights may sample end-of-sequence early; ignore_eos (vLLM's field) fixes the length
+    reply = client.chat.completions.create(model="tiny-random-llama", max_tokens=4, extra_body={"ignore_eos": True},
                                            messages=[{"role": "user", "content": "hi"}])
     assert reply.usage.completion_tokens == 4
+    assert reply.choices[0].finish_reason == "length"
 
 
 def test_embedded_chat_stream(client: openai.OpenAI) -> None:

@@ -105,6 +105,13 @@ def test_invalid_json_is_400_and_gateway_keeps_serving(gateway: Gateway, client:
     assert client.chat.completions.create(model="mock", messages=MESSAGES).choices
 
 
+def test_get_on_an_api_path_is_405(gateway: Gateway) -> None:
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(f"{gateway.api}/chat/completions", timeout=5)
+    assert caught.value.code == 405
+    assert json.loads(caught.value.read())["error"]["code"] == "method_not_allowed"
+
+
 def test_client_request_id_is_echoed(client: openai.OpenAI) -> None:
     raw = client.chat.completions.with_raw_response.create(
         model="mock", messages=MESSAGES, extra_headers={"x-request-id": "my-trace-42"})

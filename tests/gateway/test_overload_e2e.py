@@ -75,3 +75,10 @@ def test_degraded_reply_names_its_rung(gateway: str) -> None:
     assert response.headers["x-tidegate-degradation"] == "preset_reply"
     assert int(response.headers["retry-after"]) >= 1
     assert _PRESET in degraded.value.message
+
+
+def test_malformed_request_timeout_header_is_400(gateway: str) -> None:
+    client = _client(gateway, "sk-capped").with_options(default_headers={"x-request-timeout": "soon"})
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="m", messages=_MESSAGES)
+    assert "x-request-timeout" in caught.value.message

@@ -177,6 +177,18 @@ async def test_request_past_its_deadline_is_answered_by_the_timer() -> None:
     assert _metric(runtime, "tidegate_overload_rejections_total", pool="m", tier="low", reason="shed_deadline") == 1
 
 
+async def test_client_timeout_shorter_than_the_tier_wait_sets_the_deadline() -> None:
+    levels = {"default": "low", "levels": {"low": {"rank": 0, "max_queue_wait_s": 30, "ttft_target_s": 60}}}
+    runtime, pool = _runtime({"tiers": levels}, clock=asyncio.get_running_loop().time)
+    who = Identity("t", None)
+    await runtime.acquire(runtime.admit(runtime.clock(), "h", who, "m", _BODY))
+    waiting = runtime.admit(runtime.clock(), "w", who, "m", _BODY, timeout_s=0.05)
+    # the tier would let it wait 30 s; the client's x-request-timeout of 50 ms answers it first
+    with pytest.raises(DegradedReplyError):
+        await asyncio.wait_for(runtime.acquire(waiting), timeout=2.0)
+    assert len(pool.queue) == 0
+
+
 async def test_client_leaving_while_queued_is_removed_and_refunded() -> None:
     runtime, pool = _runtime()
     who = Identity("t", None)

@@ -26,7 +26,7 @@ def _measure(response: HttpResponse, stream: bool = True, kind: ApiKind = ApiKin
 
 def _stream_response() -> HttpResponse:
     usage = {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 3}}
-    return HttpResponse(status=200, headers={"x-tidegate-degraded": "cached", "server": "x"}, chunks=[
+    return HttpResponse(status=200, headers={"x-tidegate-degradation": "cached_answer", "server": "x"}, chunks=[
         (10.05, _sse(_chat_delta(None, role=True))),
         (10.10, _sse(_chat_delta("a"))),
         (10.15, _sse(_chat_delta("b"))[:9]),  # an event split across two reads
@@ -50,7 +50,7 @@ def test_usage_comes_from_the_final_chunk() -> None:
 
 def test_only_tidegate_and_rate_limit_headers_are_kept() -> None:
     record = _measure(_stream_response())
-    assert record.headers == {"x-tidegate-degraded": "cached"} and record.degraded
+    assert record.headers == {"x-tidegate-degradation": "cached_answer"} and record.degraded
 
 
 def test_error_reason_is_the_openai_error_code() -> None:

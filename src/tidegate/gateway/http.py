@@ -29,7 +29,8 @@ def status_line(status: int) -> bytes:
 class HttpRequest:
     """One parsed request: only the headers the gateway reads are kept."""
 
-    __slots__ = ("method", "path", "body", "authorization", "request_id", "keep_alive", "too_large")
+    __slots__ = ("method", "path", "body", "authorization", "request_id", "request_timeout", "keep_alive",
+                 "too_large")
 
     def __init__(self) -> None:
         self.method = b""
@@ -37,6 +38,7 @@ class HttpRequest:
         self.body = b""
         self.authorization: bytes | None = None
         self.request_id: bytes | None = None
+        self.request_timeout: bytes | None = None  # the client's `x-request-timeout`, seconds, unparsed
         self.keep_alive = True
         self.too_large = False  # the body passed the size cap and was discarded: answer 413
 
@@ -125,6 +127,8 @@ class HttpConnection(asyncio.Protocol):
             request.authorization = value
         elif lowered == b"x-request-id":
             request.request_id = value[:128]
+        elif lowered == b"x-request-timeout":
+            request.request_timeout = value[:32]
         elif lowered == b"content-length":
             if value.isdigit() and int(value) > self._max_body_bytes:
                 self._too_large = True

@@ -19,6 +19,7 @@ import orjson
 from tidegate.errors import (
     AuthenticationError,
     InvalidRequestError,
+    MethodNotAllowedError,
     NotFoundError,
     OverloadedError,
     PayloadTooLargeError,
@@ -104,8 +105,9 @@ class Proxy:
             pool = self.pools.get(model)
             if pool is None:
                 raise NotFoundError(f"model {model!r} does not exist; see /v1/models", param="model")
+            timeout_s = _client_timeout_s(request.request_timeout)
             status, replica_id = await self._forward(conn, pool, endpoint, body, request.body, stream,
-                                                     request_id, started, identity)
+                                                     request_id, started, identity, timeout_s)
         except TidegateError as error:
             status = error.status
             self._send_error(conn, error, request_id)
@@ -148,7 +150,7 @@ class Proxy:
         if request.too_large:
             raise PayloadTooLargeError("request body too large")
         if path in _API_ROUTES:
-            raise InvalidRequestError(f"{path.decode()} takes POST", code="method_not_allowed")
+            raise MethodNotAllowedError(f"{path.decode()} takes POST")
         if method not in (b"GET", b"HEAD"):
             raise NotFoundError(f"no route {method.decode('latin-1')} {path.decode('latin-1')}", code="not_found")
         headers = _JSON + b"x-request-id: " + request_id + b"\r\n"
@@ -183,13 +185,13 @@ class Proxy:
     # -- proxying
     async def _forward(self, conn: HttpConnection, pool: ModelPool, endpoint: Endpoint, body: dict,
                        raw_body: bytes, stream: bool, request_id: bytes, started: float,
-                       identity: Identity | None = None) -> tuple[int, str]:
+                       identity: Identity | None = None, timeout_s: float | None = None) -> tuple[int, str]:
         overload = self.overload
         ticket: Ticket | None = None
         if overload is not None and identity is not None:
             self._ticket_ids += 1
             # raises the answer for a refusal (429, or 503 with the preset reply) at once
-            ticket = overload.admit(started, str(self._ticket_ids), identity, pool.name, body)
+            ticket = overload.admit(started, str(self._ticket_ids), identity, pool.name, body, timeout_s)
             pool = self.pools[ticket.pool]  # the fallback pool when degraded to it
         metrics = self.pool_metrics[pool.name]
         metrics.in_flight.inc()
@@ -434,3 +436,16 @@ class _RetryElsewhere(Exception):
 def _time_out(connection: UpstreamConnection, exchange: Exchange) -> None:
     exchange.fail(UpstreamFailure("timed out", before_first_byte=not exchange.got_bytes, timed_out=True))
     connection.close()
+
+
+def _client_timeout_s(header: bytes | None) -> float | None:
+    """The client's `x-request-timeout` (seconds): a deadline for its wait in the queue."""
+    if header is None:
+        return None
+    try:
+        timeout_s = float(header)
+    except ValueError:
+        raise InvalidRequestError("x-request-timeout must be a number of seconds", param="x-request-timeout") from None
+    if not math.isfinite(timeout_s) or timeout_s <= 0:
+        raise InvalidRequestError("x-request-timeout must be a positive number of seconds", param="x-request-timeout")
+    return timeout_s

@@ -46,7 +46,7 @@ class RequestRecord:
 
     @property
     def degraded(self) -> bool:
-        return any(name.startswith("x-tidegate-degraded") for name in self.headers)
+        return "x-tidegate-degradation" in self.headers  # the gateway names the rung that served
 
     @property
     def tpot_s(self) -> float | None:
