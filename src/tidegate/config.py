@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 from urllib.parse import urlsplit
 
 import yaml
@@ -142,16 +142,25 @@ class GatewayConfig(_Strict):
                               degradation=self.degradation)
 
 
-def _substitute_env(text: str, environ: dict[str, str], source: str) -> str:
+def _substitute_env(value: Any, environ: dict[str, str], where: str) -> Any:
+    """Replaces `${NAME}` / `${NAME:-default}` in the parsed config's strings (not in comments, and a
+    secret's characters can never change the YAML's structure)."""
+    if isinstance(value, dict):
+        return {key: _substitute_env(item, environ, f"{where}.{key}") for key, item in value.items()}
+    if isinstance(value, list):
+        return [_substitute_env(item, environ, f"{where}.{index}") for index, item in enumerate(value)]
+    if not isinstance(value, str):
+        return value
+
     def replace(match: re.Match[str]) -> str:
         name, default = match.group(1), match.group(2)
         if name in environ:
             return environ[name]
         if default is not None:
             return default
-        raise ConfigError(f"{source}: environment variable {name} is not set (referenced as ${{{name}}})")
+        raise ConfigError(f"{where}: environment variable {name} is not set (referenced as ${{{name}}})")
 
-    return _ENV_REFERENCE.sub(replace, text)
+    return _ENV_REFERENCE.sub(replace, value)
 
 
 def _describe(error: ValidationError, source: str) -> str:
@@ -164,13 +173,13 @@ def _describe(error: ValidationError, source: str) -> str:
 
 
 def parse_config(text: str, source: str = "<config>", environ: dict[str, str] | None = None) -> GatewayConfig:
-    expanded = _substitute_env(text, dict(os.environ) if environ is None else environ, source)
     try:
-        data = yaml.safe_load(expanded)
+        data = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise ConfigError(f"{source}: not valid YAML: {error}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping at the top level")
+    data = _substitute_env(data, dict(os.environ) if environ is None else environ, source)
     try:
         return GatewayConfig.model_validate(data)
     except ValidationError as error:

@@ -49,6 +49,17 @@ def test_missing_env_is_named() -> None:
         parse_config(MINIMAL + "        api_key: ${UPSTREAM_KEY}\n", environ={})
 
 
+def test_env_reference_in_a_comment_is_left_alone() -> None:
+    config = parse_config("# export ${NOT_SET} first\n" + MINIMAL, environ={})
+    assert config.pools[0].name
+
+
+def test_secret_with_yaml_syntax_stays_one_string() -> None:
+    secret = "sk-a: b # c"
+    config = parse_config(MINIMAL + "        api_key: ${UPSTREAM_KEY}\n", environ={"UPSTREAM_KEY": secret})
+    assert config.pools[0].backends[0].api_key.get_secret_value() == secret
+
+
 def test_api_key_is_hidden_in_repr() -> None:
     config = parse_config(MINIMAL + "        api_key: sk-very-secret\n", environ={})
     assert "sk-very-secret" not in repr(config)
