@@ -142,3 +142,10 @@ def test_surge_scenario_reports_each_phase_per_tier(clean_mock, tmp_path) -> Non
     report = json.loads((tmp_path / "report.json").read_text())
     assert code == 0 and [p["name"] for p in report["phases"]] == ["before", "surge", "after"]
     assert {s["tier"] for s in report["phases"][1]["summaries"]} == {"all", "critical", "sheddable"}
+
+
+def test_model_defaults_to_the_first_the_target_lists(clean_mock) -> None:
+    from tidegate.loadgen.cli import first_listed_model
+    from tidegate.loadgen.http_client import parse_url
+
+    assert first_listed_model(parse_url(clean_mock), []) == "mock-model"

@@ -38,7 +38,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     target.add_argument("--compare", metavar="URL2", help="alternate requests with a second target; report ratios")
     target.add_argument("--allow-remote-host", action="append", default=[], metavar="HOST",
                         help="allow a non-loopback target host (repeatable); loopback only otherwise")
-    target.add_argument("--model", default="default")
+    target.add_argument("--model", default=None,
+                        help="model to request (default: the first one the target's /v1/models lists)")
     target.add_argument("--endpoint", choices=[k.value for k in ApiKind], default="chat")
     target.add_argument("--no-stream", dest="stream", action="store_false", help="non-streaming requests")
     target.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout")
@@ -204,6 +205,10 @@ def run(args: argparse.Namespace) -> int:
             check_target_allowed(endpoint, args.allow_remote_host)
         _validate(args)
         planned = _plan(args, np.random.default_rng(args.seed))
+        if args.model is None:
+            args.model = first_listed_model(targets[0], planned.plan)
+            print(f"tidegate bench: --model not given; using {args.model!r}, the first the target lists",
+                  file=sys.stderr)
     except (ValueError, OSError) as error:
         print(f"tidegate bench: {error}", file=sys.stderr)
         return 2
@@ -277,3 +282,23 @@ def _progress(total: int):
             bar.stop()
 
     return update
+
+
+def first_listed_model(endpoint: Endpoint, plan: list[PlannedRequest]) -> str:
+    """The first model of the target's `/v1/models`, asked with the first planned tenant's key if any."""
+    import urllib.error
+    import urllib.request
+
+    import orjson
+
+    url = f"http://{endpoint.host}:{endpoint.port}{endpoint.base_path}/v1/models"
+    key = plan[0].tenant.api_key if plan else None
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=5) as response:
+            models = orjson.loads(response.read())["data"]
+    except (urllib.error.URLError, OSError, KeyError, ValueError) as error:
+        raise ValueError(f"cannot list models at {url} ({error}); name one with --model") from None
+    if not models:
+        raise ValueError(f"{url} lists no models; name one with --model")
+    return str(models[0]["id"])
