@@ -23,7 +23,8 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 demo: $(STAMP)
-	$(BIN)/tidegate bench --scenario surge
+	# targets a running `tidegate serve --config examples/surge.yaml` (see README)
+	$(BIN)/tidegate bench --scenario surge --ignore-eos --max-tokens const:32
 
 clean:
 	rm -rf $(VENV) build *.egg-info

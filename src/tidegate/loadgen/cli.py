@@ -42,6 +42,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="model to request (default: the first one the target's /v1/models lists)")
     target.add_argument("--endpoint", choices=[k.value for k in ApiKind], default="chat")
     target.add_argument("--no-stream", dest="stream", action="store_false", help="non-streaming requests")
+    target.add_argument("--ignore-eos", action="store_true",
+                        help="send vLLM's ignore_eos so every answer runs to max_tokens (engines that know it)")
     target.add_argument("--timeout-s", type=float, default=60.0, help="per-request timeout")
 
     load = parser.add_argument_group("load")
@@ -214,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     config = RunConfig(
         targets=targets, model=args.model, kind=ApiKind(args.endpoint), stream=args.stream,
+        ignore_eos=args.ignore_eos,
         timeout_s=args.timeout_s, concurrency=args.concurrency,
         duration_s=_effective_duration_s(args) if args.concurrency else None, max_inflight=args.max_inflight,
         scrape_metrics=args.scrape_metrics,

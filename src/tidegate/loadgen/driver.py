@@ -37,6 +37,7 @@ class RunConfig:
     model: str = "default"
     kind: ApiKind = ApiKind.CHAT
     stream: bool = True
+    ignore_eos: bool = False  # vLLM's field (also the embedded engine's): every answer runs to max_tokens
     timeout_s: float = 60.0
     concurrency: int | None = None  # closed loop when set
     duration_s: float | None = None  # hard stop for the closed loop
@@ -114,6 +115,8 @@ class Driver:
             body["input"] = prompt
         if self.config.kind is not ApiKind.EMBEDDINGS:
             body["max_tokens"] = request.max_tokens
+            if self.config.ignore_eos:
+                body["ignore_eos"] = True
             body["stream"] = self.config.stream
             if self.config.stream:
                 body["stream_options"] = {"include_usage": True}
