@@ -63,6 +63,11 @@ def _fuse(linears: list[nn.Linear], dtype: torch.dtype) -> nn.Linear:
             fused.bias.copy_(
                 torch.cat([lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears])
             )
+    if dtype is torch.float32:
+        # stored [in, out], seen through a transposed view: F.linear then multiplies by a contiguous
+        # matrix, which MKL ran ~8 % faster per fp32 decode step here (same tokens); bf16 gained
+        # nothing and its rounding changed, so it keeps nn.Linear's layout
+        fused.weight = nn.Parameter(fused.weight.detach().t().contiguous().t(), requires_grad=False)
     fused.requires_grad_(False)
     return fused
 
