@@ -165,6 +165,35 @@ async def test_only_the_best_tier_takes_the_headroom_slot() -> None:
     sheddable.cancel()
 
 
+async def test_lower_tiers_leave_the_best_tiers_recent_concurrency_free() -> None:
+    slots = {"initial": 4, "minimum": 4, "maximum": 4, "window_s": 0, "priority_headroom": 0,
+             "priority_reserve_half_life_s": 1.0}
+    clock = FakeClock()
+    runtime, pool = _runtime({**_TENANTS, "limits": {"slots": slots}}, clock=clock)
+    gold, free = runtime.authenticate(b"Bearer sk-gold"), runtime.authenticate(b"Bearer sk-free")
+    held = runtime.admit(clock(), "g", gold, "m", _BODY)
+    await runtime.acquire(held)
+    clock.now_s += 10.0  # one critical request held for a while: Poisson(1) needs 2 slots 90 % of the time
+    runtime.settle(held, None, 0)
+    pool.release(pool.replicas[0], clock())
+    for name in ("s1", "s2"):
+        await runtime.acquire(runtime.admit(clock(), name, free, "m", _BODY))
+    sheddable = asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), "s3", free, "m", _BODY)))
+    critical = asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), "c", gold, "m", _BODY)))
+    await asyncio.sleep(0)
+    assert critical.done() and not sheddable.done()
+    sheddable.cancel()
+
+
+async def test_without_best_tier_traffic_lower_tiers_get_every_slot() -> None:
+    slots = {"initial": 3, "minimum": 3, "maximum": 3, "window_s": 0, "priority_headroom": 0}
+    runtime, pool = _runtime({**_TENANTS, "limits": {"slots": slots}})
+    free = runtime.authenticate(b"Bearer sk-free")
+    for name in ("s1", "s2", "s3"):
+        await asyncio.wait_for(runtime.acquire(runtime.admit(runtime.clock(), name, free, "m", _BODY)), 1.0)
+    assert pool.replicas[0].outstanding == 3
+
+
 async def test_request_past_its_deadline_is_answered_by_the_timer() -> None:
     levels = {"default": "low", "levels": {"low": {"rank": 0, "max_queue_wait_s": 0.05, "ttft_target_s": 1}}}
     runtime, pool = _runtime({"tiers": levels}, clock=asyncio.get_running_loop().time)

@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tidegate.policy.concurrency import AimdSlotLimit, GradientSlotLimit, ReplicaSlots, SlotLimitBounds
+from tidegate.policy.concurrency import (
+    AimdSlotLimit,
+    GradientSlotLimit,
+    PriorityReserve,
+    ReplicaSlots,
+    SlotLimitBounds,
+)
 from tidegate.types import ReplicaLoad
 
 BOUNDS = SlotLimitBounds(initial=10, minimum=2, maximum=100)
@@ -109,3 +115,24 @@ def test_recovers_when_the_replica_speeds_up_again() -> None:
     limit = GradientSlotLimit(0.3, bounds=SlotLimitBounds(initial=4, minimum=1, maximum=512))
     trace = sim.simulate(limit, [(60.0, replace(fast, slowdown=2.0)), (30.0, fast)], 0.3)
     assert sim.settled_within(trace, 60.0, 30.0)
+
+
+def test_priority_reserve_covers_the_best_tiers_concurrency_per_replica_most_of_the_time() -> None:
+    reserve = PriorityReserve(half_life_s=1.0, coverage=0.9)
+    reserve.on_change(0.0, +1)
+    reserve.on_change(0.0, +1)
+    reserve.on_change(0.0, +1)  # three best-tier requests held in a pool of two replicas
+    # 1.5 a replica on average; Poisson(1.5): P(N <= 2) = 0.81, P(N <= 3) = 0.93
+    assert reserve.reserved_per_replica(30.0, replicas=2) == 3
+
+
+def test_priority_reserve_decays_to_zero_once_the_best_tier_stops() -> None:
+    reserve = PriorityReserve(half_life_s=1.0)
+    reserve.on_change(0.0, +1)
+    reserve.on_change(30.0, -1)
+    assert reserve.reserved_per_replica(30.5, replicas=1) >= 1  # still recent
+    assert reserve.reserved_per_replica(60.0, replicas=1) == 0
+
+
+def test_priority_reserve_without_best_tier_traffic_reserves_nothing() -> None:
+    assert PriorityReserve().reserved_per_replica(100.0, replicas=4) == 0

@@ -24,7 +24,7 @@ from tidegate.gateway.dispatch import ModelPool, Replica, Waiter
 from tidegate.gateway.overload_config import OverloadPolicies
 from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.policy.admission import LimitKind
-from tidegate.policy.concurrency import ReplicaSlots
+from tidegate.policy.concurrency import PriorityReserve, ReplicaSlots
 from tidegate.policy.degradation import DEGRADATION_HEADER, Rung
 from tidegate.policy.health import is_routable
 from tidegate.policy.identity import Identity
@@ -94,7 +94,7 @@ class Ticket:
     """What overload control knows of one admitted request; rides on `Waiter.ticket`."""
 
     __slots__ = ("request_id", "pool", "tier", "tenant", "prompt_tokens", "arrived_s", "predicted_wait_s",
-                 "response_headers", "dispatched_s", "waiter", "replica")
+                 "response_headers", "dispatched_s", "waiter", "replica", "holds_best_slot")
 
     def __init__(self, request_id: str, pool: str, tier: str, tenant: str, prompt_tokens: int, arrived_s: float,
                  predicted_wait_s: float | None, response_headers: bytes) -> None:
@@ -109,6 +109,7 @@ class Ticket:
         self.dispatched_s: float | None = None
         self.waiter: Waiter | None = None
         self.replica: Replica | None = None  # set at admission by the uncontended fast path
+        self.holds_best_slot: Replica | None = None  # the replica whose slot it holds, for the best tier
 
 
 class FairWaitQueue:
@@ -150,8 +151,12 @@ class FairWaitQueue:
                 return None
             waiter = self._waiting.get(head.request_id)
             if waiter is not None:
-                if head.tier != self._runtime.best_tier and not self._runtime.ordinary_slot_free(self._pool, now_s):
-                    return None  # only the best tier may use the headroom above the limits: hold it back
+                if head.tier != self._runtime.best_tier:
+                    # lower tiers fill only the slots neither headroom nor the best tier's reserve keeps
+                    excluded = self._runtime.lower_tier_exclusions(self._pool, now_s)
+                    if excluded is None:
+                        return None  # no such slot free: hold the head back
+                    waiter.exclude = excluded
                 return waiter
             # queued in the policy but nobody waits for it (its handler failed before waiting)
             self._control.cancel(now_s, head.request_id)
@@ -226,6 +231,11 @@ class OverloadRuntime:
         slots_config = self.config.limits.slots
         self.best_tier = next(iter(self.control.tiers)).name
         self._headroom = slots_config.priority_headroom
+        half_life_s = slots_config.priority_reserve_half_life_s
+        # per pool: the best tier's recent concurrency, reserved inside the limits (None: no reserve)
+        self._reserves: dict[str, PriorityReserve | None] = {
+            name: PriorityReserve(half_life_s) if half_life_s is not None else None for name in pools}
+        self._best_held: dict[str, int] = {}  # replica id -> best-tier requests holding its slots
         # One anonymous tenant, no rate limit: a request that finds the queue empty and a slot free
         # would be admitted, queued and dispatched at once, so it skips the policy round trip.
         default_tier = self.control.tiers.default
@@ -241,6 +251,7 @@ class OverloadRuntime:
             for replica in pool.replicas:
                 # the backend's configured slot_limit stays a ceiling the adaptive limit never passes
                 slots = self.slots[replica.replica_id] = slots_config.new_slots(ceiling=replica.slot_limit)
+                self._best_held[replica.replica_id] = 0
                 # routing's cap: the adaptive limit plus the best tier's headroom
                 replica.slot_limit = slots.slot_limit + self._headroom
                 metrics.watch_slot_limit(name, replica.replica_id, lambda s=slots: s.slot_limit)
@@ -331,6 +342,8 @@ class OverloadRuntime:
         ticket = Ticket(request_id, model, tier, identity.tenant, prompt_tokens, now_s, 0.0, b"")
         ticket.dispatched_s = now_s
         ticket.replica = replica
+        if tier == self.best_tier:
+            self._took_slot(ticket, replica, now_s)
         return ticket
 
     # -- 2./3. queue and late-binding dispatch
@@ -346,13 +359,37 @@ class OverloadRuntime:
         assert waiter is not None
         pool.dispatch_waiting(self.clock())
         try:
-            return await waiter.future
+            replica = await waiter.future
         except asyncio.CancelledError:
             pool.queue.remove(waiter)
             future = waiter.future
             if future.done() and not future.cancelled() and future.exception() is None:
                 pool.release(future.result(), self.clock())  # handed a slot just as the client left
             raise
+        self._took_slot(ticket, replica, self.clock())
+        return replica
+
+    def _took_slot(self, ticket: Ticket, replica: Replica, now_s: float) -> None:
+        if ticket.tier != self.best_tier:
+            return
+        reserve = self._reserves.get(ticket.pool)
+        if reserve is not None:
+            reserve.on_change(now_s, +1)
+        ticket.holds_best_slot = replica
+        self._best_held[replica.replica_id] = self._best_held.get(replica.replica_id, 0) + 1
+
+    def _gave_back_slot(self, ticket: Ticket, now_s: float) -> None:
+        replica = ticket.holds_best_slot
+        if replica is None:
+            return
+        ticket.holds_best_slot = None
+        reserve = self._reserves.get(ticket.pool)
+        if reserve is not None:
+            reserve.on_change(now_s, -1)
+        self._best_held[replica.replica_id] -= 1
+        pool = self.pools[ticket.pool]
+        if len(pool.queue):
+            pool.dispatch_waiting(now_s)  # a lower tier may now fit where the best tier's slot was
 
     def on_dispatch(self, ticket: Ticket, waited_s: float) -> None:
         self._tickets.pop(ticket.request_id, None)
@@ -404,16 +441,33 @@ class OverloadRuntime:
             if len(pool.queue):
                 pool.dispatch_waiting(now_s)
 
-    def ordinary_slot_free(self, pool: str, now_s: float) -> bool:
-        """Has some routable replica of `pool` a slot below its adaptive limit (not headroom)?"""
-        slots = self.slots
-        return any(replica.outstanding < slots[replica.replica_id].slot_limit
-                   and is_routable(replica.health, replica.breaker, now_s)
-                   for replica in self.pools[pool].replicas)
+    def lower_tier_exclusions(self, pool: str, now_s: float) -> tuple[str, ...] | None:
+        """Replicas of `pool` where a lower-tier request may not go now; None when it fits nowhere.
+
+        Lower tiers may hold at most `limit - reserved` slots of a replica: the headroom above the
+        adaptive limit and the best tier's expected concurrency inside it stay free for the best tier.
+        """
+        replicas = self.pools[pool].replicas
+        reserve = self._reserves.get(pool)
+        reserved = reserve.reserved_per_replica(now_s, len(replicas)) if reserve is not None else 0
+        slots, best_held = self.slots, self._best_held
+        excluded: list[str] = []
+        fits = False
+        for replica in replicas:
+            rid = replica.replica_id
+            lower_held = replica.outstanding - best_held.get(rid, 0)
+            if (lower_held < slots[rid].slot_limit - reserved and replica.outstanding < slots[rid].slot_limit
+                    and is_routable(replica.health, replica.breaker, now_s)):
+                fits = True
+            else:
+                excluded.append(rid)
+        return tuple(excluded) if fits else None
 
     # -- 6. settle
     def settle(self, ticket: Ticket, prompt_tokens: int | None, completion_tokens: int) -> None:
         """Ends the request's accounts: refund unused tokens, correct fair share. Call exactly once."""
+        if ticket.holds_best_slot is not None:
+            self._gave_back_slot(ticket, self.clock())
         if ticket.replica is not None:
             return  # the fast path: nothing reserved, nothing queued
         now_s = self.clock()

@@ -134,6 +134,10 @@ class SlotsConfig(_Strict):
     # slots per replica above the adaptive limit that only the best tier may take: a critical
     # request then finds a slot at once, instead of waiting for one to free under a flood
     priority_headroom: int = Field(1, ge=0)
+    # the best tier's recent concurrency (time-averaged, this half-life) is reserved inside each
+    # replica's limit: lower tiers fill only the rest, so a critical request joins a batch still at
+    # the latency target instead of one over it. null: no reserve (headroom only)
+    priority_reserve_half_life_s: float | None = Field(5.0, gt=0)
 
     @model_validator(mode="after")
     def _ordered_bounds(self) -> SlotsConfig:

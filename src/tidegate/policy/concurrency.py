@@ -22,7 +22,7 @@ from typing import Protocol
 
 from tidegate.types import ReplicaLoad
 
-__all__ = ["SlotLimit", "GradientSlotLimit", "AimdSlotLimit", "SlotLimitBounds", "ReplicaSlots"]
+__all__ = ["SlotLimit", "GradientSlotLimit", "AimdSlotLimit", "SlotLimitBounds", "ReplicaSlots", "PriorityReserve"]
 
 
 class SlotLimit(Protocol):
@@ -217,3 +217,61 @@ class ReplicaSlots:
 
     def observe_load(self, now_s: float, load: ReplicaLoad) -> None:
         self._limit.on_load(now_s, load)
+
+
+class PriorityReserve:
+    """Slots per replica kept free of lower tiers for the best tier, sized to its recent load.
+
+    Headroom above the adaptive limit lets a critical request start at once, but it runs in a
+    batch already filled to the limit by sheddable work, i.e. past the latency target. So the
+    best tier's *expected* concurrency is reserved inside the limit instead: lower tiers may fill
+    only `limit - reserved` slots, and the adaptive limit (which measures every request) keeps
+    the whole batch at the target. Mean concurrency is Little's law (arrival rate x time a request
+    holds a slot), measured directly as the time-averaged number of best-tier requests held in the
+    pool, smoothed with `half_life_s` and shared evenly over the replicas. Requests arriving at
+    random and held independently are Poisson in number (M/G/inf), so the reserve is the Poisson
+    quantile `coverage` of that mean: the slots that hold the best tier's concurrency that often;
+    rarer peaks use the headroom. With no best-tier traffic the reserve decays to 0.
+    """
+
+    def __init__(self, half_life_s: float = 5.0, coverage: float = 0.9) -> None:
+        if half_life_s <= 0 or not 0 < coverage < 1:
+            raise ValueError("half_life_s > 0 and 0 < coverage < 1 needed")
+        self._coverage = coverage
+        self._tau_s = half_life_s / math.log(2)
+        self._held = 0
+        self._average = 0.0
+        self._at_s: float | None = None
+
+    @property
+    def held(self) -> int:
+        """Best-tier requests holding a slot now."""
+        return self._held
+
+    def on_change(self, now_s: float, delta: int) -> None:
+        """A best-tier request took (+1) or gave back (-1) a slot."""
+        self._advance(now_s)
+        self._held = max(0, self._held + delta)
+
+    def average(self, now_s: float) -> float:
+        self._advance(now_s)
+        return self._average
+
+    def reserved_per_replica(self, now_s: float, replicas: int) -> int:
+        mean = self.average(now_s) / replicas if replicas > 0 else 0.0
+        # the smallest k with P(N <= k) >= coverage for N ~ Poisson(mean)
+        probability = cumulative = math.exp(-mean)
+        k = 0
+        while cumulative < self._coverage and k < 1000:
+            k += 1
+            probability *= mean / k
+            cumulative += probability
+        return k
+
+    def _advance(self, now_s: float) -> None:
+        if self._at_s is None or now_s < self._at_s:
+            self._at_s = now_s
+            return
+        weight = 1.0 - math.exp(-(now_s - self._at_s) / self._tau_s)
+        self._average += weight * (self._held - self._average)
+        self._at_s = now_s
