@@ -18,8 +18,6 @@ import argparse
 import os
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from pinned_mock import start_pinned_mock  # noqa: E402
 from tidegate.loadgen.arrivals import Poisson  # noqa: E402
 from tidegate.loadgen.driver import Driver, RunConfig  # noqa: E402
 from tidegate.loadgen.http_client import parse_url  # noqa: E402
@@ -44,18 +43,7 @@ MAX_ATTEMPTS, DISTURBED_LAG_MS = 3, 2.0
 
 
 def start_mock(port: int, *args: str) -> subprocess.Popen:
-    argv = ["taskset", "-c", str(MOCK_CORE), sys.executable, "-m", "tidegate", "mock-upstream",
-            "--port", str(port), *args]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
-            return process
-        except OSError:
-            time.sleep(0.1)
-    process.terminate()
-    raise RuntimeError("mock upstream did not start")
+    return start_pinned_mock(MOCK_CORE, port, *args)
 
 
 def stop(process: subprocess.Popen) -> None:

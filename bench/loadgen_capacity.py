@@ -21,7 +21,6 @@ import resource
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from pinned_mock import start_pinned_mock  # noqa: E402
 from tidegate.loadgen.arrivals import Constant  # noqa: E402
 from tidegate.loadgen.driver import Driver, RunConfig  # noqa: E402
 from tidegate.loadgen.http_client import parse_url  # noqa: E402
@@ -71,18 +71,8 @@ def raise_fd_limit() -> None:
 
 
 def start_mock(port: int) -> subprocess.Popen:
-    argv = ["taskset", "-c", str(MOCK_CORE), sys.executable, "-m", "tidegate", "mock-upstream", "--port", str(port),
-            "--tokens", str(MOCK_TOKENS), "--ttft-ms", str(MOCK_TTFT_MS), "--itl-ms", str(MOCK_ITL_MS)]
-    process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).close()
-            return process
-        except OSError:
-            time.sleep(0.1)
-    process.terminate()
-    raise RuntimeError("mock upstream did not start")
+    return start_pinned_mock(MOCK_CORE, port, "--tokens", str(MOCK_TOKENS), "--ttft-ms", str(MOCK_TTFT_MS),
+                             "--itl-ms", str(MOCK_ITL_MS))
 
 
 def _plan(rate: float, seconds: float):
