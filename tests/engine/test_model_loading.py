@@ -42,13 +42,19 @@ def _save_model(directory: Path, family: str) -> None:
 
 
 def _engine_greedy(runner: ModelRunner, prompt: list[int], max_tokens: int, chunk: int) -> list[int]:
+    return _engine_greedy_batch(runner, [prompt], max_tokens, chunk)[0]
+
+
+def _engine_greedy_batch(runner: ModelRunner, prompts: list[list[int]], max_tokens: int, chunk: int) -> list[list[int]]:
     scheduler = Scheduler(SchedulerConfig(max_batch_tokens=chunk), BlockManager(1024))
-    seq = Sequence(seq_id=1, prompt_token_ids=prompt, params=SamplingParams(max_tokens, temperature=0, ignore_eos=True))
-    scheduler.add(seq)
+    seqs = [Sequence(seq_id=i, prompt_token_ids=prompt, params=SamplingParams(max_tokens, temperature=0, ignore_eos=True))
+            for i, prompt in enumerate(prompts, start=1)]
+    for seq in seqs:
+        scheduler.add(seq)
     while scheduler.has_work:
         batch = scheduler.schedule()
         scheduler.update(batch, runner.run(batch))
-    return seq.output_token_ids
+    return [seq.output_token_ids for seq in seqs]
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
@@ -65,9 +71,41 @@ def test_saved_model_loads_and_engine_matches_transformers_greedy(tmp_path: Path
     assert _engine_greedy(runner, prompt, 10, chunk=3) == reference
 
 
+def test_batched_decodes_on_prepacked_weights_match_transformers_greedy(tmp_path: Path) -> None:
+    # 12 sequences decode together, so every Linear sees >= 8 rows and takes the prepacked path;
+    # each sequence's tokens must still be the ones generate() gives it alone
+    _save_model(tmp_path, "llama")
+    _save_tokenizer(tmp_path)
+    loaded = load_model(str(tmp_path))
+    prompts = [loaded.tokenizer.encode(f"the ship {'and the sea ' * (i % 4)}story {i}") for i in range(12)]
+    runner = ModelRunner(loaded, RunnerConfig(kv_cache_tokens=1024))
+    references = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            output = loaded.hf_model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            references.append(output[0, len(prompt):].tolist())
+    assert _engine_greedy_batch(runner, prompts, 8, chunk=512) == references
+
+
 def test_saved_tokenizer_round_trips_text(tmp_path: Path) -> None:
     _save_model(tmp_path, "llama")
     _save_tokenizer(tmp_path)
     tokenizer = load_model(str(tmp_path)).tokenizer
     decoder = tokenizer.decoder()
     assert "".join(decoder.push(t) for t in tokenizer.encode("the ship at sea")) == "the ship at sea"
+
+
+@pytest.mark.parametrize("rows", [1, 7, 8, 32, 100])
+def test_prepacked_linear_matches_plain_linear(rows: int) -> None:
+    from torch import nn
+
+    from tidegate.engine.paged_llama import PrepackedLinear, can_prepack
+
+    if not can_prepack():
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 96)
+    x = torch.randn(rows, 64)
+    with torch.inference_mode():
+        expected = linear(x)
+        assert torch.allclose(PrepackedLinear(linear)(x), expected, rtol=1e-5, atol=1e-5)

@@ -38,6 +38,8 @@ class ModelRunner:
             )
             if config.quantize == "int8":
                 self.model.quantize_int8()
+            else:
+                self.model.prepack_fp32()
         self.model.eval()
         self._entropy = random.Random()
         self._threads = config.threads
