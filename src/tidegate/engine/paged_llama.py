@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidegate.engine.decode_mirror import DecodeMirror, MirrorPlan
+
 __all__ = ["PagedLlama", "StepInputs", "PrefillSpan", "PrepackedLinear"]
 
 
@@ -33,6 +35,7 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     num_decodes: int  # rows [0, num_decodes) are single-token decodes
+    decode_mirror: MirrorPlan | None  # decodes attend over the mirror's rows; else over a gather of:
     decode_blocks: torch.Tensor | None  # [B, W] KV blocks of each decode's context, padded
     decode_mask: torch.Tensor | None  # [B, 1, 1, L] True where the slot is part of the context
     prefills: tuple[PrefillSpan, ...]
@@ -127,6 +130,8 @@ class PagedLlama(nn.Module):
         cache_shape = (len(self.layers), num_cache_slots, self.num_kv_heads, self.head_dim)
         self.k_cache = torch.zeros(cache_shape, dtype=dtype)
         self.v_cache = torch.zeros(cache_shape, dtype=dtype)
+        # at most as many tokens again as the paged cache
+        self.mirror = DecodeMirror(len(self.layers), self.num_kv_heads, self.head_dim, dtype, num_cache_slots)
 
     def quantize_int8(self) -> None:
         """Dynamic int8 quantisation of the decoder Linears (weights int8, activations per batch)."""
@@ -171,7 +176,9 @@ class PagedLlama(nn.Module):
     def _attention(self, index: int, step: StepInputs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty(q.shape[0], self.num_heads * self.head_dim, dtype=q.dtype)
         batch = step.num_decodes
-        if batch:
+        if batch and step.decode_mirror is not None:
+            out[:batch] = self._mirror_attention(index, step.decode_mirror, q[:batch], k[:batch], v[:batch])
+        elif batch:
             group = self.num_heads // self.num_kv_heads
             # the query heads sharing a KV head act as `group` query rows: GQA without repeating K/V
             queries = q[:batch].view(batch, self.num_kv_heads, group, self.head_dim)
@@ -200,6 +207,26 @@ class PagedLlama(nn.Module):
             )
             out[rows] = attended[0].transpose(0, 1).reshape(span.row_end - span.row_start, -1)
         return out
+
+    def _mirror_attention(
+        self, index: int, plan: MirrorPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        mirror_k, mirror_v = self.mirror.k[index], self.mirror.v[index]  # [rows, length, KV, D]
+        for row, slots in plan.refills:
+            mirror_k[row, : len(slots)] = self.k_cache[index].index_select(0, slots)
+            mirror_v[row, : len(slots)] = self.v_cache[index].index_select(0, slots)
+        mirror_k.index_put_((plan.rows, plan.positions), k)
+        mirror_v.index_put_((plan.rows, plan.positions), v)
+        batch, group = q.shape[0], self.num_heads // self.num_kv_heads
+        queries = q.view(batch, self.num_kv_heads, group, self.head_dim)
+        if not plan.in_order:
+            queries = queries.new_zeros(plan.num_rows, *queries.shape[1:]).index_copy_(0, plan.rows, queries)
+        keys = mirror_k[: plan.num_rows, : plan.length].transpose(1, 2)  # a view: [R, KV, L, D]
+        values = mirror_v[: plan.num_rows, : plan.length].transpose(1, 2)
+        attended = F.scaled_dot_product_attention(queries, keys, values, attn_mask=plan.mask)
+        if not plan.in_order:
+            attended = attended.index_select(0, plan.rows)
+        return attended.reshape(batch, -1)
 
     def _gather_blocks(self, cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Copies whole blocks (index_select of 16-token rows): ~10x faster here than gathering

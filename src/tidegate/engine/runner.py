@@ -61,7 +61,8 @@ class ModelRunner:
         positions: list[int] = [chunk.start for chunk in decodes]
         slots: list[int] = [chunk.seq.block_table[p // bs] * bs + p % bs for chunk, p in zip(decodes, positions)]
         decode_blocks = decode_mask = None
-        if decodes:
+        mirror_plan = self.model.mirror.plan([(c.seq, c.start, c.seq.block_table) for c in decodes], bs)
+        if decodes and mirror_plan is None:
             decode_blocks, decode_mask = self._decode_context(decodes)
         prefills: list[PrefillSpan] = []
         for chunk in batch.chunks[batch.num_decodes :]:
@@ -87,6 +88,7 @@ class ModelRunner:
             positions=torch.tensor(positions),
             slot_mapping=torch.tensor(slots),
             num_decodes=len(decodes),
+            decode_mirror=mirror_plan,
             decode_blocks=decode_blocks,
             decode_mask=decode_mask,
             prefills=tuple(prefills),

@@ -1,0 +1,122 @@
+"""A contiguous copy of the decoding sequences' K/V, kept current one token per step.
+
+The paged cache scatters a sequence's context over blocks, so batched decode attention first had
+to gather every decoding sequence's whole context into one padded tensor, in every layer, on
+every step. On a 32-sequence decode of tiny-random-llama that copy (7 MB a layer) took a fifth of
+the step and pushed the weights out of the caches. The mirror gives each decoding sequence a row
+of its own, filled once from the paged cache when the sequence starts decoding and then extended
+by the step's new token, so attention reads K/V in place. The paged cache stays the source of
+truth (prefill context, preemption); the mirror costs extra memory, capped at `budget_tokens`
+(rows x row length), beyond which the runner falls back to the gather.
+
+Rows belong to the sequences decoding in the current step: a sequence that skips a step loses
+its row, and is refilled from the paged cache when it decodes again.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["DecodeMirror", "MirrorPlan"]
+
+_ROW_ALIGN = 8
+_LENGTH_ALIGN = 128
+
+
+@dataclass(frozen=True)
+class MirrorPlan:
+    rows: torch.Tensor  # [B] the mirror row of each decode, in batch order
+    num_rows: int  # attention runs over rows [0, num_rows); rows not decoding are ignored
+    length: int  # positions [0, length) are read; mask hides each row's tail
+    mask: torch.Tensor  # [num_rows, 1, 1, length]
+    positions: torch.Tensor  # [B] position of each decode's new token
+    refills: tuple[tuple[int, torch.Tensor], ...]  # (row, cache slots of positions [0, p)) to copy first
+    in_order: bool  # rows are 0..B-1 in batch order: no reordering of queries and outputs
+
+
+class DecodeMirror:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, budget_tokens: int) -> None:
+        self._shape = (num_layers, num_kv_heads, head_dim)
+        self._dtype = dtype
+        self.budget_tokens = budget_tokens
+        self.k = self.v = torch.zeros(num_layers, 0, 0, num_kv_heads, head_dim, dtype=dtype)
+        self._row_of: dict[Any, int] = {}  # sequence (by identity) -> row
+        self._filled: dict[int, int] = {}  # row -> positions [0, n) hold that row's sequence's K/V
+        self._free: list[int] = []  # a heap, so the lowest rows are reused first
+
+    @property
+    def capacity(self) -> tuple[int, int]:
+        return self.k.shape[1], self.k.shape[2]
+
+    def plan(self, decodes: list[tuple[Any, int, list[int]]], block_size: int) -> MirrorPlan | None:
+        """`decodes`: (sequence, new token's position, block table) per decode, in batch order.
+        None when the rows would not fit the budget (the caller gathers instead)."""
+        present = {id(seq) for seq, _, _ in decodes}
+        for seq in [s for s in self._row_of if id(s) not in present]:
+            self._release(seq)
+        if not decodes:
+            return None
+        length = max(position for _, position, _ in decodes) + 1
+        rows_needed = len(self._row_of) + sum(1 for seq, _, _ in decodes if seq not in self._row_of)
+        # every row index handed out since the last reset is below `allocated`
+        if not self._reserve(max(rows_needed, self._allocated()), length):
+            self.reset()
+            return None
+        rows, refills = [], []
+        for seq, position, block_table in decodes:
+            row = self._row_of.get(seq)
+            if row is None:
+                row = self._row_of[seq] = heapq.heappop(self._free) if self._free else self._allocated()
+                self._filled[row] = 0
+            if self._filled[row] != position:
+                refills.append((row, _context_slots(block_table, position, block_size)))
+            self._filled[row] = position + 1
+            rows.append(row)
+        num_rows = max(rows) + 1
+        lengths = torch.ones(num_rows, dtype=torch.long)  # a row not decoding sees one position
+        positions = torch.tensor([position for _, position, _ in decodes])
+        row_tensor = torch.tensor(rows)
+        lengths[row_tensor] = positions + 1
+        mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+        in_order = rows == list(range(len(rows)))
+        return MirrorPlan(row_tensor, num_rows, length, mask[:, None, None, :], positions, tuple(refills), in_order)
+
+    def reset(self) -> None:
+        """Frees the memory; the next plan refills every row."""
+        self.k = self.v = torch.zeros(self._shape[0], 0, 0, *self._shape[1:], dtype=self._dtype)
+        self._row_of.clear()
+        self._filled.clear()
+        self._free.clear()
+
+    def _allocated(self) -> int:
+        return len(self._filled) + len(self._free)
+
+    def _release(self, seq: Any) -> None:
+        row = self._row_of.pop(seq)
+        del self._filled[row]
+        heapq.heappush(self._free, row)
+
+    def _reserve(self, rows: int, length: int) -> bool:
+        cap_rows, cap_length = self.capacity
+        if rows <= cap_rows and length <= cap_length:
+            return True
+        new_rows = max(cap_rows, -(-rows // _ROW_ALIGN) * _ROW_ALIGN)
+        new_length = max(cap_length, -(-length // _LENGTH_ALIGN) * _LENGTH_ALIGN)
+        if new_rows * new_length > self.budget_tokens:
+            return False
+        layers, heads, dim = self._shape
+        k = torch.zeros(layers, new_rows, new_length, heads, dim, dtype=self._dtype)
+        v = torch.zeros_like(k)
+        k[:, :cap_rows, :cap_length] = self.k
+        v[:, :cap_rows, :cap_length] = self.v
+        self.k, self.v = k, v
+        return True
+
+
+def _context_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
+    blocks = torch.tensor(block_table[: -(-length // block_size)], dtype=torch.long)
+    return (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()[:length]
