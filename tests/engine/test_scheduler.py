@@ -13,13 +13,18 @@ _ids = itertools.count(1)
 
 
 def make_scheduler(
-    kv_tokens: int = 4096, max_num_seqs: int = 8, max_batch_tokens: int = 64, chunked: bool = True
+    kv_tokens: int = 4096,
+    max_num_seqs: int = 8,
+    max_batch_tokens: int = 64,
+    chunked: bool = True,
+    attention_cost_tokens: int | None = None,
 ) -> Scheduler:
     config = SchedulerConfig(
         max_num_seqs=max_num_seqs,
         max_batch_tokens=max_batch_tokens,
         chunked_prefill=chunked,
         eos_token_ids=frozenset({EOS}),
+        attention_cost_tokens=attention_cost_tokens,
     )
     return Scheduler(config, BlockManager(kv_tokens))
 
@@ -64,6 +69,32 @@ def test_long_prompt_is_prefilled_in_chunks_while_decodes_continue() -> None:
         assert batch.chunks[0].seq is decoder and batch.num_tokens <= 16
     prefill_sizes = [c.num_tokens for b in runner.batches[1:] for c in b.chunks if c.seq is not decoder]
     assert prefill_sizes == [15, 15, 10]
+
+
+def test_chunks_shrink_as_their_context_grows_when_attention_is_charged() -> None:
+    # attention over c context positions costs c / 100 of a token's Linear work here
+    scheduler, runner = make_scheduler(max_batch_tokens=64, attention_cost_tokens=100), FakeRunner()
+    scheduler.add(make_seq(prompt_len=400, max_tokens=1))
+    while scheduler.has_work:
+        step(scheduler, runner)
+    chunks = [(c.start, c.num_tokens) for b in runner.batches for c in b.chunks]
+    assert sum(n for _, n in chunks) == 400 and [s for s, _ in chunks] == list(itertools.accumulate([0] + [n for _, n in chunks[:-1]]))
+    sizes = [n for _, n in chunks[:-1]]  # the last one is only what was left
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] > 2 * sizes[-1]
+    for start, n in chunks:
+        # the chunk is the longest whose charge n (1 + mean context / 100) fits the budget
+        charge = lambda k: k * (1 + (start + (k + 1) / 2) / 100)  # noqa: E731
+        assert charge(n) <= 64 and (n == 400 - start or charge(n + 1) > 64)
+
+
+def test_charged_chunk_leaves_less_budget_for_others() -> None:
+    scheduler, runner = make_scheduler(max_batch_tokens=64, attention_cost_tokens=100), FakeRunner()
+    scheduler.add(make_seq(prompt_len=30))
+    scheduler.add(make_seq(prompt_len=30))
+    batch, _ = step(scheduler, runner)
+    # 30 tokens at mean context 15.5 are charged 30 * 1.155 -> 35, so 29 budget is left for the second
+    first, second = batch.chunks
+    assert first.num_tokens == 30 and second.num_tokens == 25  # 25 * (1 + 13 / 100) <= 29 < 26 * 1.135
 
 
 def test_without_chunking_a_long_prompt_runs_whole() -> None:

@@ -50,6 +50,7 @@ def build_generation_engine(options: EngineOptions, metrics: EngineMetrics | Non
         max_batch_tokens=options.max_batch_tokens,
         chunked_prefill=options.chunked_prefill,
         eos_token_ids=loaded.tokenizer.eos_token_ids,
+        attention_cost_tokens=runner.model.attention_cost_tokens(),
     )
     _warm_up(runner, config, options.kv_cache_tokens)
     max_total_tokens = min(loaded.context_tokens, blocks.capacity_tokens)

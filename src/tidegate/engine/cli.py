@@ -27,7 +27,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                         help="compute dtype (default: fp32 for generation, the embeddings module's choice otherwise)")
     parser.add_argument("--quantize", choices=("int8",), default=None, help="dynamic int8 Linear layers (lossy)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="most sequences running at once")
-    parser.add_argument("--max-batch-tokens", type=int, default=128,
+    parser.add_argument("--max-batch-tokens", type=int, default=96,
                         help="per-step token budget: bounds a step's time, hence the inter-token gap")
     parser.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV-cache capacity in tokens")
     parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",

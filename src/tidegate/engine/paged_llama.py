@@ -133,6 +133,13 @@ class PagedLlama(nn.Module):
         # at most as many tokens again as the paged cache
         self.mirror = DecodeMirror(len(self.layers), self.num_kv_heads, self.head_dim, dtype, num_cache_slots)
 
+    def attention_cost_tokens(self) -> int:
+        """Context length at which one token's attention flops (QK and PV) equal its Linear flops."""
+        q_width, kv_width = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        intermediate = self.layers[0].down.in_features
+        linear = self.hidden * (q_width + 2 * kv_width) + q_width * self.hidden + 3 * self.hidden * intermediate
+        return round(linear / (2 * q_width))  # per context position: 2 multiply-adds per head dim
+
     def quantize_int8(self) -> None:
         """Dynamic int8 quantisation of the decoder Linears (weights int8, activations per batch)."""
         from torch.ao.quantization import quantize_dynamic

@@ -4,7 +4,9 @@ PURE: no torch, no asyncio, no clock. Each step:
 1. running sequences, decodes first, best priority first, one token each (a sequence part-way
    through a chunked prefill continues with the next chunk);
 2. waiting sequences admitted, best priority then oldest first, under the token budget and
-   `max_num_seqs`; a prompt longer than what is left of the budget is split across steps;
+   `max_num_seqs`; a prompt longer than what is left of the budget is split across steps
+   (a chunk deep in a long prompt is charged for its attention over the context, see
+   `attention_cost_tokens`, so it is shorter and the step no slower);
 3. if a running sequence cannot get a KV block, the worst running sequence (lowest priority, then
    newest) is preempted: its blocks are freed and it is recomputed from its tokens later.
 `update` then appends the sampled tokens; finished sequences leave at once and free their blocks.
@@ -12,6 +14,7 @@ PURE: no torch, no asyncio, no clock. Each step:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tidegate.engine.kv_cache import BlockManager
@@ -23,9 +26,16 @@ __all__ = ["SchedulerConfig", "ScheduledChunk", "ScheduledBatch", "StepOutput", 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     max_num_seqs: int = 64
-    max_batch_tokens: int = 128  # per-step token budget: bounds one step's time, hence the inter-token gap
+    # per-step token budget: bounds one step's time, hence the inter-token gap. 96 kept the largest
+    # gap of 16 streams under ~3.8x their median while a 2,000-token prompt prefilled
+    # (bench/engine_chunked_prefill.py, 2 threads); 128 gave ~3.9-4.5x once decodes got faster
+    max_batch_tokens: int = 96
     chunked_prefill: bool = True
     eos_token_ids: frozenset[int] = frozenset()
+    # context length at which a token's attention costs as much as its pass through the Linear
+    # layers (the model's flops ratio); a prefill chunk token at context c is charged 1 + c / this
+    # against the budget. None charges 1 per token whatever the context.
+    attention_cost_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +114,7 @@ class Scheduler:
                 continue  # preempted itself, or no room for it in this step
             chunks.append(self._chunk(seq, granted))
             scheduled.append(seq)
-            budget -= granted
+            budget -= granted if seq.is_decoding else self._prefill_cost(seq.num_computed_tokens, granted)
         num_decodes = sum(1 for chunk in chunks if chunk.seq.is_decoding)
         self.waiting.sort(key=_rank)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -119,7 +129,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(self._chunk(seq, want))
-            budget -= want
+            budget -= self._prefill_cost(seq.num_computed_tokens, want)
         return ScheduledBatch(chunks=tuple(chunks), num_decodes=num_decodes)
 
     def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[StepOutput]:
@@ -146,9 +156,29 @@ class Scheduler:
     def _chunk_size(self, seq: Sequence, budget: int, has_prefill: bool) -> int:
         remaining = seq.num_uncomputed_tokens
         if self.config.chunked_prefill:
-            return min(remaining, budget)
+            return min(remaining, self._tokens_affordable(seq.num_computed_tokens, budget))
         # without chunking a prompt runs whole: alone past the budget, never two at once past it
         return remaining if remaining <= budget or not has_prefill else 0
+
+    def _prefill_cost(self, start: int, num_tokens: int) -> int:
+        """Budget charged for prefilling positions [start, start + num_tokens)."""
+        scale = self.config.attention_cost_tokens
+        if scale is None:
+            return num_tokens
+        mean_context = start + (num_tokens + 1) / 2
+        return math.ceil(num_tokens * (1 + mean_context / scale))
+
+    def _tokens_affordable(self, start: int, budget: int) -> int:
+        """The longest chunk from `start` whose cost fits `budget` (at least 1 while budget lasts)."""
+        scale = self.config.attention_cost_tokens
+        if scale is None or budget <= 0:
+            return max(budget, 0)
+        # n (1 + (start + (n + 1) / 2) / scale) <= budget, a quadratic in n
+        a, b = 1 / (2 * scale), 1 + (start + 0.5) / scale
+        tokens = int((-b + math.sqrt(b * b + 4 * a * budget)) / (2 * a))
+        while tokens > 1 and self._prefill_cost(start, tokens) > budget:  # float rounding
+            tokens -= 1
+        return max(tokens, 1)
 
     def _reserve(self, seq: Sequence, want: int, candidates: list[Sequence]) -> int:
         """Finds KV room for `want` more tokens of `seq`, preempting the worst others if needed."""
