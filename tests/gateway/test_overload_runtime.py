@@ -185,6 +185,32 @@ async def test_lower_tiers_leave_the_best_tiers_recent_concurrency_free() -> Non
     sheddable.cancel()
 
 
+async def test_replica_limits_aim_at_the_best_tiers_target_while_it_is_present() -> None:
+    slots = {"initial": 4, "minimum": 1, "maximum": 8, "window_s": 0, "priority_headroom": 0,
+             "target_latency_s": 0.5, "best_tier_target_latency_s": 0.1, "priority_reserve_half_life_s": 1.0}
+    clock = FakeClock()
+    runtime, pool = _runtime({**_TENANTS, "limits": {"slots": slots}}, clock=clock)
+    replica, replica_slots = pool.replicas[0], runtime.slots["r0"]
+    runtime.first_token(replica, 0.05)
+    assert replica_slots.target_latency_s == 0.5  # no critical traffic yet
+    gold = runtime.authenticate(b"Bearer sk-gold")
+    held = runtime.admit(clock(), "g", gold, "m", _BODY)
+    await runtime.acquire(held)
+    clock.now_s += 5.0  # a critical request held for a while
+    runtime.first_token(replica, 0.05)
+    assert replica_slots.target_latency_s == 0.1
+    runtime.settle(held, None, 0)
+    pool.release(replica, clock())
+    clock.now_s += 30.0  # its reserve has decayed
+    runtime.first_token(replica, 0.05)
+    assert replica_slots.target_latency_s == 0.5
+
+
+def test_best_tier_target_may_not_exceed_the_target() -> None:
+    with pytest.raises(ValueError, match="best_tier_target_latency_s"):
+        parse_overload_sections({"limits": {"slots": {"target_latency_s": 0.5, "best_tier_target_latency_s": 0.6}}})
+
+
 async def test_without_best_tier_traffic_lower_tiers_get_every_slot() -> None:
     slots = {"initial": 3, "minimum": 3, "maximum": 3, "window_s": 0, "priority_headroom": 0}
     runtime, pool = _runtime({**_TENANTS, "limits": {"slots": slots}})

@@ -136,3 +136,22 @@ def test_priority_reserve_decays_to_zero_once_the_best_tier_stops() -> None:
 
 def test_priority_reserve_without_best_tier_traffic_reserves_nothing() -> None:
     assert PriorityReserve().reserved_per_replica(100.0, replicas=4) == 0
+
+
+def test_best_tier_target_applies_only_while_the_best_tier_is_present() -> None:
+    slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=BOUNDS), best_tier_target_s=0.5)
+    slots.protect_best_tier(True)
+    assert slots.target_latency_s == 0.5
+    slots.inflight = 10
+    # 0.8 s is under the tier-wide target but over the best tier's: the limit shrinks
+    for i in range(20):
+        slots.observe(1.1 * i / 19, 0.8)
+    assert slots.slot_limit < 10
+    slots.protect_best_tier(False)
+    assert slots.target_latency_s == 1.0
+
+
+def test_without_a_best_tier_target_protection_changes_nothing() -> None:
+    slots = ReplicaSlots(AimdSlotLimit(1.0, bounds=BOUNDS))
+    slots.protect_best_tier(True)
+    assert slots.target_latency_s == 1.0

@@ -432,6 +432,7 @@ class OverloadRuntime:
         now_s = self.clock()
         slots.inflight = replica.outstanding  # the pool counts held slots; the policy reads them
         slots.observe_load(now_s, replica.load)
+        slots.protect_best_tier(self._best_tier_present(replica, now_s))
         before = replica.slot_limit
         replica.slot_limit = slots.observe(now_s, latency_s, dropped) + self._headroom
         kind = "drop" if dropped else "ok"
@@ -440,6 +441,12 @@ class OverloadRuntime:
             pool = self.pools[replica.pool_name]
             if len(pool.queue):
                 pool.dispatch_waiting(now_s)
+
+    def _best_tier_present(self, replica: Replica, now_s: float) -> bool:
+        reserve = self._reserves.get(replica.pool_name)
+        if reserve is None:
+            return self._best_held.get(replica.replica_id, 0) > 0
+        return reserve.reserved_per_replica(now_s, len(self.pools[replica.pool_name].replicas)) > 0
 
     def lower_tier_exclusions(self, pool: str, now_s: float) -> tuple[str, ...] | None:
         """Replicas of `pool` where a lower-tier request may not go now; None when it fits nowhere.

@@ -138,11 +138,18 @@ class SlotsConfig(_Strict):
     # replica's limit: lower tiers fill only the rest, so a critical request joins a batch still at
     # the latency target instead of one over it. null: no reserve (headroom only)
     priority_reserve_half_life_s: float | None = Field(5.0, gt=0)
+    # while the best tier has been holding slots (its reserve is non-zero), each replica's limit
+    # aims at this tighter target instead: the reserve alone only moves slots, and the limit, which
+    # measures every request, would regrow until the whole batch (critical requests in it) sat at
+    # `target_latency_s`. null: one target for every tier
+    best_tier_target_latency_s: float | None = Field(None, gt=0)
 
     @model_validator(mode="after")
     def _ordered_bounds(self) -> SlotsConfig:
         if not self.minimum <= self.initial <= self.maximum:
             raise ValueError("need minimum <= initial <= maximum")
+        if self.best_tier_target_latency_s is not None and self.best_tier_target_latency_s > self.target_latency_s:
+            raise ValueError("best_tier_target_latency_s must not exceed target_latency_s")
         return self
 
     def new_slots(self, ceiling: int | None = None) -> ReplicaSlots:
@@ -151,7 +158,8 @@ class SlotsConfig(_Strict):
         minimum = min(self.minimum, maximum)
         bounds = SlotLimitBounds(min(max(self.initial, minimum), maximum), minimum, maximum)
         kind = GradientSlotLimit if self.algorithm is SlotAlgorithm.GRADIENT else AimdSlotLimit
-        return ReplicaSlots(kind(self.target_latency_s, bounds=bounds, window_s=self.window_s))
+        limit = kind(self.target_latency_s, bounds=bounds, window_s=self.window_s)
+        return ReplicaSlots(limit, best_tier_target_s=self.best_tier_target_latency_s)
 
 
 class LimitsConfig(_Strict):

@@ -26,6 +26,8 @@ __all__ = ["SlotLimit", "GradientSlotLimit", "AimdSlotLimit", "SlotLimitBounds",
 
 
 class SlotLimit(Protocol):
+    target_latency_s: float
+
     @property
     def limit(self) -> int: ...
 
@@ -184,11 +186,25 @@ class AimdSlotLimit(_WindowedLimit):
 
 
 class ReplicaSlots:
-    """A replica's slots as the dispatcher sees them: held requests against the adaptive limit."""
+    """A replica's slots as the dispatcher sees them: held requests against the adaptive limit.
 
-    def __init__(self, limit: SlotLimit) -> None:
+    With `best_tier_target_s`, the limit aims at that tighter target while the caller says the best
+    tier is present (`protect_best_tier`), and at its own target otherwise.
+    """
+
+    def __init__(self, limit: SlotLimit, best_tier_target_s: float | None = None) -> None:
         self._limit = limit
+        self._base_target_s = limit.target_latency_s
+        self._best_tier_target_s = best_tier_target_s
         self.inflight = 0
+
+    @property
+    def target_latency_s(self) -> float:
+        return self._limit.target_latency_s
+
+    def protect_best_tier(self, present: bool) -> None:
+        if self._best_tier_target_s is not None:
+            self._limit.target_latency_s = self._best_tier_target_s if present else self._base_target_s
 
     @property
     def slot_limit(self) -> int:
