@@ -324,3 +324,26 @@ async def test_full_primary_pool_degrades_to_the_fallback_pool_and_says_so() -> 
     assert degraded.pool == "small"
     assert b"x-tidegate-degradation: fallback_pool\r\n" in degraded.response_headers
     assert (await runtime.acquire(degraded)).pool_name == "small"
+
+
+async def test_request_displaced_while_waiting_follows_it_to_the_fallback_pool() -> None:
+    def pool(name: str) -> ModelPool:
+        return ModelPool(name, [Replica(f"{name}0", name, ConnectionPool(_ENDPOINT, 1.0), 1, name, None, None)],
+                         BreakerPolicy(), 100, 30.0, 1)
+
+    config = parse_overload_sections({**_TENANTS, "degradation": {"pools": {"big": {"fallback_pool": "small"}}},
+                                      "limits": {"max_queued": 1, "slots": {"priority_headroom": 0}}})
+    pools = {"big": pool("big"), "small": pool("small")}
+    runtime = OverloadRuntime(build_policies(config, pools), pools, OverloadMetrics(CollectorRegistry()), FakeClock())
+    gold, free = runtime.authenticate(b"Bearer sk-gold"), runtime.authenticate(b"Bearer sk-free")
+    await runtime.acquire(runtime.admit(runtime.clock(), "held", gold, "big", _BODY))  # big's one slot
+    sheddable = runtime.admit(runtime.clock(), "low", free, "big", _BODY)
+    waiting = asyncio.ensure_future(runtime.acquire(sheddable))
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    runtime.admit(runtime.clock(), "vip", gold, "big", _BODY)  # big's queue is full: the sheddable one is displaced
+    replica = await asyncio.wait_for(waiting, 1.0)
+    assert replica.pool_name == "small" and sheddable.pool == "small"
+    assert b"x-tidegate-degradation: fallback_pool\r\n" in sheddable.response_headers
+    runtime.settle(sheddable, 10, 3)
+    assert runtime.control.open_requests == 2  # "held" and "vip" remain; "low" settled once

@@ -104,6 +104,43 @@ def test_displaced_request_is_answered_and_refunded() -> None:
     assert control.open_requests == 1
 
 
+def test_displaced_request_moves_to_the_fallback_pool_keeping_its_reservation_and_deadline() -> None:
+    control = _control(max_queued=1, fallback=True, tpm=1000)
+    control.arrive(0.0, _facts(tier="sheddable", request_id="low"))
+    before = _remaining_tokens(control, 2.0)
+    arrival = control.arrive(2.0, _facts(tier="critical"))
+    [notice] = arrival.shed
+    assert (notice.request.request_id, notice.reason, notice.moved_to) == ("low", ShedReason.DISPLACED, "small")
+    assert notice.reply.rung is Rung.FALLBACK_POOL and notice.reply.status is None
+    assert control.open_requests == 2
+    assert _remaining_tokens(control, 2.0) == before - 100  # the newcomer's reservation; nothing refunded
+    moved = control.pools["small"].queue.peek()
+    assert moved.request_id == "low" and moved.deadline_s == notice.request.deadline_s  # the wait so far counts
+    assert control.dispatch(2.0, "small").request.request_id == "low"
+    control.finish(2.0, "low", prompt_tokens=10, completion_tokens=5)
+    assert control.open_requests == 1
+
+
+def test_a_request_moves_to_the_fallback_pool_once() -> None:
+    pools = {name: PoolPolicies.create(name, TIERS, max_queued=1, unit=WorkUnit.REQUESTS,
+                                       ladder=LadderConfig(fallback_pool=other))
+             for name, other in (("big", "small"), ("small", "big"))}
+    control = OverloadControl(TIERS, RateLimiter(default_limit=RateLimit(requests_per_minute=10_000)), pools)
+    control.arrive(0.0, _facts(tier="sheddable", request_id="low"))
+    assert [n.moved_to for n in control.arrive(0.0, _facts(tier="critical")).shed] == ["small"]
+    # displaced again, from the fallback pool: no way back to the first, so the preset reply
+    shed = control.arrive(0.0, _facts(tier="critical", model="small")).shed
+    assert [(n.request.request_id, n.moved_to, n.reply.status) for n in shed] == [("low", None, 503)]
+    assert control.open_requests == 2
+
+
+def test_request_at_its_deadline_is_not_moved() -> None:
+    control = _control(max_queued=1, fallback=True)
+    control.arrive(0.0, _facts(tier="sheddable", request_id="low"))
+    shed = control.arrive(1000.0, _facts(tier="critical")).shed
+    assert [(n.request.request_id, n.moved_to, n.reply.status) for n in shed] == [("low", None, 503)]
+
+
 def test_full_queue_gives_the_newcomer_a_preset_reply() -> None:
     control = _control(max_queued=1)
     control.arrive(0.0, _facts(tier="critical"))

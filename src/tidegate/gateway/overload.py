@@ -354,13 +354,13 @@ class OverloadRuntime:
         """
         if ticket.replica is not None:
             return ticket.replica  # the fast path took a slot at admission
-        pool = self.pools[ticket.pool]
         waiter = ticket.waiter
         assert waiter is not None
-        pool.dispatch_waiting(self.clock())
+        self.pools[ticket.pool].dispatch_waiting(self.clock())
         try:
             replica = await waiter.future
         except asyncio.CancelledError:
+            pool = self.pools[ticket.pool]  # the fallback pool if the request was moved meanwhile
             pool.queue.remove(waiter)
             future = waiter.future
             if future.done() and not future.cancelled() and future.exception() is None:
@@ -402,6 +402,9 @@ class OverloadRuntime:
         """Answers requests the policy dropped from a queue (deadline passed, or displaced)."""
         for notice in notices:
             request = notice.request
+            if notice.moved_to is not None:
+                self._move_waiter(now_s, notice)
+                continue
             ticket = self._tickets.pop(request.request_id, None)
             self.metrics.of(self.metrics.rejections, ticket.pool if ticket else "", request.tier,
                                            f"shed_{notice.reason.value}").inc()
@@ -415,6 +418,23 @@ class OverloadRuntime:
             waiter.future.set_exception(DegradedReplyError(
                 reply.message or "overloaded", retry_after_s=reply.retry_after_s,
                 headers=ticket.response_headers + _header_lines(reply.headers())))
+
+    def _move_waiter(self, now_s: float, notice: ShedNotice) -> None:
+        """A displaced request the policy moved to the fallback pool: its waiter follows it there."""
+        ticket = self._tickets.get(notice.request.request_id)
+        if ticket is None:
+            return
+        waiter = self.queues[ticket.pool].take_shed(ticket.request_id)
+        target = notice.moved_to
+        assert target is not None
+        self.metrics.of(self.metrics.degraded, ticket.pool, Rung.FALLBACK_POOL.value).inc()
+        ticket.pool = target
+        ticket.response_headers += _header_lines(notice.reply.headers())
+        if waiter is None or waiter.future.done():
+            return
+        pool = self.pools[target]
+        pool.queue.push(waiter)
+        pool.dispatch_waiting(now_s)
 
     # -- 4./5. adaptive slots
     def first_token(self, replica: Replica, latency_s: float) -> None:

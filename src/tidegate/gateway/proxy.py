@@ -198,6 +198,8 @@ class Proxy:
         usage = _Usage(ticket)
         try:
             replica = await (overload.acquire(ticket) if ticket is not None else self._acquire(pool, started, ()))
+            if ticket is not None:
+                pool = self.pools[ticket.pool]  # a request displaced while it waited may move to the fallback
             try:
                 status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
                                                  request_id, started, metrics, usage=usage)

@@ -53,11 +53,14 @@ class ArrivalOutcome(Enum):
 
 @dataclass(frozen=True, slots=True)
 class ShedNotice:
-    """A request that was waiting and must be answered now (its reservation is already refunded)."""
+    """A request that was waiting and must be answered now (its reservation is already refunded),
+    or, with `moved_to`, one displaced from its pool's queue that now waits in the fallback pool
+    (its reservation kept; it leaves through that pool's `dispatch`)."""
 
     request: QueuedRequest
     reason: ShedReason
-    reply: DegradationDecision  # the preset reply: 503 + Retry-After
+    reply: DegradationDecision  # the preset reply: 503 + Retry-After; FALLBACK_POOL when moved
+    moved_to: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +107,7 @@ class OverloadControl:
         self.pools = dict(pools)
         self._reservations: dict[str, Reservation] = {}  # admitted and not yet settled
         self._dispatched: dict[str, tuple[PoolPolicies, QueuedRequest]] = {}  # left the queue, not finished
+        self._moved: set[str] = set()  # displaced to a fallback pool once: never again
 
     def arrive(self, now_s: float, facts: RequestFacts, *, cached_answer_available: bool = False) -> Arrival:
         """Step 1: admission, prediction, degradation and queueing of a new request.
@@ -221,8 +225,34 @@ class OverloadControl:
         decision = policies.queue.enqueue(now_s, request_id=facts.request_id, tenant=facts.tenant, tier=tier.name,
                                           prompt_tokens=facts.prompt_tokens, expected_output_tokens=expected,
                                           timeout_s=facts.timeout_s)
-        shed.extend(self._notice(now_s, policies, item) for item in decision.shed)
+        for item in decision.shed:
+            moved_to = self._move_to_fallback(now_s, policies, item, shed)
+            if moved_to is None:
+                shed.append(self._notice(now_s, policies, item))
+            else:
+                reply = DegradationDecision(Rung.FALLBACK_POOL, moved_to, None, None, None)
+                shed.append(ShedNotice(item.request, item.reason, reply, moved_to))
         return decision.queued
+
+    def _move_to_fallback(self, now_s: float, policies: PoolPolicies, item: ShedRequest,
+                          shed: list[ShedNotice]) -> str | None:
+        """A request displaced by a better tier tries the fallback pool, once, before the preset
+        reply; one whose deadline has come, or that the fallback could not start by it, does not."""
+        fallback, request = self._fallback(policies), item.request
+        if (fallback is None or item.reason is not ShedReason.DISPLACED or request.request_id in self._moved
+                or request.deadline_s <= now_s):
+            return None
+        tier = self.tiers[request.tier]
+        if self._predict(now_s, fallback, tier, request.deadline_s).misses_deadline:
+            return None
+        facts = RequestFacts(request.request_id, request.tenant, request.tier, fallback.ladder.pool,
+                             request.prompt_tokens, request.expected_output_tokens,
+                             expected_output_tokens=request.expected_output_tokens,
+                             timeout_s=request.deadline_s - now_s)
+        self._moved.add(request.request_id)
+        if not self._enqueue(now_s, fallback, facts, tier, shed):
+            return None
+        return fallback.ladder.pool
 
     def _notice(self, now_s: float, policies: PoolPolicies, item: ShedRequest) -> ShedNotice:
         self._settle(now_s, item.request.request_id, 0)
@@ -231,6 +261,7 @@ class OverloadControl:
         return ShedNotice(item.request, item.reason, reply)
 
     def _settle(self, now_s: float, request_id: str, used_tokens: int) -> Settlement | None:
+        self._moved.discard(request_id)
         reservation = self._reservations.pop(request_id, None)
         return None if reservation is None else self.limiter.settle(now_s, reservation, used_tokens)
 
