@@ -51,6 +51,11 @@ _API_ROUTES = {
 _JSON = b"content-type: application/json\r\n"
 _STATUS_CLIENT_CLOSED = 499  # nginx's convention for "the client left first"
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+# An event that carries generated output: non-empty text, a tool call, or a finish. Engines (vLLM,
+# the embedded one, OpenAI) open a chat stream with a role-only event before any token, so the
+# first event is not the first token.
+_FIRST_TOKEN = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"(?!")|"tool_calls"\s*:\s*\[|'
+                          rb'"finish_reason"\s*:\s*"')
 
 
 class ProxySettings:
@@ -328,7 +333,7 @@ class _StreamRelay:
     """Passes a 200 SSE response on as it arrives, from the upstream protocol's callbacks."""
 
     __slots__ = ("proxy", "conn", "connection", "request_id", "started", "metrics", "timer", "streaming",
-                 "pending", "exchange", "usage")
+                 "pending", "exchange", "usage", "saw_token")
 
     def __init__(self, proxy: Proxy, conn: HttpConnection, connection: UpstreamConnection, request_id: bytes,
                  started: float, metrics: PoolMetrics, usage: _Usage | None = None) -> None:
@@ -340,6 +345,7 @@ class _StreamRelay:
         self.metrics = metrics
         self.timer: asyncio.TimerHandle | None = None
         self.streaming = False  # headers sent to the client: errors now go into the stream
+        self.saw_token = False  # an event with generated output has passed (see _FIRST_TOKEN)
         self.pending: list[bytes] = []
         self.exchange: Exchange | None = None
         self.usage = usage if usage is not None and usage.ticket is not None else None  # overload control only
@@ -359,22 +365,31 @@ class _StreamRelay:
         conn = self.conn
         if not self.streaming:
             self._start(conn)
+        if not self.saw_token and any(_FIRST_TOKEN.search(piece) for piece in pending):
+            self._first_token()
         if self.usage is not None:
             self.usage.stream_pieces(pending)
         conn.stream_chunks(pending)
         pending.clear()
 
+    def _first_token(self) -> None:
+        """TTFT for the gateway's histogram and the replica's slot limit: the first event with output."""
+        self.saw_token = True
+        proxy = self.proxy
+        now_s = proxy.clock()
+        self.metrics.ttft.observe(now_s - self.started)
+        if self.usage is not None:
+            self.usage.first_token(proxy.overload, now_s)
+
     def _start(self, conn: HttpConnection) -> None:
         self.streaming = True
         proxy = self.proxy
         now_s = proxy.clock()
-        self.metrics.ttft.observe(now_s - self.started)
         exchange = self.exchange
         usage = self.usage
         extra = b""
         if usage is not None:
             extra = usage.ticket.response_headers
-            usage.first_token(proxy.overload, now_s)
         conn.start_stream(200, b"content-type: " + exchange.content_type
                           + b"\r\ncache-control: no-cache\r\nx-request-id: " + self.request_id + b"\r\n" + extra)
         conn.on_pause_writing = self.connection.pause_reading

@@ -234,7 +234,6 @@ class MockProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None:
             return
-        transport.write(_head(200, b"text/event-stream", None, keep_alive))
         object_name = "chat.completion.chunk" if is_chat else "text_completion"
         include_usage = bool((request.get("stream_options") or {}).get("include_usage"))
 
@@ -249,12 +248,13 @@ class MockProtocol(asyncio.Protocol):
                 payload["usage"] = None
             return _sse_chunk(orjson.dumps(payload))
 
+        # as vLLM and OpenAI do, a chat stream opens with a role-only event at once, before any token
+        transport.write(_head(200, b"text/event-stream", None, keep_alive) + (chunk(None, None, role=True) if is_chat else b""))
         for index, offset_s in enumerate(offsets_s):
             await self.state.timer.sleep_until(start_s + offset_s)
             if self.transport is None:
                 return  # client went away: stop generating, as an engine would
-            prefix = chunk(None, None, role=True) if (index == 0 and is_chat) else b""
-            self.transport.write(prefix + chunk(_WORDS[index % len(_WORDS)], None))
+            self.transport.write(chunk(_WORDS[index % len(_WORDS)], None))
         tail = [chunk(None, finish_reason)]
         if include_usage:
             usage_payload = {"id": request_id, "object": object_name, "created": created, "model": model,
