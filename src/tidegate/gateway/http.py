@@ -49,6 +49,10 @@ RequestHandler = Callable[["HttpConnection", HttpRequest], Awaitable[None]]
 MAX_HEAD_BYTES = 64 * 1024
 
 
+class _HeadTooLarge(Exception):
+    pass
+
+
 class HttpConnection(asyncio.Protocol):
     """One client connection. The handler answers through `respond` or `start_stream`/`stream_chunk`/`end_stream`."""
 
@@ -63,7 +67,9 @@ class HttpConnection(asyncio.Protocol):
         self._too_large = False
         self._expect_continue = False
         self._head_done = False
-        self._head_bytes = 0
+        self._head_bytes = 0  # url and header lines parsed, exactly
+        self._head_read_bytes = 0  # bytes of the reads that ended inside the head
+        self._completed_in_read = False  # a request ended in the read being parsed
         self._current: HttpRequest | None = None
         self._pending: deque[HttpRequest] = deque()
         self._task: asyncio.Task[None] | None = None
@@ -79,17 +85,26 @@ class HttpConnection(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
-        if not self._head_done:
-            self._head_bytes += len(data)
-            if self._head_bytes > MAX_HEAD_BYTES:
-                self._reject(431, b"request line and headers too large")
-                return
+        if not self._head_done and self._head_read_bytes > MAX_HEAD_BYTES:
+            # earlier reads held only head, and it is still incomplete: a head dribbled in forever
+            self._reject(431, b"request line and headers too large")
+            return
+        self._completed_in_read = False
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             self._reject(400, b"upgrades are not supported")
+            return
         except httptools.HttpParserError:
-            self._reject(400, b"malformed HTTP request")
+            if self._head_bytes > MAX_HEAD_BYTES:  # raised from on_url / on_header
+                self._reject(431, b"request line and headers too large")
+            else:
+                self._reject(400, b"malformed HTTP request")
+            return
+        if not self._head_done and not self._completed_in_read:
+            # counted after parsing, and only for reads that hold nothing but head, so that a body
+            # sharing a read with a head is not taken for head (a 100 KB body was answered 431)
+            self._head_read_bytes += len(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -117,8 +132,15 @@ class HttpConnection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_head(len(url))
+
+    def _count_head(self, size: int) -> None:
+        self._head_bytes += size
+        if self._head_bytes > MAX_HEAD_BYTES:
+            raise _HeadTooLarge  # stops the parser; data_received answers 431
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_head(len(name) + len(value) + 4)
         request = self._current
         if request is None:
             return
@@ -137,7 +159,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._head_done = True
-        self._head_bytes = 0
+        self._head_bytes = self._head_read_bytes = 0
         # curl and others wait for this before sending a body over 1 KiB; a body we will refuse is
         # not invited (the client sends it after its own timeout, then gets 413)
         if self._expect_continue and not self._too_large and self.transport is not None:
@@ -155,6 +177,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         self._head_done = False
+        self._completed_in_read = True
         request = self._current
         self._current = None
         if request is None:

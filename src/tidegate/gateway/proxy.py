@@ -284,6 +284,8 @@ class Proxy:
                 if relay is not None:
                     relay.timer = timer
                 await exchange.done
+            if relay is not None and not relay.streaming:
+                relay.flush(at_end=True)  # a stream that ended with no output event: pass on what it held
             if relay is None or not relay.streaming:
                 return self._answer_whole(conn, replica, exchange, request_id, usage)
             self.pools[replica.pool_name].record_success(replica)
@@ -352,21 +354,24 @@ class _StreamRelay:
 
     def on_head(self, exchange: Exchange) -> None:
         if exchange.status == 200:
-            # engines send the head at once; the client's head waits for the first event, so that an
-            # upstream silent past the first-byte timeout is still a clean 504, not a broken stream
+            # engines send the head (and a chat stream's role-only event) at once; the client's head
+            # waits for the first event with output, so that an upstream silent past the first-byte
+            # timeout is still a clean 504, not a broken stream
             self.exchange = exchange
             exchange.sink = self.pending.append
         # otherwise an error answer: the handler sends it whole, with its status
 
-    def flush(self) -> None:
+    def flush(self, at_end: bool = False) -> None:
         pending = self.pending
         if not pending:
             return
         conn = self.conn
-        if not self.streaming:
-            self._start(conn)
         if not self.saw_token and any(_FIRST_TOKEN.search(piece) for piece in pending):
             self._first_token()
+        if not self.streaming:
+            if not self.saw_token and not at_end:
+                return  # only a role-only opening event so far: held, so silence past the timeout is a clean 504
+            self._start(conn)
         if self.usage is not None:
             self.usage.stream_pieces(pending)
         conn.stream_chunks(pending)
