@@ -2,7 +2,8 @@
 
 All tokens of a step (one per decoding sequence, plus prefill chunks) are packed into one [T, hidden]
 matrix, so every Linear runs once per step for the whole batch; only attention is split: decodes
-are batched over a padded gather of their KV slots, each prefill chunk attends on its own.
+are batched over the decode mirror's contiguous rows (a padded gather of their KV blocks when the
+mirror is over its budget), each prefill chunk attends on its own.
 Weights are taken from a transformers model (Llama, Qwen2 and Mistral share this shape; Qwen2 adds
 q/k/v biases). q/k/v and gate/up projections are fused to halve the matmul calls.
 """
