@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DecodeMirror", "MirrorPlan"]
+__all__ = ["DecodeMirror", "MirrorPlan", "context_slots"]
 
 _ROW_ALIGN = 8
 _LENGTH_ALIGN = 128
@@ -44,10 +44,10 @@ class DecodeMirror:
         self._shape = (num_layers, num_kv_heads, head_dim)
         self._dtype = dtype
         self.budget_tokens = budget_tokens
-        self.k = self.v = torch.zeros(num_layers, 0, 0, num_kv_heads, head_dim, dtype=dtype)
         self._row_of: dict[Any, int] = {}  # sequence (by identity) -> row
         self._filled: dict[int, int] = {}  # row -> positions [0, n) hold that row's sequence's K/V
         self._free: list[int] = []  # a heap, so the lowest rows are reused first
+        self.reset()
 
     @property
     def capacity(self) -> tuple[int, int]:
@@ -56,8 +56,8 @@ class DecodeMirror:
     def plan(self, decodes: list[tuple[Any, int, list[int]]], block_size: int) -> MirrorPlan | None:
         """`decodes`: (sequence, new token's position, block table) per decode, in batch order.
         None when the rows would not fit the budget (the caller gathers instead)."""
-        present = {id(seq) for seq, _, _ in decodes}
-        for seq in [s for s in self._row_of if id(s) not in present]:
+        present = {seq for seq, _, _ in decodes}  # sequences hash by identity
+        for seq in [s for s in self._row_of if s not in present]:
             self._release(seq)
         if not decodes:
             return None
@@ -74,7 +74,7 @@ class DecodeMirror:
                 row = self._row_of[seq] = heapq.heappop(self._free) if self._free else self._allocated()
                 self._filled[row] = 0
             if self._filled[row] != position:
-                refills.append((row, _context_slots(block_table, position, block_size)))
+                refills.append((row, context_slots(block_table, position, block_size)))
             self._filled[row] = position + 1
             rows.append(row)
         num_rows = max(rows) + 1
@@ -118,6 +118,7 @@ class DecodeMirror:
         return True
 
 
-def _context_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
+def context_slots(block_table: list[int], length: int, block_size: int) -> torch.Tensor:
+    """The cache slots of positions [0, length) of the sequence with this block table."""
     blocks = torch.tensor(block_table[: -(-length // block_size)], dtype=torch.long)
     return (blocks.unsqueeze(1) * block_size + torch.arange(block_size)).flatten()[:length]

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tidegate.engine.decode_mirror import context_slots
 from tidegate.engine.kv_cache import BLOCK_SIZE
 from tidegate.engine.models import LoadedModel
 from tidegate.engine.paged_llama import PagedLlama, PrefillSpan, StepInputs
@@ -74,7 +75,7 @@ class ModelRunner:
             slots += [table[p // bs] * bs + p % bs for p in chunk_positions]
             context = None
             if chunk.start > 0:
-                context = self._slots(table, chunk.start + chunk.num_tokens)
+                context = context_slots(table, chunk.start + chunk.num_tokens, bs)
             prefills.append(PrefillSpan(row, len(ids), chunk.start, context))
         sample_rows, sampled_seqs = [], []
         row = 0
@@ -95,10 +96,6 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.long),
         )
         return step, sampled_seqs
-
-    def _slots(self, block_table: list[int], length: int) -> torch.Tensor:
-        blocks = torch.tensor(block_table[: -(-length // self.block_size)])
-        return (blocks.unsqueeze(1) * self.block_size + torch.arange(self.block_size)).flatten()[:length]
 
     def _decode_context(self, decodes: tuple[ScheduledChunk, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         lengths = torch.tensor([chunk.start + 1 for chunk in decodes])

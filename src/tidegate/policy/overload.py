@@ -230,7 +230,7 @@ class OverloadControl:
             if moved_to is None:
                 shed.append(self._notice(now_s, policies, item))
             else:
-                reply = DegradationDecision(Rung.FALLBACK_POOL, moved_to, None, None, None)
+                reply = policies.ladder.next_rung(Rung.PRIMARY, fallback_has_capacity=True)
                 shed.append(ShedNotice(item.request, item.reason, reply, moved_to))
         return decision.queued
 
