@@ -66,7 +66,7 @@ def test_does_not_grow_while_the_engine_queues() -> None:
 
 
 def test_stays_within_bounds() -> None:
-    limit = GradientSlotLimit(1.0, bounds=BOUNDS)
+    limit = GradientSlotLimit(1.0, bounds=BOUNDS, floor_tolerance=None)
     for k in range(40):
         _window(limit, 2.0 * k, 50.0, inflight=limit.limit)
     assert limit.limit == BOUNDS.minimum
@@ -155,3 +155,62 @@ def test_without_a_best_tier_target_protection_changes_nothing() -> None:
     slots = ReplicaSlots(AimdSlotLimit(1.0, bounds=BOUNDS))
     slots.protect_best_tier(True)
     assert slots.target_latency_s == 1.0
+
+
+# A replica that misses a 0.3 s target even holding one request: 0.5 s + 10 ms per request held.
+SLOW_HOST = dict(base_latency_s=0.5, per_request_s=0.01, knee=64)
+
+
+@pytest.mark.parametrize("algorithm", [GradientSlotLimit, AimdSlotLimit])
+def test_a_target_missed_at_the_minimum_aims_the_limit_at_tolerance_times_the_floor(algorithm) -> None:
+    sim = _load_simulation()
+    replica = sim.ReplicaModel(**SLOW_HOST)
+    bounds = SlotLimitBounds(initial=4, minimum=1, maximum=512)
+    pinned = algorithm(0.3, bounds=bounds, floor_tolerance=None)
+    guarded = algorithm(0.3, bounds=bounds, floor_tolerance=1.5, floor_ttl_s=1000.0)
+    pinned_trace = sim.simulate(pinned, [(120.0, replica)], 0.3)
+    guarded_trace = sim.simulate(guarded, [(120.0, replica)], 0.3)
+    assert {p.limit for p in pinned_trace if p.time_s > 60.0} == {1}  # no batch meets 0.3 s
+    floor_s = replica.latency_s(1)  # the floor is a window's p90 of samples with 10 % noise: up to ~1.3x
+    assert 1.5 * floor_s <= guarded.aimed_latency_s(120.0) <= 1.5 * 1.3 * floor_s
+    # 1.5 x the floor is met up to 26-40 held: the limit climbs there (AIMD by +1 a window), not 1
+    tail = [p.limit for p in guarded_trace if p.time_s > 60.0]
+    best = replica.best_limit(guarded.aimed_latency_s(120.0))
+    assert best / 2 <= sorted(tail)[len(tail) // 2] <= 1.3 * best
+    served_pinned = sum(1 for p in pinned_trace if p.time_s > 60.0)
+    assert sum(1 for p in guarded_trace if p.time_s > 60.0) > 10 * served_pinned
+
+
+def test_the_floor_expires_and_the_target_is_tried_again() -> None:
+    sim = _load_simulation()
+    slow, fast = sim.ReplicaModel(**SLOW_HOST), sim.ReplicaModel()  # fast: 0.3 s met up to ~50 held
+    limit = GradientSlotLimit(0.3, bounds=SlotLimitBounds(initial=4, minimum=1, maximum=512), floor_ttl_s=20.0)
+    trace = sim.simulate(limit, [(60.0, slow), (60.0, fast)], 0.3)
+    assert limit.aimed_latency_s(trace[-1].time_s) == 0.3
+    assert sim.settled_within(trace, 60.0, 60.0)  # near the fast replica's best for 0.3 s
+
+
+def test_a_target_met_at_the_minimum_sets_no_floor() -> None:
+    limit = GradientSlotLimit(1.0, bounds=BOUNDS)
+    k = 0
+    while limit.limit > BOUNDS.minimum:  # 3 s at every limit: misses, shrinking to the minimum
+        _window(limit, 2.0 * k, 3.0, inflight=limit.limit)
+        k += 1
+    assert limit.aimed_latency_s(2.0 * k) == 1.0
+    _window(limit, 2.0 * k, 3.0, inflight=limit.limit)  # missed at the minimum: 3 s is the floor
+    assert limit.aimed_latency_s(2.0 * k + 2.0) == pytest.approx(4.5)
+    met = GradientSlotLimit(1.0, bounds=BOUNDS)
+    for k in range(20):
+        _window(met, 2.0 * k, 3.0 if met.limit > BOUNDS.minimum else 0.9, inflight=met.limit)
+    assert met.aimed_latency_s(40.0) == 1.0
+
+
+def test_the_floor_rule_can_be_turned_off_in_config() -> None:
+    from tidegate.gateway.overload_config import SlotsConfig
+
+    slots = SlotsConfig(target_latency_s=1.0, minimum=2, initial=10, floor_tolerance=None).new_slots()
+    slots.inflight = 10
+    for k in range(30):
+        for i in range(20):
+            slots.observe(2.0 * k + 1.1 * i / 19, 50.0)
+    assert slots.slot_limit == 2 and slots.aimed_latency_s(60.0) == 1.0

@@ -254,7 +254,8 @@ class OverloadRuntime:
                 self._best_held[replica.replica_id] = 0
                 # routing's cap: the adaptive limit plus the best tier's headroom
                 replica.slot_limit = slots.slot_limit + self._headroom
-                metrics.watch_slot_limit(name, replica.replica_id, lambda s=slots: s.slot_limit)
+                metrics.watch_slot_limit(name, replica.replica_id, lambda s=slots: s.slot_limit,
+                                         lambda s=slots: s.aimed_latency_s(self.clock()))
 
     # -- 0. identity
     def authenticate(self, authorization: bytes | None) -> Identity:

@@ -143,6 +143,11 @@ class SlotsConfig(_Strict):
     # measures every request, would regrow until the whole batch (critical requests in it) sat at
     # `target_latency_s`. null: one target for every tier
     best_tier_target_latency_s: float | None = Field(None, gt=0)
+    # a replica that misses the target even at `minimum` slots (slow host, contention) gets a limit
+    # aimed at this many times that measured floor for `floor_ttl_s`, instead of being pinned at the
+    # minimum where it serves least and still misses. null: pinned at the minimum
+    floor_tolerance: float | None = Field(1.5, ge=1)
+    floor_ttl_s: float = Field(30.0, gt=0)
 
     @model_validator(mode="after")
     def _ordered_bounds(self) -> SlotsConfig:
@@ -158,7 +163,8 @@ class SlotsConfig(_Strict):
         minimum = min(self.minimum, maximum)
         bounds = SlotLimitBounds(min(max(self.initial, minimum), maximum), minimum, maximum)
         kind = GradientSlotLimit if self.algorithm is SlotAlgorithm.GRADIENT else AimdSlotLimit
-        limit = kind(self.target_latency_s, bounds=bounds, window_s=self.window_s)
+        limit = kind(self.target_latency_s, bounds=bounds, window_s=self.window_s,
+                     floor_tolerance=self.floor_tolerance, floor_ttl_s=self.floor_ttl_s)
         return ReplicaSlots(limit, best_tier_target_s=self.best_tier_target_latency_s)
 
 

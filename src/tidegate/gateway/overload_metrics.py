@@ -45,6 +45,9 @@ class OverloadMetrics:
                                            ["pool"], buckets=_REJECTION_BUCKETS_S, registry=r)
         self.slot_limit = Gauge("tidegate_replica_slot_limit", "Adaptive slot limit, by replica",
                                 ["pool", "replica"], registry=r)
+        self.slot_target = Gauge("tidegate_replica_slot_target_seconds", "Latency the slot limit aims at: the "
+                                 "target, or the replica's measured floor x tolerance when it cannot meet it",
+                                 ["pool", "replica"], registry=r)
         self.slot_samples = Counter("tidegate_replica_slot_samples", "Latency samples fed to the slot limit",
                                     ["pool", "replica", "kind"], registry=r)
 
@@ -60,5 +63,7 @@ class OverloadMetrics:
         self.queue_depth.labels(pool, tier).set_function(depth)
         self.oldest_wait.labels(pool, tier).set_function(oldest_wait_s)
 
-    def watch_slot_limit(self, pool: str, replica: str, limit: Callable[[], float]) -> None:
+    def watch_slot_limit(self, pool: str, replica: str, limit: Callable[[], float],
+                         aimed_latency_s: Callable[[], float]) -> None:
         self.slot_limit.labels(pool, replica).set_function(limit)
+        self.slot_target.labels(pool, replica).set_function(aimed_latency_s)

@@ -12,6 +12,14 @@ clamped per window and smoothed. A drop (error, timeout) backs off multiplicativ
 grows when the replica was actually driven near it (not app-limited) and the engine reports no
 queue of its own. `AimdSlotLimit` is the classic additive-increase/multiplicative-decrease
 alternative on the same samples. No static limit is configured: only bounds and the target.
+
+A target the replica cannot meet even at its fewest slots (a slow host, CPU contention, a target set
+too tight) would otherwise pin the limit at the minimum, where throughput is lowest and latency still
+misses. So a window at the minimum limit that misses the target records that latency as the
+replica's *floor*, and for `floor_ttl_s` the limit aims at `floor_tolerance` x the floor instead
+(Gradient2's "long-term RTT x tolerance", taken where it is measured cleanly: at the minimum). When
+the floor expires the limit aims at the configured target again and shrinks back to the minimum,
+which re-measures the floor (BBR's periodic ProbeRTT), or finds the target reachable again.
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ class SlotLimit(Protocol):
 
     def on_sample(self, now_s: float, latency_s: float, inflight: int, dropped: bool = False) -> int:
         """Feeds one measurement (inflight: requests held when it was taken); returns the limit."""
+        ...
+
+    def aimed_latency_s(self, now_s: float) -> float:
+        """The latency the limit aims at now (the target, unless the replica cannot meet it)."""
         ...
 
     def on_load(self, now_s: float, load: ReplicaLoad) -> None:
@@ -75,9 +87,15 @@ class _WindowedLimit:
 
     def __init__(self, target_latency_s: float, bounds: SlotLimitBounds, window_s: float,
                  min_window_samples: int, max_window_samples: int, latency_quantile: float,
-                 kv_cache_high: float) -> None:
+                 kv_cache_high: float, floor_tolerance: float | None, floor_ttl_s: float) -> None:
         if target_latency_s <= 0 or window_s < 0 or not 0 < latency_quantile <= 1:
             raise ValueError("target_latency_s > 0, window_s >= 0 and 0 < latency_quantile <= 1 needed")
+        if (floor_tolerance is not None and floor_tolerance < 1) or floor_ttl_s <= 0:
+            raise ValueError("floor_tolerance >= 1 (or None) and floor_ttl_s > 0 needed")
+        self._floor_tolerance = floor_tolerance
+        self._floor_ttl_s = floor_ttl_s
+        self._floor_s = 0.0
+        self._floor_expires_s = -math.inf
         self.target_latency_s = target_latency_s
         self.bounds = bounds
         self._window_s = window_s
@@ -92,6 +110,12 @@ class _WindowedLimit:
     @property
     def limit(self) -> int:
         return int(self._limit)
+
+    def aimed_latency_s(self, now_s: float) -> float:
+        """The latency the limit aims at now: the target, or tolerance x the floor while one holds."""
+        if self._floor_tolerance is None or now_s >= self._floor_expires_s:
+            return self.target_latency_s
+        return max(self.target_latency_s, self._floor_tolerance * self._floor_s)
 
     def on_load(self, now_s: float, load: ReplicaLoad) -> None:
         # An engine that queues requests itself, or whose KV cache is nearly full, is past its
@@ -110,13 +134,16 @@ class _WindowedLimit:
         full = count >= self._max_samples
         if full or window.dropped or (now_s - window.started_s >= self._window_s and count >= self._min_samples):
             latency = window.quantile(self._quantile) if count else math.inf
+            if not window.dropped and self._limit <= self.bounds.minimum and latency > self.aimed_latency_s(now_s):
+                self._floor_s, self._floor_expires_s = latency, now_s + self._floor_ttl_s
             # Growth needs evidence: the replica was driven near its limit, and is not queueing itself.
             may_grow = window.peak_inflight >= self._limit / 2 and not self._engine_queueing
-            self._limit = self.bounds.clamp(self._next_limit(self._limit, latency, window.dropped, may_grow))
+            self._limit = self.bounds.clamp(self._next_limit(
+                self._limit, latency, self.aimed_latency_s(now_s), window.dropped, may_grow))
             self._window = _Window(now_s)
         return self.limit
 
-    def _next_limit(self, limit: float, latency_s: float, dropped: bool, may_grow: bool) -> float:
+    def _next_limit(self, limit: float, latency_s: float, target_s: float, dropped: bool, may_grow: bool) -> float:
         raise NotImplementedError
 
 
@@ -137,9 +164,11 @@ class GradientSlotLimit(_WindowedLimit):
         max_backoff: float = 0.5,  # per window: never below half the previous limit at once
         drop_backoff: float = 0.8,  # multiplier after a window with a drop
         kv_cache_high: float = 0.95,
+        floor_tolerance: float | None = 1.5,  # None: a target missed at the minimum keeps the minimum
+        floor_ttl_s: float = 30.0,
     ) -> None:
         super().__init__(target_latency_s, bounds, window_s, min_window_samples, max_window_samples,
-                         latency_quantile, kv_cache_high)
+                         latency_quantile, kv_cache_high, floor_tolerance, floor_ttl_s)
         if not 0 < smoothing <= 1 or max_growth < 1 or not 0 < max_backoff <= 1 or not 0 < drop_backoff < 1:
             raise ValueError("need 0 < smoothing <= 1, max_growth >= 1, 0 < max_backoff <= 1, 0 < drop_backoff < 1")
         self._smoothing = smoothing
@@ -147,10 +176,10 @@ class GradientSlotLimit(_WindowedLimit):
         self._max_backoff = max_backoff
         self._drop_backoff = drop_backoff
 
-    def _next_limit(self, limit: float, latency_s: float, dropped: bool, may_grow: bool) -> float:
+    def _next_limit(self, limit: float, latency_s: float, target_s: float, dropped: bool, may_grow: bool) -> float:
         if dropped:
             return limit * self._drop_backoff
-        gradient = min(self._max_growth, max(self._max_backoff, self.target_latency_s / latency_s))
+        gradient = min(self._max_growth, max(self._max_backoff, target_s / latency_s))
         if gradient > 1.0 and not may_grow:
             return limit
         return (1 - self._smoothing) * limit + self._smoothing * limit * gradient
@@ -171,16 +200,18 @@ class AimdSlotLimit(_WindowedLimit):
         increase: float = 1.0,
         backoff: float = 0.9,
         kv_cache_high: float = 0.95,
+        floor_tolerance: float | None = 1.5,
+        floor_ttl_s: float = 30.0,
     ) -> None:
         super().__init__(target_latency_s, bounds, window_s, min_window_samples, max_window_samples,
-                         latency_quantile, kv_cache_high)
+                         latency_quantile, kv_cache_high, floor_tolerance, floor_ttl_s)
         if increase <= 0 or not 0 < backoff < 1:
             raise ValueError("need increase > 0 and 0 < backoff < 1")
         self._increase = increase
         self._backoff = backoff
 
-    def _next_limit(self, limit: float, latency_s: float, dropped: bool, may_grow: bool) -> float:
-        if dropped or latency_s > self.target_latency_s:
+    def _next_limit(self, limit: float, latency_s: float, target_s: float, dropped: bool, may_grow: bool) -> float:
+        if dropped or latency_s > target_s:
             return limit * self._backoff
         return limit + self._increase if may_grow else limit
 
@@ -233,6 +264,9 @@ class ReplicaSlots:
 
     def observe_load(self, now_s: float, load: ReplicaLoad) -> None:
         self._limit.on_load(now_s, load)
+
+    def aimed_latency_s(self, now_s: float) -> float:
+        return self._limit.aimed_latency_s(now_s)
 
 
 class PriorityReserve:
