@@ -40,6 +40,11 @@ def test_health_is_503_while_loading_then_200_and_sigterm_drains_in_flight_strea
                 seen.append(status)
             time.sleep(0.05)
         assert seen == [503, 200]
+        # fault injection is off unless asked for: a production engine cannot be slowed from outside
+        request = urllib.request.Request(base + "/admin/slow", data=b"2", method="POST")
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=10)
+        assert refused.value.code == 404
 
         client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0, timeout=60)
         stream = iter(client.completions.create(model=MODEL, prompt="drain me", max_tokens=80, stream=True,

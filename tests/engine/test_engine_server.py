@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import json
+import urllib.error
+import urllib.request
+
 import openai
 import pytest
 
@@ -16,7 +20,8 @@ MODEL = "tiny-random-llama"
 @pytest.fixture(scope="module")
 def engine() -> Iterator[str]:
     port = free_port()
-    argv = tidegate_argv("engine", "--model", MODEL, "--port", str(port), "--threads", "2", "--kv-cache-tokens", "8192")
+    argv = tidegate_argv("engine", "--model", MODEL, "--port", str(port), "--threads", "2", "--kv-cache-tokens", "8192",
+                         "--fault-injection")
     process: ManagedProcess = start_process(argv, ready_url=f"http://127.0.0.1:{port}/health", timeout_s=120)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -138,3 +143,23 @@ def test_client_disconnect_frees_its_sequence(client: openai.OpenAI, engine: str
     while _metric(engine, "tidegate_engine_running_sequences") != 0 and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _metric(engine, "tidegate_engine_running_sequences") == 0
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST"), timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
+def test_fault_injection_slows_the_engine_and_rejects_a_bad_factor(engine: str, client: openai.OpenAI) -> None:
+    assert _post(engine + "/admin/slow", b"2.5") == (200, {"slowdown": 2.5})
+    try:
+        reply = client.completions.create(model=MODEL, prompt="slow", max_tokens=3, extra_body={"ignore_eos": True})
+        assert reply.usage.completion_tokens == 3  # slower, still serving
+    finally:
+        assert _post(engine + "/admin/slow", b"1")[0] == 200
+    for bad in (b"0.5", b"fast", b""):
+        status, body = _post(engine + "/admin/slow", bad)
+        assert status == 400 and body["error"]["type"] == "invalid_request_error"

@@ -25,13 +25,16 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                                        "--itl-ms", "0"), ready_url=f"http://127.0.0.1:{mock_port}/health", timeout_s=30)
     config = {
         "server": {"port": port, "access_log": False},
-        "pools": [{"name": "m", "backends": [{"type": "upstream", "url": f"http://127.0.0.1:{mock_port}/v1"}]}],
+        "pools": [{"name": "m", "backends": [{"type": "upstream", "url": f"http://127.0.0.1:{mock_port}/v1",
+                                              "forward_priority": True}]}],
         "tenants": {"capped": {"api_keys": ["sk-capped"], "requests_per_minute": 1},
+                    "worker": {"api_keys": ["sk-worker"], "tier": "mid"},
                     "free": {"api_keys": ["sk-free"], "tier": "low"}},
         # a `low` tier that may queue nothing: its requests always take the ladder's preset reply
         "tiers": {"default": "high", "levels": {
             "high": {"rank": 0, "max_queue_wait_s": 5, "ttft_target_s": 5},
-            "low": {"rank": 1, "queue_bound": 0, "max_queue_wait_s": 5, "ttft_target_s": 10}}},
+            "mid": {"rank": 1, "max_queue_wait_s": 5, "ttft_target_s": 5},
+            "low": {"rank": 2, "queue_bound": 0, "max_queue_wait_s": 5, "ttft_target_s": 10}}},
         "degradation": {"preset_reply": _PRESET},
     }
     path = tmp_path_factory.mktemp("overload") / "gateway.yaml"
@@ -82,3 +85,10 @@ def test_malformed_request_timeout_header_is_400(gateway: str) -> None:
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="m", messages=_MESSAGES)
     assert "x-request-timeout" in caught.value.message
+
+
+def test_the_tier_rank_goes_upstream_as_priority_whatever_the_client_asked(gateway: str) -> None:
+    # the backend has forward_priority on; the mock echoes the priority it got as system_fingerprint
+    reply = _client(gateway, "sk-worker").chat.completions.create(model="m", messages=_MESSAGES,
+                                                                  extra_body={"priority": -5})
+    assert reply.system_fingerprint == "priority=1"  # `mid` is rank 1

@@ -32,6 +32,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV-cache capacity in tokens")
     parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                         help="prefill each prompt in one step (for comparison)")
+    parser.add_argument("--fault-injection", action="store_true",
+                        help="serve POST /admin/slow (body: a factor >= 1) that makes every step that many times "
+                             "slower; for testing how a gateway's limits follow a slow replica, never in production")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for in-flight requests before exiting")
 
@@ -52,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         kv_cache_tokens=args.kv_cache_tokens,
         chunked_prefill=args.chunked_prefill,
+        fault_injection=args.fault_injection,
     )
     # The engine thread re-takes the GIL after every torch op; with the default 5 ms switch
     # interval it can wait that long behind the HTTP thread, many times per step

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import Protocol
@@ -48,6 +49,10 @@ class EngineLoop:
         self._queues: dict[int, asyncio.Queue[StepOutput]] = {}  # asyncio thread only
         self._aio_loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        # Fault injection (`tidegate engine --fault-injection`): each step is followed by a pause of
+        # (slowdown - 1) x its own time, so the replica runs `slowdown` times slower at every batch
+        # size, as on a slower machine; for measuring how the gateway's limits follow a slow replica.
+        self.slowdown = 1.0
 
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         """Runs the loop in a new thread (tests; the CLI calls `run_forever` from its main thread)."""
@@ -121,6 +126,13 @@ class EngineLoop:
         return aborted
 
     def _step(self) -> list[StepOutput]:
+        started_s = time.perf_counter()
+        outputs = self._run_step()
+        if self.slowdown > 1.0:
+            time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started_s))
+        return outputs
+
+    def _run_step(self) -> list[StepOutput]:
         batch = self._scheduler.schedule()
         try:
             outputs = self._scheduler.update(batch, self._runner.run(batch))

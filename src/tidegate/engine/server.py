@@ -23,6 +23,7 @@ from tidegate.engine.metrics import EngineMetrics
 from tidegate.engine.schemas import ChatRequest, CompletionRequest, parse_request
 from tidegate.errors import (
     InternalError,
+    InvalidRequestError,
     NotFoundError,
     OverloadedError,
     PayloadTooLargeError,
@@ -51,9 +52,10 @@ class EngineOptions:
     quantize: str | None = None
     threads: int | None = None
     max_num_seqs: int = 64
-    max_batch_tokens: int = 128
+    max_batch_tokens: int = 96
     kv_cache_tokens: int = 32768
     chunked_prefill: bool = True
+    fault_injection: bool = False  # serve POST /admin/slow (testing only)
 
 
 def error_response(error: TidegateError) -> web.Response:
@@ -97,6 +99,8 @@ class EngineServer:
                 web.post("/v1/embeddings", self._embeddings_route),
             ]
         )
+        if options.fault_injection:
+            self.app.add_routes([web.post("/admin/slow", self._slow)])
 
     # ---- lifecycle ----
 
@@ -158,6 +162,22 @@ class EngineServer:
     async def _models(self, _request: web.Request) -> web.Response:
         card = {"id": self.served_model_name, "object": "model", "created": 0, "owned_by": "tidegate"}
         return web.json_response({"object": "list", "data": [{**card, **self.model_card}]})
+
+    async def _slow(self, request: web.Request) -> web.Response:
+        """Fault injection: the body is a factor >= 1; every step then takes that many times longer."""
+        text = (await request.text()).strip()
+        try:
+            factor = float(text)
+        except ValueError:
+            factor = float("nan")
+        if not 1.0 <= factor <= 100.0:
+            message = f"the body must be a slowdown factor from 1 to 100, not {text[:40]!r}"
+            return error_response(InvalidRequestError(message))
+        if self.engine_loop is None:
+            return error_response(_not_served("generation", self.served_model_name))
+        self.engine_loop.slowdown = factor
+        log.warning("fault injection: every engine step now takes %.2fx its time", factor)
+        return web.json_response({"slowdown": factor})
 
     async def _embeddings_route(self, request: web.Request) -> web.StreamResponse:
         if not self.serves_embeddings:

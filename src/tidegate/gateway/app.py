@@ -47,7 +47,8 @@ def _upstream_replica(pool: str, index: int, backend: UpstreamBackend, connect_t
         replica_id=f"{pool}#{index}@{host}:{port}", pool_name=pool,
         connections=ConnectionPool(endpoint, connect_timeout_s), slot_limit=backend.slot_limit,
         upstream_model=backend.model or pool,
-        api_key=backend.api_key.get_secret_value() if backend.api_key else None, health_url=health_url)
+        api_key=backend.api_key.get_secret_value() if backend.api_key else None, health_url=health_url,
+        forward_priority=backend.forward_priority)
 
 
 def _embedded_replica(pool: str, index: int, backend: EmbeddedBackend, connect_timeout_s: float,
@@ -59,7 +60,8 @@ def _embedded_replica(pool: str, index: int, backend: EmbeddedBackend, connect_t
     replica = Replica(
         replica_id=replica_id, pool_name=pool, connections=ConnectionPool(endpoint, connect_timeout_s),
         slot_limit=backend.slot_limit, upstream_model=backend.model, api_key=None,
-        health_url=f"http://127.0.0.1:{port}/health", scrape_url=f"http://127.0.0.1:{port}/metrics")
+        health_url=f"http://127.0.0.1:{port}/health", scrape_url=f"http://127.0.0.1:{port}/metrics",
+        forward_priority=True)
     argv = (sys.executable, "-m", "tidegate", "engine", "--model", backend.model, "--port", str(port),
             "--threads", str(backend.threads), *backend.engine_args)
     return replica, WorkerSpec(name=replica_id, argv=argv)

@@ -30,7 +30,7 @@ class Replica:
 
     __slots__ = ("replica_id", "pool_name", "health", "breaker", "outstanding", "slot_limit", "load",
                  "connections", "upstream_model", "auth_header", "secret", "health_url", "scrape_url",
-                 "request_heads")
+                 "request_heads", "forward_priority")
 
     def __init__(
         self,
@@ -42,6 +42,7 @@ class Replica:
         api_key: str | None,
         health_url: str | None,
         scrape_url: str | None = None,
+        forward_priority: bool = False,
     ) -> None:
         self.replica_id = replica_id
         self.pool_name = pool_name
@@ -58,6 +59,7 @@ class Replica:
         self.health_url = health_url
         self.scrape_url = scrape_url  # engine /metrics with running/waiting/KV gauges, if any
         self.request_heads: dict[str, bytes] = {}  # API path -> request line and fixed headers
+        self.forward_priority = forward_priority  # the engine schedules by the body's `priority` field
 
     def request_head(self, api_path: str) -> bytes:
         head = self.request_heads.get(api_path)

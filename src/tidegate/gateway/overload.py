@@ -463,6 +463,10 @@ class OverloadRuntime:
             if len(pool.queue):
                 pool.dispatch_waiting(now_s)
 
+    def tier_rank(self, tier: str) -> int:
+        """The tier's rank (0 = best), sent as `priority` to engines that schedule by it."""
+        return self.control.tiers[tier].rank
+
     def _best_tier_present(self, replica: Replica, now_s: float) -> bool:
         reserve = self._reserves.get(replica.pool_name)
         if reserve is None:

@@ -231,10 +231,13 @@ class Proxy:
     async def _exchange_on(self, conn: HttpConnection, pool: ModelPool, replica: Replica, endpoint: Endpoint,
                            body: dict, raw_body: bytes, stream: bool, request_id: bytes, started: float,
                            metrics: PoolMetrics, retried: bool = False, usage: _Usage | None = None) -> int:
+        rewrites: dict = {}
         if replica.upstream_model != body["model"]:
-            payload = orjson.dumps({**body, "model": replica.upstream_model})
-        else:
-            payload = raw_body
+            rewrites["model"] = replica.upstream_model
+        if replica.forward_priority and usage is not None and usage.ticket is not None:
+            # the tier decides, not a `priority` the client may have sent
+            rewrites["priority"] = self.overload.tier_rank(usage.ticket.tier)
+        payload = orjson.dumps({**body, **rewrites}) if rewrites else raw_body
         data = b"".join((replica.request_head(endpoint.value), b"x-request-id: ", request_id,
                          b"\r\ncontent-length: ", str(len(payload)).encode(), b"\r\n\r\n", payload))
         if usage is not None and usage.ticket is not None:

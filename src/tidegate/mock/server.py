@@ -228,6 +228,8 @@ class MockProtocol(asyncio.Protocol):
                       if is_chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
             body = {"id": request_id, "object": "chat.completion" if is_chat else "text_completion",
                     "created": created, "model": model, "choices": [choice], "usage": usage}
+            if "priority" in request:  # echoed, so a test sees the priority a gateway forwarded
+                body["system_fingerprint"] = f"priority={request['priority']}"
             self._send(200, orjson.dumps(body), keep_alive)
             return
 
