@@ -414,9 +414,11 @@ async def _run(processes: Processes, phase_s: float, only: str | None = None, re
     # -- a noisy tenant at 10x its share
     share = capacity / len(standard)
     others = {"t1", "t2", "t3"}
-    # fair: every tenant sends its share (together: capacity); noisy: one sends 10x its share
-    fair = await both([(name, share) for name in standard], seed=201)
-    noisy = await both([(name, share) for name in others] + [("noisy", 10 * share)], seed=202)
+    # fair: every tenant sends its share (together: capacity); noisy: one sends 10x its share. Long
+    # enough for ~500 of the others' requests a phase: at capacity their P99 is a queueing tail
+    noisy_s = max(phase_s, 500.0 / (len(others) * share))
+    fair = await both([(name, share) for name in standard], seed=201, duration_s=noisy_s)
+    noisy = await both([(name, share) for name in others] + [("noisy", 10 * share)], seed=202, duration_s=noisy_s)
     for mode in ("fifo", "tidegate"):
         before, during = p99_ttft(fair[mode], others), p99_ttft(noisy[mode], others)
         rise = during / before - 1.0
@@ -424,7 +426,9 @@ async def _run(processes: Processes, phase_s: float, only: str | None = None, re
         ok &= mode == "fifo" or rise < 0.2
         print(f"others' P99 TTFT {mode}: fair {before * 1000:.0f} ms, noisy tenant at 10x share "
               f"{during * 1000:.0f} ms -> {rise * 100:+.0f} %{verdict}  [others {served(noisy[mode], others)}, "
-              f"noisy {served(noisy[mode], {'noisy'})}]")
+              f"noisy {served(noisy[mode], {'noisy'})}; {noisy_s:.0f} s phases]")
+        print(f"  others' TTFT p50/p90/p99 ms: fair {ttft_summary(fair[mode], others)}, "
+              f"noisy {ttft_summary(noisy[mode], others)}")
 
     # -- rejection latency, over every tidegate phase so far
     p99_s, count = histogram_p99(http_text(gateways["tidegate"] + "/metrics"), "tidegate_overload_rejection_seconds")

@@ -206,6 +206,20 @@ async def test_replica_limits_aim_at_the_best_tiers_target_while_it_is_present()
     assert replica_slots.target_latency_s == 0.5
 
 
+def test_slot_gauges_show_the_limit_and_the_latency_it_aims_at() -> None:
+    slots = {"initial": 1, "minimum": 1, "maximum": 8, "window_s": 0, "priority_headroom": 0,
+             "target_latency_s": 0.5, "floor_tolerance": 1.5}
+    clock = FakeClock()
+    runtime, pool = _runtime({"limits": {"slots": slots}}, clock=clock)
+    replica = pool.replicas[0]
+    assert _metric(runtime, "tidegate_replica_slot_target_seconds", pool="m", replica="r0") == 0.5
+    for _ in range(10):  # one window at the minimum limit, every answer 2 s: 0.5 s cannot be met
+        clock.now_s += 0.2
+        runtime.first_token(replica, 2.0)
+    assert _metric(runtime, "tidegate_replica_slot_target_seconds", pool="m", replica="r0") == 3.0
+    assert _metric(runtime, "tidegate_replica_slot_limit", pool="m", replica="r0") == 1
+
+
 def test_best_tier_target_may_not_exceed_the_target() -> None:
     with pytest.raises(ValueError, match="best_tier_target_latency_s"):
         parse_overload_sections({"limits": {"slots": {"target_latency_s": 0.5, "best_tier_target_latency_s": 0.6}}})

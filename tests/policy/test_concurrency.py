@@ -214,3 +214,22 @@ def test_the_floor_rule_can_be_turned_off_in_config() -> None:
         for i in range(20):
             slots.observe(2.0 * k + 1.1 * i / 19, 50.0)
     assert slots.slot_limit == 2 and slots.aimed_latency_s(60.0) == 1.0
+
+
+@pytest.mark.parametrize("make", [GradientSlotLimit, AimdSlotLimit])
+def test_unused_slots_decay_toward_twice_the_concurrency_in_use(make) -> None:
+    limit = make(1.0, bounds=BOUNDS)
+    k = 0
+    while limit.limit < 40:  # driven at its limit and fast: grows
+        _window(limit, 2.0 * k, 0.2, inflight=limit.limit)
+        k += 1
+    learnt = limit.limit
+    for j in range(k, k + 3):  # then only 8 held: the slots above 16 were never measured
+        _window(limit, 2.0 * j, 0.2, inflight=8)
+    assert 16 <= limit.limit < learnt
+    for j in range(k + 3, k + 30):
+        _window(limit, 2.0 * j, 0.2, inflight=8)
+    assert 16 <= limit.limit <= 20  # twice what is in use (give or take one window's growth), no lower
+    for j in range(k + 30, k + 60):
+        _window(limit, 2.0 * j, 0.2, inflight=1)
+    assert limit.limit == BOUNDS.initial  # nor below where a fresh replica starts

@@ -10,7 +10,8 @@ Samples are gathered in windows (at least `window_s` and `min_window_samples`); 
 end the limit moves by the gradient target / latency (latency = the window's `latency_quantile`),
 clamped per window and smoothed. A drop (error, timeout) backs off multiplicatively. The limit only
 grows when the replica was actually driven near it (not app-limited) and the engine reports no
-queue of its own. `AimdSlotLimit` is the classic additive-increase/multiplicative-decrease
+queue of its own; while it is not, unused slots decay (by 0.8 a window, down to twice the
+concurrency in use, or the initial limit), so a limit is never far above what was measured. `AimdSlotLimit` is the classic additive-increase/multiplicative-decrease
 alternative on the same samples. No static limit is configured: only bounds and the target.
 
 A target the replica cannot meet even at its fewest slots (a slow host, CPU contention, a target set
@@ -94,6 +95,7 @@ class _WindowedLimit:
             raise ValueError("floor_tolerance >= 1 (or None) and floor_ttl_s > 0 needed")
         self._floor_tolerance = floor_tolerance
         self._floor_ttl_s = floor_ttl_s
+        self._unused_decay = 0.8  # per window in which the replica held under half its limit
         self._floor_s = 0.0
         self._floor_expires_s = -math.inf
         self.target_latency_s = target_latency_s
@@ -137,9 +139,17 @@ class _WindowedLimit:
             if not window.dropped and self._limit <= self.bounds.minimum and latency > self.aimed_latency_s(now_s):
                 self._floor_s, self._floor_expires_s = latency, now_s + self._floor_ttl_s
             # Growth needs evidence: the replica was driven near its limit, and is not queueing itself.
-            may_grow = window.peak_inflight >= self._limit / 2 and not self._engine_queueing
-            self._limit = self.bounds.clamp(self._next_limit(
-                self._limit, latency, self.aimed_latency_s(now_s), window.dropped, may_grow))
+            used = window.peak_inflight >= self._limit / 2
+            may_grow = used and not self._engine_queueing
+            limit = self._next_limit(self._limit, latency, self.aimed_latency_s(now_s), window.dropped, may_grow)
+            if not used:
+                # Slots never used were never measured (TCP's congestion-window validation, RFC 7661):
+                # a limit learnt under heavier load, or a looser target, decays toward twice the
+                # concurrency in use, though not below where a fresh replica starts; so a surge finds
+                # a limit it can meet, not a stale one it would overrun until the windows catch up.
+                validated = max(2.0 * window.peak_inflight, float(self.bounds.initial))
+                limit = min(limit, max(validated, self._unused_decay * self._limit))
+            self._limit = self.bounds.clamp(limit)
             self._window = _Window(now_s)
         return self.limit
 
