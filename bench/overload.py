@@ -12,10 +12,15 @@ alternating, with the replicas drained in between. Figures printed:
   rejection   p99 of the gateway's own arrival-to-answer time of admission refusals; bar < 5 ms
   slots       a replica slowed 2x: its slot limit trace; bar: within +-25 % of the new best in 30 s
 
-Replicas: the embedded engine cannot reach a surge on 2 shared cores in reasonable time (a tiny
-model's step is CPU-bound and the gateway, load generator and engines share the cores), so the
-replicas are `bench/overload_knee_mock.py`: a modelled batching engine with a concurrency knee
-(see its docstring for what the model leaves out). The limitation is printed with the figures.
+Replicas (`--replicas`): `embedded` (default) runs two `tidegate engine` processes (the engine
+`tidegate serve` starts for its embedded pool; started here as upstreams so that both gateways share
+them, the bench can drain them between phases, and `--fault-injection` can slow one 2x), one torch
+thread each; the gateways and the load generator share the same 2 cores, so the engines slow down
+as offered load rises, and the figures include that. The slot targets come from the replicas
+themselves: the base target is the p90 TTFT at which they delivered their capacity, the best
+tier's 1.15x their p90 TTFT at a quarter of it; the slowed replica's new best limit is measured by
+a concurrency sweep. `knee-mock` runs `bench/overload_knee_mock.py`, a modelled batching engine
+with a flat knee (no prefill cost, no KV limit), whose best limits are known in closed form.
 
 Run: flock /tmp/tidegate-bench.lock python bench/overload.py [--phase-s 12] [--only critical|goodput]
        [--replicas knee-mock|embedded]
@@ -270,7 +275,7 @@ async def best_limit(replica: str, other: str, other_concurrency: int, target_s:
 
 # ---- the run -------------------------------------------------------------------------------------
 
-async def main_async(phase_s: float, only: str | None = None, replicas: str = "knee-mock") -> int:
+async def main_async(phase_s: float, only: str | None = None, replicas: str = "embedded") -> int:
     processes = Processes()
     try:
         return await _run(processes, phase_s, only, replicas)
@@ -304,7 +309,7 @@ def start_gateway(processes: Processes, workdir: Path, mode: str, config: dict) 
     return f"http://127.0.0.1:{port}"
 
 
-async def _run(processes: Processes, phase_s: float, only: str | None = None, replicas: str = "knee-mock") -> int:
+async def _run(processes: Processes, phase_s: float, only: str | None, replicas: str) -> int:
     embedded = replicas == "embedded"
     upstreams = start_replicas(processes, replicas)
     model = EMBEDDED_MODEL if embedded else None
@@ -441,10 +446,10 @@ async def _run(processes: Processes, phase_s: float, only: str | None = None, re
     replica_ids = sorted(slot_limits(target))
     slowed = replica_ids[0]
     load = asyncio.create_task(run_open(target, [(name, 2.0 * capacity / len(standard)) for name in standard],
-                                        phase_s + 30.0, seed=301))
+                                        2 * phase_s + 30.0, seed=301))
     trace: list[tuple[float, dict[str, float]]] = []
     started = time.monotonic()
-    slowed_at = started + phase_s
+    slowed_at = started + 2 * phase_s  # time for the limits to grow from their initial value and settle
     slow_sent = False
     slow_port = re.search(r'@[^:]+:([0-9]+)', slowed).group(1)
     slow_url = f"http://127.0.0.1:{slow_port}/admin/slow"
@@ -499,8 +504,8 @@ def main() -> int:
     parser.add_argument("--phase-s", type=float, default=12.0, help="seconds of load per phase and mode")
     parser.add_argument("--only", choices=("critical", "goodput"),
                         help="run capacity and this bar alone (for iterating)")
-    parser.add_argument("--replicas", choices=("knee-mock", "embedded"), default="knee-mock",
-                        help="modelled batching engines (default), or real `tidegate engine` processes")
+    parser.add_argument("--replicas", choices=("knee-mock", "embedded"), default="embedded",
+                        help="real `tidegate engine` processes (default), or modelled flat-knee engines")
     args = parser.parse_args()
     try:
         import uvloop
