@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import os
 import re
@@ -155,6 +156,40 @@ def gateway_config(port: int, upstreams: list[str], overload: bool, slot_target_
 class Phase:
     records: list[RequestRecord]
     elapsed_s: float
+    flood_served: dict[str, tuple[int, int]] | None = None  # tenant -> (ok, sent) of a flood sent elsewhere
+
+
+async def run_open_beside_flood(url: str, measured: list[tuple[str, float]], flood: list[tuple[str, float]],
+                                duration_s: float, seed: int) -> Phase:
+    """`measured` streams from this process while `flood` streams come from another one.
+
+    A flood comes from other clients: sent from this process, its responses (mostly instant
+    refusals, tens a second) would queue in this event loop ahead of the measured tenants' first
+    tokens and add the generator's own lag to their TTFT, for FIFO and tidegate alike.
+    """
+    spec = json.dumps({"url": url, "streams": flood, "duration_s": duration_s, "seed": seed + 1})
+    flooder = await asyncio.create_subprocess_exec(sys.executable, str(Path(__file__).resolve()), "--flood", spec,
+                                                   stdout=asyncio.subprocess.PIPE)
+    assert flooder.stdout is not None
+    await flooder.stdout.readline()  # "ready": imported and planned, about to send
+    phase = await run_open(url, measured, duration_s, seed)
+    out, _ = await flooder.communicate()
+    phase.flood_served = {tenant: (ok, sent) for tenant, (ok, sent) in json.loads(out.decode().strip()).items()}
+    return phase
+
+
+async def flood_main(spec_json: str) -> int:
+    spec = json.loads(spec_json)
+    streams = [(name, rate) for name, rate in spec["streams"]]
+    print("ready", flush=True)
+    phase = await run_open(spec["url"], streams, spec["duration_s"], spec["seed"])
+    counts: dict[str, list[int]] = {}
+    for record in phase.records:
+        count = counts.setdefault(record.tenant, [0, 0])
+        count[0] += record.ok
+        count[1] += 1
+    print(json.dumps(counts), flush=True)
+    return 0
 
 
 async def run_open(url: str, streams: list[tuple[str, float]], duration_s: float, seed: int) -> Phase:
@@ -192,7 +227,16 @@ def ttft_summary(phase: Phase, tenants: set[str]) -> str:
     return "/".join(f"{v:.0f}" for v in np.percentile(values, [50, 90, 99])) if values else "-"
 
 
+def slowest(phase: Phase, tenants: set[str], count: int = 4) -> str:
+    mine = sorted((r for r in phase.records if r.tenant in tenants and r.ok and r.ttft_s is not None),
+                  key=lambda r: r.ttft_s, reverse=True)[:count]
+    return ", ".join(f"{r.sent_s:.1f}/{r.ttft_s * 1000:.0f}/{(r.sent_s - r.scheduled_s) * 1000:.0f}" for r in mine)
+
+
 def served(phase: Phase, tenants: set[str]) -> str:
+    if phase.flood_served and tenants <= phase.flood_served.keys():
+        ok, sent = (sum(phase.flood_served[t][i] for t in tenants) for i in (0, 1))
+        return f"{ok}/{sent} ok"
     mine = [r for r in phase.records if r.tenant in tenants]
     ok = sum(1 for r in mine if r.ok)
     return f"{ok}/{len(mine)} ok"
@@ -358,10 +402,13 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
         gateways["slowdown"] = start_gateway(processes, workdir, "slowdown", gateway_config(
             free_port(), upstreams, True, slowdown_target_s, upstream_model=model))
 
-    async def both(streams: list[tuple[str, float]], seed: int, duration_s: float = phase_s) -> dict[str, Phase]:
+    async def both(streams: list[tuple[str, float]], seed: int, duration_s: float = phase_s,
+                   flood: list[tuple[str, float]] | None = None) -> dict[str, Phase]:
         out = {}
         for mode in ("fifo", "tidegate"):
-            load = asyncio.create_task(run_open(gateways[mode], streams, duration_s, seed))
+            load = asyncio.create_task(
+                run_open(gateways[mode], streams, duration_s, seed) if not flood
+                else run_open_beside_flood(gateways[mode], streams, flood, duration_s, seed))
             limits: list[float] = []
             while mode == "tidegate" and not load.done():
                 await asyncio.sleep(1.0)
@@ -401,7 +448,7 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
     critical_rate = 0.25 * capacity
     critical_s = max(phase_s, 200.0 / critical_rate)
     alone = await both([("gold", critical_rate)], seed=101, duration_s=critical_s)
-    burst = await both([("gold", critical_rate), ("free", 3.0 * capacity)], seed=102, duration_s=critical_s)
+    burst = await both([("gold", critical_rate)], seed=102, duration_s=critical_s, flood=[("free", 3.0 * capacity)])
     for mode in ("fifo", "tidegate"):
         before, during = p99_ttft(alone[mode], {"gold"}), p99_ttft(burst[mode], {"gold"})
         ratio = during / before
@@ -412,6 +459,8 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
               f"sheddable {served(burst[mode], {'free'})}; {critical_s:.0f} s phases]")
         print(f"  critical TTFT p50/p90/p99 ms: alone {ttft_summary(alone[mode], {'gold'})}, "
               f"burst {ttft_summary(burst[mode], {'gold'})}")
+        print(f"  slowest critical in the burst (sent at s, TTFT ms, generator's send lag ms): "
+              f"{slowest(burst[mode], {'gold'})}")
     if only == "critical":
         print("CRITICAL BAR " + ("PASSES" if ok else "FAILS") + " (--only critical: the other bars were not run)")
         return 0 if ok else 1
@@ -423,7 +472,8 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
     # enough for ~500 of the others' requests a phase: at capacity their P99 is a queueing tail
     noisy_s = max(phase_s, 500.0 / (len(others) * share))
     fair = await both([(name, share) for name in standard], seed=201, duration_s=noisy_s)
-    noisy = await both([(name, share) for name in others] + [("noisy", 10 * share)], seed=202, duration_s=noisy_s)
+    noisy = await both([(name, share) for name in others], seed=202, duration_s=noisy_s,
+                       flood=[("noisy", 10 * share)])
     for mode in ("fifo", "tidegate"):
         before, during = p99_ttft(fair[mode], others), p99_ttft(noisy[mode], others)
         rise = during / before - 1.0
@@ -506,13 +556,15 @@ def main() -> int:
                         help="run capacity and this bar alone (for iterating)")
     parser.add_argument("--replicas", choices=("knee-mock", "embedded"), default="embedded",
                         help="real `tidegate engine` processes (default), or modelled flat-knee engines")
+    parser.add_argument("--flood", help=argparse.SUPPRESS)  # internal: send a flood phase (JSON spec) and exit
     args = parser.parse_args()
+    work = flood_main(args.flood) if args.flood else main_async(args.phase_s, args.only, args.replicas)
     try:
         import uvloop
 
-        return uvloop.run(main_async(args.phase_s, args.only, args.replicas))
+        return uvloop.run(work)
     except ImportError:
-        return asyncio.run(main_async(args.phase_s, args.only, args.replicas))
+        return asyncio.run(work)
 
 
 if __name__ == "__main__":
