@@ -396,8 +396,11 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
     gateways["tidegate"] = start_gateway(processes, workdir, "tidegate", gateway_config(
         free_port(), upstreams, True, slot_target_s, best_tier_target_s, upstream_model=model))
     # the adaptive-slots phase: a gateway of its own whose target lies past the knee, where the best
-    # limit is well above the minimum and falls when a replica is slowed 2x
-    slowdown_target_s = slot_target_s if embedded else SLOWDOWN_SLOT_TARGET_S
+    # limit is well above the minimum and falls when a replica is slowed 2x. On the engine, twice the
+    # base target: the slowed replica's best then lies near the capacity run's concurrency, where its
+    # latency climbs steeply with concurrency; at the base target it would lie in the flat stretch
+    # below, where a few ms of noise move the "best" by half
+    slowdown_target_s = 2.0 * slot_target_s if embedded else SLOWDOWN_SLOT_TARGET_S
     if only is None:
         gateways["slowdown"] = start_gateway(processes, workdir, "slowdown", gateway_config(
             free_port(), upstreams, True, slowdown_target_s, upstream_model=model))

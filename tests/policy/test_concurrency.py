@@ -233,3 +233,16 @@ def test_unused_slots_decay_toward_twice_the_concurrency_in_use(make) -> None:
     for j in range(k + 30, k + 60):
         _window(limit, 2.0 * j, 0.2, inflight=1)
     assert limit.limit == BOUNDS.initial  # nor below where a fresh replica starts
+
+
+def test_the_floor_rule_does_not_relax_the_best_tiers_target() -> None:
+    slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=SlotLimitBounds(initial=2, minimum=2, maximum=100)),
+                         best_tier_target_s=0.5)
+    slots.protect_best_tier(True)
+    slots.inflight = 2
+    for k in range(10):  # 0.8 s at the minimum: over the best tier's 0.5 s, under the 1 s target
+        for i in range(20):
+            slots.observe(2.0 * k + 1.1 * i / 19, 0.8)
+    assert slots.slot_limit == 2 and slots.aimed_latency_s(20.0) == 0.5
+    slots.protect_best_tier(False)
+    assert slots.aimed_latency_s(20.0) == 1.0

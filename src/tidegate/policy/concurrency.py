@@ -36,6 +36,7 @@ __all__ = ["SlotLimit", "GradientSlotLimit", "AimdSlotLimit", "SlotLimitBounds",
 
 class SlotLimit(Protocol):
     target_latency_s: float
+    relax_to_floor: bool
 
     @property
     def limit(self) -> int: ...
@@ -95,6 +96,8 @@ class _WindowedLimit:
             raise ValueError("floor_tolerance >= 1 (or None) and floor_ttl_s > 0 needed")
         self._floor_tolerance = floor_tolerance
         self._floor_ttl_s = floor_ttl_s
+        # off while the limit protects the best tier: its tight target is then kept even if missed
+        self.relax_to_floor = True
         self._unused_decay = 0.8  # per window in which the replica held under half its limit
         self._floor_s = 0.0
         self._floor_expires_s = -math.inf
@@ -115,7 +118,7 @@ class _WindowedLimit:
 
     def aimed_latency_s(self, now_s: float) -> float:
         """The latency the limit aims at now: the target, or tolerance x the floor while one holds."""
-        if self._floor_tolerance is None or now_s >= self._floor_expires_s:
+        if self._floor_tolerance is None or not self.relax_to_floor or now_s >= self._floor_expires_s:
             return self.target_latency_s
         return max(self.target_latency_s, self._floor_tolerance * self._floor_s)
 
@@ -136,7 +139,8 @@ class _WindowedLimit:
         full = count >= self._max_samples
         if full or window.dropped or (now_s - window.started_s >= self._window_s and count >= self._min_samples):
             latency = window.quantile(self._quantile) if count else math.inf
-            if not window.dropped and self._limit <= self.bounds.minimum and latency > self.aimed_latency_s(now_s):
+            if (self.relax_to_floor and not window.dropped and self._limit <= self.bounds.minimum
+                    and latency > self.aimed_latency_s(now_s)):
                 self._floor_s, self._floor_expires_s = latency, now_s + self._floor_ttl_s
             # Growth needs evidence: the replica was driven near its limit, and is not queueing itself.
             used = window.peak_inflight >= self._limit / 2
@@ -230,7 +234,8 @@ class ReplicaSlots:
     """A replica's slots as the dispatcher sees them: held requests against the adaptive limit.
 
     With `best_tier_target_s`, the limit aims at that tighter target while the caller says the best
-    tier is present (`protect_best_tier`), and at its own target otherwise.
+    tier is present (`protect_best_tier`), and at its own target otherwise; the floor rule (see
+    the module docstring) applies to its own target only.
     """
 
     def __init__(self, limit: SlotLimit, best_tier_target_s: float | None = None) -> None:
@@ -246,6 +251,9 @@ class ReplicaSlots:
     def protect_best_tier(self, present: bool) -> None:
         if self._best_tier_target_s is not None:
             self._limit.target_latency_s = self._best_tier_target_s if present else self._base_target_s
+            # a best-tier target missed even at the fewest slots still means the fewest slots: more
+            # would serve lower tiers at the best tier's expense
+            self._limit.relax_to_floor = not present
 
     @property
     def slot_limit(self) -> int:
