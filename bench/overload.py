@@ -239,7 +239,13 @@ def served(phase: Phase, tenants: set[str]) -> str:
         return f"{ok}/{sent} ok"
     mine = [r for r in phase.records if r.tenant in tenants]
     ok = sum(1 for r in mine if r.ok)
-    return f"{ok}/{len(mine)} ok"
+    failed: dict[str, int] = {}
+    for r in mine:
+        if not r.ok:
+            why = f"{r.status} {r.headers.get('x-tidegate-degradation') or r.reason or ''}".strip()
+            failed[why] = failed.get(why, 0) + 1
+    detail = ", ".join(f"{count} {why}" for why, count in sorted(failed.items(), key=lambda kv: -kv[1]))
+    return f"{ok}/{len(mine)} ok" + (f" ({detail})" if detail else "")
 
 
 def drain(upstreams: list[str], timeout_s: float = 30.0) -> None:
