@@ -22,7 +22,7 @@ tier's 1.15x their p90 TTFT at a quarter of it; the slowed replica's new best li
 a concurrency sweep. `knee-mock` runs `bench/overload_knee_mock.py`, a modelled batching engine
 with a flat knee (no prefill cost, no KV limit), whose best limits are known in closed form.
 
-Run: flock /tmp/tidegate-bench.lock python bench/overload.py [--phase-s 12] [--only critical|goodput]
+Run: flock /tmp/tidegate-bench.lock python bench/overload.py [--phase-s 12] [--only critical|goodput|noisy]
        [--replicas knee-mock|embedded]
 (`--only`: capacity and that bar alone, for iterating; not a verdict on all bars)
 """
@@ -289,6 +289,17 @@ def histogram_p99(text: str, name: str) -> tuple[float, int]:
     return ordered[-1][0], int(total)
 
 
+def refusals(gateway: str) -> dict[str, float]:
+    """The gateway's refusal and shed counts so far, by tier and reason."""
+    text = http_text(gateway + "/metrics")
+    counts: dict[str, float] = {}
+    for labels, value in re.findall(r'^tidegate_overload_rejections_total{([^}]*)} (\S+)', text, re.M):
+        named = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+        key = f"{named.get('tier')} {named.get('reason')}"
+        counts[key] = counts.get(key, 0.0) + float(value)
+    return counts
+
+
 def slot_limits(gateway: str) -> dict[str, float]:
     text = http_text(gateway + "/metrics")
     return {replica: float(value) for replica, value in
@@ -321,6 +332,31 @@ async def best_limit(replica: str, other: str, other_concurrency: int, target_s:
             best = c0 + (c1 - c0) * (target_s - l0) / (l1 - l0)
             break
     return best, curve
+
+
+async def noisy_tenant_bar(both, capacity: float, standard: list[str], phase_s: float) -> bool:
+    """Other tenants' P99 TTFT while one tenant sends 10x its share, vs all at a fair load."""
+    ok = True
+    share = capacity / len(standard)
+    others = {"t1", "t2", "t3"}
+    # fair: every tenant sends its share (together: capacity); noisy: one sends 10x its share. Long
+    # enough for ~500 of the others' requests a phase: at capacity their P99 is a queueing tail
+    noisy_s = max(phase_s, 500.0 / (len(others) * share))
+    fair = await both([(name, share) for name in standard], seed=201, duration_s=noisy_s)
+    noisy = await both([(name, share) for name in others], seed=202, duration_s=noisy_s,
+                       flood=[("noisy", 10 * share)])
+    for mode in ("fifo", "tidegate"):
+        before, during = p99_ttft(fair[mode], others), p99_ttft(noisy[mode], others)
+        rise = during / before - 1.0
+        verdict = "" if mode == "fifo" else f" (bar < +20 %: {'PASS' if rise < 0.2 else 'FAIL'})"
+        ok &= mode == "fifo" or rise < 0.2
+        print(f"others' P99 TTFT {mode}: fair {before * 1000:.0f} ms, noisy tenant at 10x share "
+              f"{during * 1000:.0f} ms -> {rise * 100:+.0f} %{verdict}  [others {served(noisy[mode], others)}, "
+              f"noisy {served(noisy[mode], {'noisy'})}; {noisy_s:.0f} s phases]")
+        print(f"  others' TTFT p50/p90/p99 ms: fair {ttft_summary(fair[mode], others)}, "
+              f"noisy {ttft_summary(noisy[mode], others)}")
+
+    return ok
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -419,13 +455,16 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
                 run_open(gateways[mode], streams, duration_s, seed) if not flood
                 else run_open_beside_flood(gateways[mode], streams, flood, duration_s, seed))
             limits: list[float] = []
+            refused_before = refusals(gateways[mode]) if mode == "tidegate" else {}
             while mode == "tidegate" and not load.done():
                 await asyncio.sleep(1.0)
                 limits.append(sum((await asyncio.to_thread(slot_limits, gateways[mode])).values()))
             out[mode] = await load
             if limits:
+                refused = {why: count - refused_before.get(why, 0.0) for why, count in refusals(gateways[mode]).items()}
+                refused_text = ", ".join(f"{count:.0f} {why}" for why, count in sorted(refused.items()) if count)
                 print(f"  (tidegate's slot limits, all replicas, sampled each second: median {np.median(limits):.0f}, "
-                      f"range {min(limits):.0f}-{max(limits):.0f})")
+                      f"range {min(limits):.0f}-{max(limits):.0f}; refused by tier and reason: {refused_text or 'none'})")
             drain(upstreams)
         return out
 
@@ -452,47 +491,33 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
         print("GOODPUT BAR " + ("PASSES" if ok else "FAILS") + " (--only goodput: the other bars were not run)")
         return 0 if ok else 1
 
-    # -- critical during a 3x sheddable burst; long enough for ~200 critical requests per phase, so
-    # that the P99 is not just the worst one or two of them
-    critical_rate = 0.25 * capacity
-    critical_s = max(phase_s, 200.0 / critical_rate)
-    alone = await both([("gold", critical_rate)], seed=101, duration_s=critical_s)
-    burst = await both([("gold", critical_rate)], seed=102, duration_s=critical_s, flood=[("free", 3.0 * capacity)])
-    for mode in ("fifo", "tidegate"):
-        before, during = p99_ttft(alone[mode], {"gold"}), p99_ttft(burst[mode], {"gold"})
-        ratio = during / before
-        verdict = "" if mode == "fifo" else f" (bar <= 1.5: {'PASS' if ratio <= 1.5 else 'FAIL'})"
-        ok &= mode == "fifo" or ratio <= 1.5
-        print(f"critical P99 TTFT {mode}: alone {before * 1000:.0f} ms, during 3x sheddable burst "
-              f"{during * 1000:.0f} ms -> {ratio:.2f}x{verdict}  [gold {served(burst[mode], {'gold'})}, "
-              f"sheddable {served(burst[mode], {'free'})}; {critical_s:.0f} s phases]")
-        print(f"  critical TTFT p50/p90/p99 ms: alone {ttft_summary(alone[mode], {'gold'})}, "
-              f"burst {ttft_summary(burst[mode], {'gold'})}")
-        print(f"  slowest critical in the burst (sent at s, TTFT ms, generator's send lag ms): "
-              f"{slowest(burst[mode], {'gold'})}")
+    if only in (None, "critical"):
+        # -- critical during a 3x sheddable burst; long enough for ~200 critical requests per phase, so
+        # that the P99 is not just the worst one or two of them
+        critical_rate = 0.25 * capacity
+        critical_s = max(phase_s, 200.0 / critical_rate)
+        alone = await both([("gold", critical_rate)], seed=101, duration_s=critical_s)
+        burst = await both([("gold", critical_rate)], seed=102, duration_s=critical_s, flood=[("free", 3.0 * capacity)])
+        for mode in ("fifo", "tidegate"):
+            before, during = p99_ttft(alone[mode], {"gold"}), p99_ttft(burst[mode], {"gold"})
+            ratio = during / before
+            verdict = "" if mode == "fifo" else f" (bar <= 1.5: {'PASS' if ratio <= 1.5 else 'FAIL'})"
+            ok &= mode == "fifo" or ratio <= 1.5
+            print(f"critical P99 TTFT {mode}: alone {before * 1000:.0f} ms, during 3x sheddable burst "
+                  f"{during * 1000:.0f} ms -> {ratio:.2f}x{verdict}  [gold {served(burst[mode], {'gold'})}, "
+                  f"sheddable {served(burst[mode], {'free'})}; {critical_s:.0f} s phases]")
+            print(f"  critical TTFT p50/p90/p99 ms: alone {ttft_summary(alone[mode], {'gold'})}, "
+                  f"burst {ttft_summary(burst[mode], {'gold'})}")
+            print(f"  slowest critical in the burst (sent at s, TTFT ms, generator's send lag ms): "
+                  f"{slowest(burst[mode], {'gold'})}")
     if only == "critical":
         print("CRITICAL BAR " + ("PASSES" if ok else "FAILS") + " (--only critical: the other bars were not run)")
         return 0 if ok else 1
-
-    # -- a noisy tenant at 10x its share
-    share = capacity / len(standard)
-    others = {"t1", "t2", "t3"}
-    # fair: every tenant sends its share (together: capacity); noisy: one sends 10x its share. Long
-    # enough for ~500 of the others' requests a phase: at capacity their P99 is a queueing tail
-    noisy_s = max(phase_s, 500.0 / (len(others) * share))
-    fair = await both([(name, share) for name in standard], seed=201, duration_s=noisy_s)
-    noisy = await both([(name, share) for name in others], seed=202, duration_s=noisy_s,
-                       flood=[("noisy", 10 * share)])
-    for mode in ("fifo", "tidegate"):
-        before, during = p99_ttft(fair[mode], others), p99_ttft(noisy[mode], others)
-        rise = during / before - 1.0
-        verdict = "" if mode == "fifo" else f" (bar < +20 %: {'PASS' if rise < 0.2 else 'FAIL'})"
-        ok &= mode == "fifo" or rise < 0.2
-        print(f"others' P99 TTFT {mode}: fair {before * 1000:.0f} ms, noisy tenant at 10x share "
-              f"{during * 1000:.0f} ms -> {rise * 100:+.0f} %{verdict}  [others {served(noisy[mode], others)}, "
-              f"noisy {served(noisy[mode], {'noisy'})}; {noisy_s:.0f} s phases]")
-        print(f"  others' TTFT p50/p90/p99 ms: fair {ttft_summary(fair[mode], others)}, "
-              f"noisy {ttft_summary(noisy[mode], others)}")
+    if only == "noisy":
+        ok &= await noisy_tenant_bar(both, capacity, standard, phase_s)
+        print("NOISY-TENANT BAR " + ("PASSES" if ok else "FAILS") + " (--only noisy: the other bars were not run)")
+        return 0 if ok else 1
+    ok &= await noisy_tenant_bar(both, capacity, standard, phase_s)
 
     # -- rejection latency, over every tidegate phase so far
     p99_s, count = histogram_p99(http_text(gateways["tidegate"] + "/metrics"), "tidegate_overload_rejection_seconds")
@@ -561,7 +586,7 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--phase-s", type=float, default=12.0, help="seconds of load per phase and mode")
-    parser.add_argument("--only", choices=("critical", "goodput"),
+    parser.add_argument("--only", choices=("critical", "goodput", "noisy"),
                         help="run capacity and this bar alone (for iterating)")
     parser.add_argument("--replicas", choices=("knee-mock", "embedded"), default="embedded",
                         help="real `tidegate engine` processes (default), or modelled flat-knee engines")

@@ -228,3 +228,22 @@ def test_a_flooding_tenant_does_not_get_a_quiet_tenant_refused() -> None:
     now_s = _saturate(control)  # tenant "t" floods the standard tier: 9.5 s of work queued
     assert control.arrive(now_s, _facts(tenant="t")).outcome is ArrivalOutcome.PRESET_REPLY
     assert control.arrive(now_s, _facts(tenant="quiet")).outcome is ArrivalOutcome.QUEUED
+
+
+@pytest.mark.parametrize("emptied_by", ["expiry", "cancel"])
+def test_idle_time_after_a_backlog_drains_does_not_collapse_the_service_rate(emptied_by: str) -> None:
+    control = _control()
+    now_s = _saturate(control, backlog=6)  # 5 dispatched at 10/s; one still waits
+    waiting = control.peek("big").request_id
+    if emptied_by == "expiry":
+        now_s += 4.0  # the standard tier's maximum wait
+        assert len(control.expire(now_s, "big")) == 1
+    else:
+        assert control.cancel(now_s, waiting)
+    # a new burst, 60 s later: the quiet minute between is not a minute of service
+    now_s += 60.0
+    control.arrive(now_s, _facts(request_id="first"))
+    control.arrive(now_s, _facts(request_id="second"))
+    control.dispatch(now_s, "big")
+    assert control.pools["big"].predictor.service_rate_per_s == pytest.approx(10.0)
+    assert control.arrive(now_s, _facts(tenant="other")).outcome is ArrivalOutcome.QUEUED

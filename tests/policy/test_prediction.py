@@ -75,3 +75,10 @@ def test_dispatches_at_one_instant_all_count() -> None:
         predictor.on_dispatch(float(second), 10, queued_after=5)
         predictor.on_dispatch(float(second), 10, queued_after=5)
     assert predictor.service_rate_per_s == pytest.approx(2.0)
+
+
+def test_a_queue_emptied_without_a_dispatch_ends_the_backlogged_interval() -> None:
+    predictor = _measured(WorkUnit.REQUESTS, 4.0)  # its last dispatch left requests waiting
+    predictor.on_queue_emptied()  # they expired or were cancelled
+    predictor.on_dispatch(200 / 4.0 + 30.0, 10, queued_after=5)  # the next burst, 30 s later
+    assert predictor.service_rate_per_s == pytest.approx(4.0)

@@ -127,6 +127,9 @@ class OverloadControl:
         assert admission.reservation is not None
         self._reservations[facts.request_id] = admission.reservation
 
+        # expire first: the prediction must not count requests already past their deadline, and
+        # the predictor must learn if that emptied the queue
+        shed = [self._notice(now_s, policies, item) for item in self._expire(now_s, policies)]
         deadline_s = now_s + self._wait_budget_s(tier, facts)
         prediction = self._predict(now_s, policies, tier, deadline_s, facts)
         fallback = self._fallback(policies)
@@ -137,7 +140,6 @@ class OverloadControl:
             fallback_has_capacity=fallback_ok, cached_answer_available=cached_answer_available,
             retry_after_s=prediction.retry_after_s,
         )
-        shed: list[ShedNotice] = []
         if decision.rung is Rung.PRIMARY:
             if self._enqueue(now_s, policies, facts, tier, shed):
                 return Arrival(ArrivalOutcome.QUEUED, tier, facts.model, Rung.PRIMARY, admission, prediction, None,
@@ -162,8 +164,9 @@ class OverloadControl:
     def dispatch(self, now_s: float, pool: str) -> Dispatch:
         """Step 2: a replica of `pool` has a free slot: the request to send it, if any."""
         policies = self.pools[pool]
+        shed = tuple(self._notice(now_s, policies, item) for item in self._expire(now_s, policies))
         result = policies.queue.dequeue(now_s)
-        shed = tuple(self._notice(now_s, policies, item) for item in result.expired)
+        shed += tuple(self._notice(now_s, policies, item) for item in result.expired)
         request = result.request
         if request is not None:
             policies.predictor.on_dispatch(now_s, request.tokens, queued_after=len(policies.queue))
@@ -177,7 +180,7 @@ class OverloadControl:
     def expire(self, now_s: float, pool: str) -> tuple[ShedNotice, ...]:
         """Requests of `pool` past their deadline (call at `queue.next_deadline_s()`): answer them."""
         policies = self.pools[pool]
-        return tuple(self._notice(now_s, policies, item) for item in policies.queue.expire(now_s))
+        return tuple(self._notice(now_s, policies, item) for item in self._expire(now_s, policies))
 
     def finish(self, now_s: float, request_id: str, *, prompt_tokens: int, completion_tokens: int) -> Settlement | None:
         """Step 3: a dispatched request ended (completed, failed, client gone): settle its accounts.
@@ -199,10 +202,19 @@ class OverloadControl:
         for policies in self.pools.values():
             if policies.queue.cancel(request_id) is not None:
                 self._settle(now_s, request_id, 0)
+                if not len(policies.queue):
+                    policies.predictor.on_queue_emptied()
                 return True
         return False
 
     # ---- internals ----------------------------------------------------------------------------
+
+    @staticmethod
+    def _expire(now_s: float, policies: PoolPolicies) -> tuple[ShedRequest, ...]:
+        expired = policies.queue.expire(now_s)
+        if expired and not len(policies.queue):
+            policies.predictor.on_queue_emptied()
+        return expired
 
     @staticmethod
     def _wait_budget_s(tier: TierSpec, facts: RequestFacts) -> float:

@@ -90,6 +90,16 @@ class WaitPredictor:
         self._last_dispatch_s = now_s
         self._backlogged = queued_after > 0
 
+    def on_queue_emptied(self) -> None:
+        """Call when the queue empties other than by a dispatch (expiry, cancellation, shedding).
+
+        The next dispatch then starts a new backlogged interval instead of closing one that spans
+        the idle time: a sample over that gap would read as a near-zero rate, and every arrival
+        after it would be predicted to miss its deadline until the average recovered.
+        """
+        self._backlogged = False
+        self._same_instant_work = 0.0
+
     def predict(self, now_s: float, ahead: QueueAhead, deadline_s: float) -> WaitPrediction:
         """The wait of a request that would queue behind `ahead` and must start by `deadline_s`."""
         budget_s = deadline_s - now_s
