@@ -206,6 +206,31 @@ async def test_replica_limits_aim_at_the_best_tiers_target_while_it_is_present()
     assert replica_slots.target_latency_s == 0.5
 
 
+async def test_a_burst_of_the_best_tier_is_not_held_back_by_its_own_pinned_limit() -> None:
+    slots = {"initial": 4, "minimum": 1, "maximum": 8, "window_s": 0, "priority_headroom": 0,
+             "target_latency_s": 0.5, "best_tier_target_latency_s": 0.1, "priority_reserve_half_life_s": 1.0}
+    clock = FakeClock()
+    runtime, pool = _runtime({**_TENANTS, "limits": {"slots": slots}}, clock=clock)
+    replica = pool.replicas[0]
+    gold, free = runtime.authenticate(b"Bearer sk-gold"), runtime.authenticate(b"Bearer sk-free")
+    for name in ("g1", "g2", "g3"):
+        await runtime.acquire(runtime.admit(clock(), name, gold, "m", _BODY))
+    clock.now_s += 10.0  # three critical requests held for a while: their mean concurrency is 3
+    for _ in range(80):  # every first token misses the best tier's 0.1 s: the limit falls to the minimum
+        clock.now_s += 0.05
+        runtime.first_token(replica, 1.0)
+    assert runtime.slots["r0"].slot_limit == 1
+    # the best tier still holds its peak (Poisson(3) at 0.999: 9), bounded by the base target's limit (4)
+    assert replica.slot_limit == 4
+    fourth = asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), "g4", gold, "m", _BODY)))
+    fifth = asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), "g5", gold, "m", _BODY)))
+    sheddable = asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), "s1", free, "m", _BODY)))
+    await asyncio.sleep(0)
+    assert fourth.done() and not fifth.done() and not sheddable.done()
+    fifth.cancel()
+    sheddable.cancel()
+
+
 def test_slot_gauges_show_the_limit_and_the_latency_it_aims_at() -> None:
     slots = {"initial": 1, "minimum": 1, "maximum": 8, "window_s": 0, "priority_headroom": 0,
              "target_latency_s": 0.5, "floor_tolerance": 1.5}

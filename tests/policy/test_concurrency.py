@@ -246,3 +246,48 @@ def test_the_floor_rule_does_not_relax_the_best_tiers_target() -> None:
     assert slots.slot_limit == 2 and slots.aimed_latency_s(20.0) == 0.5
     slots.protect_best_tier(False)
     assert slots.aimed_latency_s(20.0) == 1.0
+
+
+def test_each_target_resumes_from_the_limit_learnt_for_it() -> None:
+    slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=BOUNDS), best_tier_target_s=0.5)
+    slots.inflight = 40
+    for k in range(12):  # 0.5 s against the 1 s target: grows to the maximum's neighbourhood
+        for i in range(20):
+            slots.observe(2.0 * k + 1.1 * i / 19, 0.5)
+    learnt_for_base = slots.slot_limit
+    assert learnt_for_base > 40
+    slots.protect_best_tier(True)  # first time: starts from the current limit and shrinks
+    slots.inflight = 3
+    for k in range(12, 24):  # 0.8 s against the best tier's 0.5 s
+        for i in range(20):
+            slots.observe(2.0 * k + 1.1 * i / 19, 0.8)
+    learnt_for_best = slots.slot_limit
+    assert learnt_for_best < 10
+    slots.protect_best_tier(False)
+    assert slots.slot_limit == learnt_for_base  # at once, not a window at a time
+    slots.protect_best_tier(True)
+    assert slots.slot_limit == learnt_for_best
+    slots.protect_best_tier(True)  # no change of target: nothing moves
+    assert slots.slot_limit == learnt_for_best
+
+
+def test_peak_concurrency_is_a_high_poisson_quantile_of_the_best_tiers_load() -> None:
+    reserve = PriorityReserve(half_life_s=1.0)
+    reserve.on_change(0.0, +4)  # four best-tier requests held across two replicas: 2 each on average
+    assert reserve.reserved_per_replica(100.0, replicas=2) == 4  # P(Poisson(2) <= 4) = 0.947 >= 0.9
+    assert reserve.peak_per_replica(100.0, replicas=2) == 8  # P(Poisson(2) <= 8) = 0.9998, <= 7: 0.9989
+
+
+def test_the_best_tier_may_hold_its_peak_past_a_pinned_limit_up_to_the_base_targets_limit() -> None:
+    slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=BOUNDS), best_tier_target_s=0.5)
+    slots.inflight = 10
+    for i in range(20):  # 0.9 s: just under the base target, the limit holds at 10
+        slots.observe(1.1 * i / 19, 0.9)
+    slots.protect_best_tier(True)
+    for k in range(1, 10):  # 2 s: far over the best tier's target, the limit falls to the minimum
+        for i in range(20):
+            slots.observe(2.0 * k + 1.1 * i / 19, 2.0)
+    assert slots.slot_limit == BOUNDS.minimum
+    assert slots.best_tier_slots(peak_concurrency=1) == BOUNDS.minimum
+    assert slots.best_tier_slots(peak_concurrency=6) == 6
+    assert slots.best_tier_slots(peak_concurrency=50) == 10  # a flood of the best tier is held

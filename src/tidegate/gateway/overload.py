@@ -455,7 +455,8 @@ class OverloadRuntime:
         slots.observe_load(now_s, replica.load)
         slots.protect_best_tier(self._best_tier_present(replica, now_s))
         before = replica.slot_limit
-        replica.slot_limit = slots.observe(now_s, latency_s, dropped) + self._headroom
+        slots.observe(now_s, latency_s, dropped)
+        replica.slot_limit = self._best_tier_cap(replica, slots, now_s) + self._headroom
         kind = "drop" if dropped else "ok"
         self.metrics.of(self.metrics.slot_samples, replica.pool_name, replica.replica_id, kind).inc()
         if replica.slot_limit > before:
@@ -466,6 +467,13 @@ class OverloadRuntime:
     def tier_rank(self, tier: str) -> int:
         """The tier's rank (0 = best), sent as `priority` to engines that schedule by it."""
         return self.control.tiers[tier].rank
+
+    def _best_tier_cap(self, replica: Replica, slots: ReplicaSlots, now_s: float) -> int:
+        """Slots of the replica the best tier may hold, before the headroom (see `best_tier_slots`)."""
+        reserve = self._reserves.get(replica.pool_name)
+        if reserve is None:
+            return slots.slot_limit
+        return slots.best_tier_slots(reserve.peak_per_replica(now_s, len(self.pools[replica.pool_name].replicas)))
 
     def _best_tier_present(self, replica: Replica, now_s: float) -> bool:
         reserve = self._reserves.get(replica.pool_name)

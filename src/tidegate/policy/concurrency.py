@@ -41,6 +41,10 @@ class SlotLimit(Protocol):
     @property
     def limit(self) -> int: ...
 
+    def retarget(self, target_latency_s: float, limit: float | None) -> float:
+        """Aims at another target, starting from `limit` (None: the current one); returns the old limit."""
+        ...
+
     def on_sample(self, now_s: float, latency_s: float, inflight: int, dropped: bool = False) -> int:
         """Feeds one measurement (inflight: requests held when it was taken); returns the limit."""
         ...
@@ -121,6 +125,18 @@ class _WindowedLimit:
         if self._floor_tolerance is None or not self.relax_to_floor or now_s >= self._floor_expires_s:
             return self.target_latency_s
         return max(self.target_latency_s, self._floor_tolerance * self._floor_s)
+
+    def retarget(self, target_latency_s: float, limit: float | None) -> float:
+        """Aims at another target, starting from `limit` (None: the current one); returns the old limit.
+
+        The open window's samples were judged against the old target, so a new window starts.
+        """
+        previous = self._limit
+        self.target_latency_s = target_latency_s
+        if limit is not None:
+            self._limit = self.bounds.clamp(limit)
+        self._window = None
+        return previous
 
     def on_load(self, now_s: float, load: ReplicaLoad) -> None:
         # An engine that queues requests itself, or whose KV cache is nearly full, is past its
@@ -235,13 +251,18 @@ class ReplicaSlots:
 
     With `best_tier_target_s`, the limit aims at that tighter target while the caller says the best
     tier is present (`protect_best_tier`), and at its own target otherwise; the floor rule (see
-    the module docstring) applies to its own target only.
+    the module docstring) applies to its own target only. Each target keeps the limit learnt for
+    it: switching targets resumes from that limit rather than walking there a window at a time
+    (the critical tier's first requests would otherwise join a batch sized for the looser target,
+    and lower tiers would wait behind a few slots for many seconds after it leaves).
     """
 
     def __init__(self, limit: SlotLimit, best_tier_target_s: float | None = None) -> None:
         self._limit = limit
         self._base_target_s = limit.target_latency_s
         self._best_tier_target_s = best_tier_target_s
+        self._protecting = False
+        self._other_target_limit: float | None = None  # learnt for the target not in use; None: not yet
         self.inflight = 0
 
     @property
@@ -249,15 +270,31 @@ class ReplicaSlots:
         return self._limit.target_latency_s
 
     def protect_best_tier(self, present: bool) -> None:
-        if self._best_tier_target_s is not None:
-            self._limit.target_latency_s = self._best_tier_target_s if present else self._base_target_s
-            # a best-tier target missed even at the fewest slots still means the fewest slots: more
-            # would serve lower tiers at the best tier's expense
-            self._limit.relax_to_floor = not present
+        if self._best_tier_target_s is None or present == self._protecting:
+            return
+        self._protecting = present
+        target_s = self._best_tier_target_s if present else self._base_target_s
+        self._other_target_limit = self._limit.retarget(target_s, self._other_target_limit)
+        # a best-tier target missed even at the fewest slots still means the fewest slots: more
+        # would serve lower tiers at the best tier's expense
+        self._limit.relax_to_floor = not present
 
     @property
     def slot_limit(self) -> int:
         return self._limit.limit
+
+    def best_tier_slots(self, peak_concurrency: int) -> int:
+        """Slots the best tier may hold (before any headroom): the limit, or its own peak if higher.
+
+        When the best tier's tight target pins the limit near the minimum, the limit keeps lower
+        tiers out; but best-tier requests beyond it would wait in the gateway for whole answers to
+        finish, far longer than a few more sequences in the batch cost them. Bounded by the limit
+        learnt for the base target, so a flood of the best tier is held like any other.
+        """
+        base_limit = self._limit.limit
+        if self._protecting and self._other_target_limit is not None:
+            base_limit = int(self._other_target_limit)
+        return max(self._limit.limit, min(peak_concurrency, base_limit))
 
     @property
     def free_slots(self) -> int:
@@ -302,6 +339,8 @@ class PriorityReserve:
     rarer peaks use the headroom. With no best-tier traffic the reserve decays to 0.
     """
 
+    PEAK_COVERAGE = 0.999  # `peak_per_replica`: the best tier's concurrency is above it 1 time in 1000
+
     def __init__(self, half_life_s: float = 5.0, coverage: float = 0.9) -> None:
         if half_life_s <= 0 or not 0 < coverage < 1:
             raise ValueError("half_life_s > 0 and 0 < coverage < 1 needed")
@@ -326,11 +365,18 @@ class PriorityReserve:
         return self._average
 
     def reserved_per_replica(self, now_s: float, replicas: int) -> int:
-        mean = self.average(now_s) / replicas if replicas > 0 else 0.0
+        return self._poisson_quantile(self.average(now_s) / replicas if replicas > 0 else 0.0, self._coverage)
+
+    def peak_per_replica(self, now_s: float, replicas: int) -> int:
+        """The best tier's concurrency per replica that is exceeded only 1 time in 1000."""
+        return self._poisson_quantile(self.average(now_s) / replicas if replicas > 0 else 0.0, self.PEAK_COVERAGE)
+
+    @staticmethod
+    def _poisson_quantile(mean: float, coverage: float) -> int:
         # the smallest k with P(N <= k) >= coverage for N ~ Poisson(mean)
         probability = cumulative = math.exp(-mean)
         k = 0
-        while cumulative < self._coverage and k < 1000:
+        while cumulative < coverage and k < 1000:
             k += 1
             probability *= mean / k
             cumulative += probability
