@@ -264,11 +264,40 @@ def test_each_target_resumes_from_the_limit_learnt_for_it() -> None:
     learnt_for_best = slots.slot_limit
     assert learnt_for_best < 10
     slots.protect_best_tier(False)
-    assert slots.slot_limit == learnt_for_base  # at once, not a window at a time
+    # regained by doubling each window that meets the target with the slots in use
+    limits = [slots.slot_limit]
+    for k in range(24, 31):
+        slots.inflight = slots.slot_limit
+        for i in range(10):  # exactly one window: it closes at its tenth sample, 1 s in
+            slots.observe(2.0 * k + i / 9, 0.9)
+        limits.append(slots.slot_limit)
+    assert limits[0] == learnt_for_best, limits
+    assert all(later <= 2 * earlier + 1 for earlier, later in zip(limits, limits[1:])), limits  # int() of a float
+    # doubling: back within 6 windows; smoothed growth alone (at most 1.25x a window) takes 10
+    assert limits[6] >= learnt_for_base, limits
     slots.protect_best_tier(True)
-    assert slots.slot_limit == learnt_for_best
+    assert slots.slot_limit == learnt_for_best  # tightening applies at once
     slots.protect_best_tier(True)  # no change of target: nothing moves
     assert slots.slot_limit == learnt_for_best
+
+
+def test_a_limit_being_regained_stops_at_a_window_over_the_target() -> None:
+    slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=BOUNDS), best_tier_target_s=0.5)
+    slots.protect_best_tier(True)
+    slots.inflight = 10
+    for k in range(3):  # 0.8 s against the best tier's 0.5 s: the limit shrinks, above the minimum
+        for i in range(20):
+            slots.observe(2.0 * k + 1.1 * i / 19, 0.8)
+    low = slots.slot_limit
+    slots.protect_best_tier(False)  # back to the 1 s target, the initial 10 to be regained
+    slots.inflight = low
+    for i in range(20):  # a window over the 1 s target: no doubling, and the regaining ends
+        slots.observe(20.0 + 1.1 * i / 19, 1.2)
+    after_miss = slots.slot_limit
+    assert after_miss <= low
+    for i in range(20):  # under the target again: ordinary growth only (at most 1.25x smoothed)
+        slots.observe(30.0 + 1.1 * i / 19, 0.5)
+    assert slots.slot_limit <= 1.25 * after_miss + 1
 
 
 def test_peak_concurrency_is_a_high_poisson_quantile_of_the_best_tiers_load() -> None:

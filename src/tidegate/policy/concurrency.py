@@ -113,6 +113,7 @@ class _WindowedLimit:
         self._quantile = latency_quantile
         self._kv_cache_high = kv_cache_high
         self._limit = float(bounds.initial)
+        self._resume_limit: float | None = None  # a limit being regained after a change of target
         self._window: _Window | None = None
         self._engine_queueing = False
 
@@ -127,14 +128,23 @@ class _WindowedLimit:
         return max(self.target_latency_s, self._floor_tolerance * self._floor_s)
 
     def retarget(self, target_latency_s: float, limit: float | None) -> float:
-        """Aims at another target, starting from `limit` (None: the current one); returns the old limit.
+        """Aims at another target, resuming `limit` (None: the current one); returns the old limit.
 
-        The open window's samples were judged against the old target, so a new window starts.
+        A lower limit applies at once. A higher one is regained by doubling each window that meets
+        the target with the slots in use (TCP's slow start up to ssthresh after idle, RFC 5681): it
+        was learnt a while ago, perhaps under other load, and restored at once it would let a
+        burst fill the replica past the target before the first window could say so. The open
+        window's samples were judged against the old target, so a new window starts.
         """
         previous = self._limit
         self.target_latency_s = target_latency_s
+        self._resume_limit = None
         if limit is not None:
-            self._limit = self.bounds.clamp(limit)
+            limit = self.bounds.clamp(limit)
+            if limit <= self._limit:
+                self._limit = limit
+            else:
+                self._resume_limit = limit
         self._window = None
         return previous
 
@@ -161,7 +171,14 @@ class _WindowedLimit:
             # Growth needs evidence: the replica was driven near its limit, and is not queueing itself.
             used = window.peak_inflight >= self._limit / 2
             may_grow = used and not self._engine_queueing
-            limit = self._next_limit(self._limit, latency, self.aimed_latency_s(now_s), window.dropped, may_grow)
+            aimed_s = self.aimed_latency_s(now_s)
+            limit = self._next_limit(self._limit, latency, aimed_s, window.dropped, may_grow)
+            if self._resume_limit is not None:
+                met = not window.dropped and latency <= aimed_s
+                if met and may_grow:
+                    limit = max(limit, min(self._resume_limit, 2.0 * self._limit))
+                if not met or limit >= self._resume_limit:
+                    self._resume_limit = None
             if not used:
                 # Slots never used were never measured (TCP's congestion-window validation, RFC 7661):
                 # a limit learnt under heavier load, or a looser target, decays toward twice the
@@ -252,9 +269,10 @@ class ReplicaSlots:
     With `best_tier_target_s`, the limit aims at that tighter target while the caller says the best
     tier is present (`protect_best_tier`), and at its own target otherwise; the floor rule (see
     the module docstring) applies to its own target only. Each target keeps the limit learnt for
-    it: switching targets resumes from that limit rather than walking there a window at a time
-    (the critical tier's first requests would otherwise join a batch sized for the looser target,
-    and lower tiers would wait behind a few slots for many seconds after it leaves).
+    it: switching to the best tier's target drops to its limit at once (its first requests would
+    otherwise join a batch sized for the looser target), and switching back regains the base
+    target's limit by doubling per window, not a smoothed step at a time (lower tiers would
+    otherwise wait behind a few slots for many seconds after the best tier leaves).
     """
 
     def __init__(self, limit: SlotLimit, best_tier_target_s: float | None = None) -> None:
