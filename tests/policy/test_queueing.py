@@ -81,6 +81,23 @@ def test_idle_tenant_banks_no_credit() -> None:
     assert order[:2] in (["b5", "l0"], ["l0", "b5"])  # alternation, not a run of `late`
 
 
+def test_a_sparse_tenants_request_goes_before_a_flooding_tenants_next() -> None:
+    queue = FairPriorityQueue(_tiers(), max_queued=100)
+    for i in range(20):
+        _put(queue, 0.0, tenant="flood", request_id=f"f{i}")
+    order = []
+    for i in range(5):  # one request at a time from `sparse`, each arriving behind the flood
+        order.append(queue.dequeue(float(i)).request.request_id)
+        _put(queue, float(i), tenant="sparse", request_id=f"s{i}")
+        order.append(queue.dequeue(float(i)).request.request_id)
+    assert order == ["f0", "s0", "f1", "s1", "f2", "s2", "f3", "s3", "f4", "s4"]
+    assert queue.dequeue(5.0).request.request_id == "f5"
+    # two at once: the first goes ahead, the second alternates with the flood as VTC has it
+    _put(queue, 5.0, tenant="sparse", request_id="a")
+    _put(queue, 5.0, tenant="sparse", request_id="b")
+    assert _drain(queue, 5.0)[:4] == ["a", "f6", "b", "f7"]
+
+
 def test_settle_service_charges_the_real_output() -> None:
     queue = FairPriorityQueue(_tiers(), max_queued=10, output_token_weight=2.0)
     _put(queue, 0.0, tenant="a")

@@ -9,8 +9,10 @@ Designs followed:
 - within a tier, the Virtual Token Counter of Sheng et al., "Fairness in Serving Large Language
   Models" (OSDI 2024): the backlogged tenant with the least weighted service (input tokens x 1 +
   output tokens x 2 by default, divided by the tenant's weight) goes next, and a tenant that becomes
-  backlogged is lifted to the least counter of those waiting, so idling banks no credit. The service
-  gap between backlogged tenants stays within one request's cost, whatever the flood;
+  backlogged is lifted to the least counter of those waiting, so idling banks no credit, less the
+  cost of its own request (FQ-CoDel's sparse-flow priority, RFC 8290): a tenant with one request at
+  a time goes before a flooding tenant's next, instead of alternating with it. While tenants stay
+  backlogged, the service gap between them stays within one request's cost, whatever the flood;
 - deadlines: the tier's maximum queue wait, or the client's shorter timeout; an expired request is
   handed back to the caller, never dispatched;
 - bounds per tier and in total; when full, the lowest tier's newest request is shed first (the
@@ -257,8 +259,7 @@ class FairPriorityQueue:
         tenant = self._least_served_tenant(queue)
         seq = next(iter(queue.by_tenant[tenant]))
         request = self._remove(queue, seq)
-        charged = (self._input_weight * request.prompt_tokens
-                   + self._output_weight * request.expected_output_tokens) / self._weights.get(tenant, 1.0)
+        charged = self._charge(request.prompt_tokens, request.expected_output_tokens, tenant)
         queue.counters[tenant] += charged
         queue.idle_floor = queue.counters[tenant]
         if tenant in queue.by_tenant:
@@ -294,6 +295,10 @@ class FairPriorityQueue:
         return tuple(expired)
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _charge(self, prompt_tokens: int, output_tokens: int, tenant: str) -> float:
+        """What serving such a request adds to the tenant's counter."""
+        return (self._input_weight * prompt_tokens + self._output_weight * output_tokens) / self._weights.get(tenant, 1.0)
 
     def _is_current(self, item: tuple[float, int, str]) -> bool:
         held = self._by_id.get(item[2])
@@ -331,9 +336,13 @@ class FairPriorityQueue:
         tenant = request.tenant
         if tenant not in queue.by_tenant:
             # VTC counter lift: a tenant (re)joining the backlog starts no lower than those waiting,
-            # or than the last tenant served when no one waits, so idle time earns no credit.
+            # or than the last tenant served when no one waits, so idle time earns no credit, bar
+            # one request: it is lifted to just below them, by its own request's cost, so that a
+            # sparse tenant's request goes before a backlogged tenant's next one (FQ-CoDel's new
+            # flows, RFC 8290). Its service still never runs more than that one request ahead.
             floor = queue.counters[self._least_served_tenant(queue)] if queue.by_tenant else queue.idle_floor
-            queue.counters[tenant] = max(queue.counters.get(tenant, 0.0), floor)
+            credit = self._charge(request.prompt_tokens, request.expected_output_tokens, tenant)
+            queue.counters[tenant] = max(queue.counters.get(tenant, 0.0), floor - credit)
             queue.by_tenant[tenant] = OrderedDict()
             self._push_tenant(queue, tenant)
         queue.by_tenant[tenant][seq] = request
