@@ -319,6 +319,24 @@ async def test_raised_limit_dispatches_a_waiting_request() -> None:
     assert waiting.done() and replica.outstanding == 2
 
 
+@pytest.mark.parametrize(("waiting", "aimed_s"), [(False, 0.5), (True, 0.75)])
+async def test_requests_waiting_for_a_slot_stretch_the_replicas_target(waiting: bool, aimed_s: float) -> None:
+    slots = {"initial": 1, "minimum": 1, "maximum": 8, "window_s": 0, "priority_headroom": 0,
+             "target_latency_s": 0.5, "backlog_tolerance": 1.5, "floor_tolerance": None}
+    runtime, pool = _runtime({"limits": {"slots": slots}})
+    who = Identity("t", None)
+    replica = await runtime.acquire(runtime.admit(runtime.clock(), "h", who, "m", _BODY))
+    if waiting:
+        queued = asyncio.ensure_future(runtime.acquire(runtime.admit(runtime.clock(), "w", who, "m", _BODY)))
+        await asyncio.sleep(0)
+    for _ in range(10):  # one window
+        runtime.clock.now_s += 0.1
+        runtime.first_token(replica, 0.6)
+    assert _metric(runtime, "tidegate_replica_slot_target_seconds", pool="m", replica="r0") == aimed_s
+    if waiting:
+        queued.cancel()
+
+
 async def test_drops_back_the_slot_limit_off() -> None:
     runtime, pool = _runtime({"limits": {"slots": {"initial": 8, "maximum": 8, "window_s": 0}}})
     replica = pool.replicas[0]

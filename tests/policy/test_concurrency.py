@@ -320,3 +320,22 @@ def test_the_best_tier_may_hold_its_peak_past_a_pinned_limit_up_to_the_base_targ
     assert slots.best_tier_slots(peak_concurrency=1) == BOUNDS.minimum
     assert slots.best_tier_slots(peak_concurrency=6) == 6
     assert slots.best_tier_slots(peak_concurrency=50) == 10  # a flood of the best tier is held
+
+
+@pytest.mark.parametrize(("queued", "grows"), [(False, False), (True, True)])
+def test_requests_waiting_for_slots_stretch_the_target_by_the_backlog_tolerance(queued: bool, grows: bool) -> None:
+    limit = GradientSlotLimit(1.0, bounds=BOUNDS, backlog_tolerance=1.5)
+    for k in range(5):  # 1.2 s: over the 1 s target, under 1.5 x it
+        for i in range(10):
+            limit.on_sample(2.0 * k + i / 9, 1.2, inflight=limit.limit, queued=queued)
+    assert (limit.limit > BOUNDS.initial) is grows
+    assert limit.aimed_latency_s(10.0) == (1.5 if queued else 1.0)
+
+
+def test_the_backlog_never_stretches_the_best_tiers_target() -> None:
+    slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=BOUNDS, backlog_tolerance=1.5), best_tier_target_s=0.5)
+    slots.protect_best_tier(True)
+    slots.inflight = 10
+    for i in range(10):
+        slots.observe(i / 9, 0.6, queued=True)
+    assert slots.aimed_latency_s(1.0) == 0.5 and slots.slot_limit < 10

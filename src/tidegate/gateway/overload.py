@@ -455,12 +455,12 @@ class OverloadRuntime:
         slots.observe_load(now_s, replica.load)
         slots.protect_best_tier(self._best_tier_present(replica, now_s))
         before = replica.slot_limit
-        slots.observe(now_s, latency_s, dropped)
+        pool = self.pools[replica.pool_name]
+        slots.observe(now_s, latency_s, dropped, queued=len(pool.queue) > 0)
         replica.slot_limit = self._best_tier_cap(replica, slots, now_s) + self._headroom
         kind = "drop" if dropped else "ok"
         self.metrics.of(self.metrics.slot_samples, replica.pool_name, replica.replica_id, kind).inc()
         if replica.slot_limit > before:
-            pool = self.pools[replica.pool_name]
             if len(pool.queue):
                 pool.dispatch_waiting(now_s)
 

@@ -148,6 +148,11 @@ class SlotsConfig(_Strict):
     # minimum where it serves least and still misses. null: pinned at the minimum
     floor_tolerance: float | None = Field(1.5, ge=1)
     floor_ttl_s: float = Field(30.0, gt=0)
+    # while requests wait in the gateway for the pool's slots, limits aim at up to this many times
+    # the target: a real engine's throughput keeps rising with its batch, and a request waiting in
+    # the gateway gains more from the queue draining faster than the bigger batch costs it (never
+    # for the best tier's target). null: the target holds whatever waits
+    backlog_tolerance: float | None = Field(1.5, ge=1)
 
     @model_validator(mode="after")
     def _ordered_bounds(self) -> SlotsConfig:
@@ -164,7 +169,8 @@ class SlotsConfig(_Strict):
         bounds = SlotLimitBounds(min(max(self.initial, minimum), maximum), minimum, maximum)
         kind = GradientSlotLimit if self.algorithm is SlotAlgorithm.GRADIENT else AimdSlotLimit
         limit = kind(self.target_latency_s, bounds=bounds, window_s=self.window_s,
-                     floor_tolerance=self.floor_tolerance, floor_ttl_s=self.floor_ttl_s)
+                     floor_tolerance=self.floor_tolerance, floor_ttl_s=self.floor_ttl_s,
+                     backlog_tolerance=self.backlog_tolerance)
         return ReplicaSlots(limit, best_tier_target_s=self.best_tier_target_latency_s)
 
 

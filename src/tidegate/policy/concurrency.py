@@ -21,6 +21,12 @@ replica's *floor*, and for `floor_ttl_s` the limit aims at `floor_tolerance` x t
 (Gradient2's "long-term RTT x tolerance", taken where it is measured cleanly: at the minimum). When
 the floor expires the limit aims at the configured target again and shrinks back to the minimum,
 which re-measures the floor (BBR's periodic ProbeRTT), or finds the target reachable again.
+
+With `backlog_tolerance`, a window in most of whose samples requests were waiting in the gateway
+for a slot aims at that many times the target: Gradient2's `queueSize` allowance, granted only
+when there is a queue to drain. A real engine's throughput keeps rising with its batch, so a
+request waiting in the gateway gains more from the bigger batch than it costs the batch.
+Neither relaxation applies while the limit protects the best tier (`may_relax` off).
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ __all__ = ["SlotLimit", "GradientSlotLimit", "AimdSlotLimit", "SlotLimitBounds",
 
 class SlotLimit(Protocol):
     target_latency_s: float
-    relax_to_floor: bool
+    may_relax: bool
 
     @property
     def limit(self) -> int: ...
@@ -45,8 +51,10 @@ class SlotLimit(Protocol):
         """Aims at another target, starting from `limit` (None: the current one); returns the old limit."""
         ...
 
-    def on_sample(self, now_s: float, latency_s: float, inflight: int, dropped: bool = False) -> int:
-        """Feeds one measurement (inflight: requests held when it was taken); returns the limit."""
+    def on_sample(self, now_s: float, latency_s: float, inflight: int, dropped: bool = False,
+                  queued: bool = False) -> int:
+        """Feeds one measurement (inflight: requests held when it was taken; queued: requests were
+        waiting in the gateway for a slot); returns the limit."""
         ...
 
     def aimed_latency_s(self, now_s: float) -> float:
@@ -75,13 +83,14 @@ class SlotLimitBounds:
 class _Window:
     """Samples since the last limit update."""
 
-    __slots__ = ("started_s", "latencies_s", "peak_inflight", "dropped")
+    __slots__ = ("started_s", "latencies_s", "peak_inflight", "dropped", "queued_samples")
 
     def __init__(self, started_s: float) -> None:
         self.started_s = started_s
         self.latencies_s: list[float] = []
         self.peak_inflight = 0
         self.dropped = False
+        self.queued_samples = 0  # samples taken while requests waited in the gateway
 
     def quantile(self, q: float) -> float:
         ordered = sorted(self.latencies_s)
@@ -93,15 +102,20 @@ class _WindowedLimit:
 
     def __init__(self, target_latency_s: float, bounds: SlotLimitBounds, window_s: float,
                  min_window_samples: int, max_window_samples: int, latency_quantile: float,
-                 kv_cache_high: float, floor_tolerance: float | None, floor_ttl_s: float) -> None:
+                 kv_cache_high: float, floor_tolerance: float | None, floor_ttl_s: float,
+                 backlog_tolerance: float | None) -> None:
         if target_latency_s <= 0 or window_s < 0 or not 0 < latency_quantile <= 1:
             raise ValueError("target_latency_s > 0, window_s >= 0 and 0 < latency_quantile <= 1 needed")
         if (floor_tolerance is not None and floor_tolerance < 1) or floor_ttl_s <= 0:
             raise ValueError("floor_tolerance >= 1 (or None) and floor_ttl_s > 0 needed")
+        if backlog_tolerance is not None and backlog_tolerance < 1:
+            raise ValueError("backlog_tolerance >= 1 (or None) needed")
+        self._backlog_tolerance = backlog_tolerance
+        self._backlogged = False  # most samples of the last window saw requests waiting
         self._floor_tolerance = floor_tolerance
         self._floor_ttl_s = floor_ttl_s
         # off while the limit protects the best tier: its tight target is then kept even if missed
-        self.relax_to_floor = True
+        self.may_relax = True
         self._unused_decay = 0.8  # per window in which the replica held under half its limit
         self._floor_s = 0.0
         self._floor_expires_s = -math.inf
@@ -122,10 +136,16 @@ class _WindowedLimit:
         return int(self._limit)
 
     def aimed_latency_s(self, now_s: float) -> float:
-        """The latency the limit aims at now: the target, or tolerance x the floor while one holds."""
-        if self._floor_tolerance is None or not self.relax_to_floor or now_s >= self._floor_expires_s:
+        """The latency the limit aims at now: the target, stretched while requests wait for slots,
+        or tolerance x the floor while one holds."""
+        if not self.may_relax:
             return self.target_latency_s
-        return max(self.target_latency_s, self._floor_tolerance * self._floor_s)
+        aimed_s = self.target_latency_s
+        if self._backlogged and self._backlog_tolerance is not None:
+            aimed_s *= self._backlog_tolerance
+        if self._floor_tolerance is not None and now_s < self._floor_expires_s:
+            aimed_s = max(aimed_s, self._floor_tolerance * self._floor_s)
+        return aimed_s
 
     def retarget(self, target_latency_s: float, limit: float | None) -> float:
         """Aims at another target, resuming `limit` (None: the current one); returns the old limit.
@@ -153,7 +173,8 @@ class _WindowedLimit:
         # batch knee: more slots would only move the queue where no policy steers it.
         self._engine_queueing = load.waiting_sequences > 0 or load.kv_cache_usage >= self._kv_cache_high
 
-    def on_sample(self, now_s: float, latency_s: float, inflight: int, dropped: bool = False) -> int:
+    def on_sample(self, now_s: float, latency_s: float, inflight: int, dropped: bool = False,
+                  queued: bool = False) -> int:
         window = self._window
         if window is None or now_s < window.started_s:  # first sample, or a clock that stepped back
             window = self._window = _Window(now_s)
@@ -161,11 +182,13 @@ class _WindowedLimit:
             window.latencies_s.append(latency_s)
         window.dropped |= dropped
         window.peak_inflight = max(window.peak_inflight, inflight)
+        window.queued_samples += queued
         count = len(window.latencies_s)
         full = count >= self._max_samples
         if full or window.dropped or (now_s - window.started_s >= self._window_s and count >= self._min_samples):
             latency = window.quantile(self._quantile) if count else math.inf
-            if (self.relax_to_floor and not window.dropped and self._limit <= self.bounds.minimum
+            self._backlogged = 2 * window.queued_samples >= count + window.dropped
+            if (self.may_relax and not window.dropped and self._limit <= self.bounds.minimum
                     and latency > self.aimed_latency_s(now_s)):
                 self._floor_s, self._floor_expires_s = latency, now_s + self._floor_ttl_s
             # Growth needs evidence: the replica was driven near its limit, and is not queueing itself.
@@ -213,9 +236,10 @@ class GradientSlotLimit(_WindowedLimit):
         kv_cache_high: float = 0.95,
         floor_tolerance: float | None = 1.5,  # None: a target missed at the minimum keeps the minimum
         floor_ttl_s: float = 30.0,
+        backlog_tolerance: float | None = None,  # None: the target holds while requests wait too
     ) -> None:
         super().__init__(target_latency_s, bounds, window_s, min_window_samples, max_window_samples,
-                         latency_quantile, kv_cache_high, floor_tolerance, floor_ttl_s)
+                         latency_quantile, kv_cache_high, floor_tolerance, floor_ttl_s, backlog_tolerance)
         if not 0 < smoothing <= 1 or max_growth < 1 or not 0 < max_backoff <= 1 or not 0 < drop_backoff < 1:
             raise ValueError("need 0 < smoothing <= 1, max_growth >= 1, 0 < max_backoff <= 1, 0 < drop_backoff < 1")
         self._smoothing = smoothing
@@ -249,9 +273,10 @@ class AimdSlotLimit(_WindowedLimit):
         kv_cache_high: float = 0.95,
         floor_tolerance: float | None = 1.5,
         floor_ttl_s: float = 30.0,
+        backlog_tolerance: float | None = None,
     ) -> None:
         super().__init__(target_latency_s, bounds, window_s, min_window_samples, max_window_samples,
-                         latency_quantile, kv_cache_high, floor_tolerance, floor_ttl_s)
+                         latency_quantile, kv_cache_high, floor_tolerance, floor_ttl_s, backlog_tolerance)
         if increase <= 0 or not 0 < backoff < 1:
             raise ValueError("need increase > 0 and 0 < backoff < 1")
         self._increase = increase
@@ -295,7 +320,7 @@ class ReplicaSlots:
         self._other_target_limit = self._limit.retarget(target_s, self._other_target_limit)
         # a best-tier target missed even at the fewest slots still means the fewest slots: more
         # would serve lower tiers at the best tier's expense
-        self._limit.relax_to_floor = not present
+        self._limit.may_relax = not present
 
     @property
     def slot_limit(self) -> int:
@@ -331,9 +356,10 @@ class ReplicaSlots:
             raise ValueError("release without acquire")
         self.inflight -= 1
 
-    def observe(self, now_s: float, latency_s: float, dropped: bool = False) -> int:
-        """A latency measurement (TTFT or inter-token) or a drop; returns the new limit."""
-        return self._limit.on_sample(now_s, latency_s, self.inflight, dropped)
+    def observe(self, now_s: float, latency_s: float, dropped: bool = False, queued: bool = False) -> int:
+        """A latency measurement (TTFT or inter-token) or a drop; `queued`: requests were waiting in
+        the gateway for a slot when it was taken. Returns the new limit."""
+        return self._limit.on_sample(now_s, latency_s, self.inflight, dropped, queued)
 
     def observe_load(self, now_s: float, load: ReplicaLoad) -> None:
         self._limit.on_load(now_s, load)
