@@ -134,6 +134,16 @@ def test_priority_reserve_decays_to_zero_once_the_best_tier_stops() -> None:
     assert reserve.reserved_per_replica(60.0, replicas=1) == 0
 
 
+def test_priority_reserve_ends_one_half_life_after_the_last_best_tier_request() -> None:
+    reserve = PriorityReserve(half_life_s=5.0)
+    reserve.on_change(0.0, +2)
+    reserve.on_change(60.0, -2)  # two held for a minute: the average is 2, and decays slowly
+    assert reserve.reserved_per_replica(64.0, replicas=1) >= 1
+    assert reserve.average(66.0) > 0.5  # its quantile would still reserve a slot...
+    assert reserve.reserved_per_replica(66.0, replicas=1) == 0  # ...but the best tier has gone
+    assert reserve.peak_per_replica(66.0, replicas=1) == 0
+
+
 def test_priority_reserve_without_best_tier_traffic_reserves_nothing() -> None:
     assert PriorityReserve().reserved_per_replica(100.0, replicas=4) == 0
 

@@ -380,7 +380,10 @@ class PriorityReserve:
     pool, smoothed with `half_life_s` and shared evenly over the replicas. Requests arriving at
     random and held independently are Poisson in number (M/G/inf), so the reserve is the Poisson
     quantile `coverage` of that mean: the slots that hold the best tier's concurrency that often;
-    rarer peaks use the headroom. With no best-tier traffic the reserve decays to 0.
+    rarer peaks use the headroom. Once no best-tier request has been held for `half_life_s`, the
+    reserve is 0 at once: the decaying average alone would keep slots from lower tiers for several
+    half-lives after the best tier has gone (the 0.9 quantile stays above zero until the mean
+    falls below 0.11), long enough to queue a whole burst of lower tiers behind an empty reserve.
     """
 
     PEAK_COVERAGE = 0.999  # `peak_per_replica`: the best tier's concurrency is above it 1 time in 1000
@@ -389,7 +392,9 @@ class PriorityReserve:
         if half_life_s <= 0 or not 0 < coverage < 1:
             raise ValueError("half_life_s > 0 and 0 < coverage < 1 needed")
         self._coverage = coverage
+        self._half_life_s = half_life_s
         self._tau_s = half_life_s / math.log(2)
+        self._last_held_s = -math.inf  # when a best-tier request was last held
         self._held = 0
         self._average = 0.0
         self._at_s: float | None = None
@@ -403,17 +408,27 @@ class PriorityReserve:
         """A best-tier request took (+1) or gave back (-1) a slot."""
         self._advance(now_s)
         self._held = max(0, self._held + delta)
+        self._last_held_s = now_s
 
     def average(self, now_s: float) -> float:
         self._advance(now_s)
         return self._average
 
+    def active(self, now_s: float) -> bool:
+        """A best-tier request is held, or was within the last `half_life_s`."""
+        return self._held > 0 or now_s - self._last_held_s <= self._half_life_s
+
     def reserved_per_replica(self, now_s: float, replicas: int) -> int:
-        return self._poisson_quantile(self.average(now_s) / replicas if replicas > 0 else 0.0, self._coverage)
+        return self._quantile_per_replica(now_s, replicas, self._coverage)
 
     def peak_per_replica(self, now_s: float, replicas: int) -> int:
         """The best tier's concurrency per replica that is exceeded only 1 time in 1000."""
-        return self._poisson_quantile(self.average(now_s) / replicas if replicas > 0 else 0.0, self.PEAK_COVERAGE)
+        return self._quantile_per_replica(now_s, replicas, self.PEAK_COVERAGE)
+
+    def _quantile_per_replica(self, now_s: float, replicas: int, coverage: float) -> int:
+        if not self.active(now_s) or replicas <= 0:
+            return 0
+        return self._poisson_quantile(self.average(now_s) / replicas, coverage)
 
     @staticmethod
     def _poisson_quantile(mean: float, coverage: float) -> int:
