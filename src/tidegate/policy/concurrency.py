@@ -48,7 +48,8 @@ class SlotLimit(Protocol):
     def limit(self) -> int: ...
 
     def retarget(self, target_latency_s: float, limit: float | None) -> float:
-        """Aims at another target, starting from `limit` (None: the current one); returns the old limit."""
+        """Aims at another target, resuming `limit` (None: the current one; a higher one is regained
+        gradually); returns the old limit."""
         ...
 
     def on_sample(self, now_s: float, latency_s: float, inflight: int, dropped: bool = False,
