@@ -164,9 +164,9 @@ class OverloadControl:
     def dispatch(self, now_s: float, pool: str) -> Dispatch:
         """Step 2: a replica of `pool` has a free slot: the request to send it, if any."""
         policies = self.pools[pool]
+        # expired first, so that the predictor learns if that emptied the queue; dequeue then finds none
         shed = tuple(self._notice(now_s, policies, item) for item in self._expire(now_s, policies))
         result = policies.queue.dequeue(now_s)
-        shed += tuple(self._notice(now_s, policies, item) for item in result.expired)
         request = result.request
         if request is not None:
             policies.predictor.on_dispatch(now_s, request.tokens, queued_after=len(policies.queue))
