@@ -250,6 +250,36 @@ def test_best_tier_target_may_not_exceed_the_target() -> None:
         parse_overload_sections({"limits": {"slots": {"target_latency_s": 0.5, "best_tier_target_latency_s": 0.6}}})
 
 
+@pytest.mark.parametrize("isolation", [True, False])
+async def test_a_quiet_tenant_takes_the_headroom_while_another_floods_its_tier(isolation: bool) -> None:
+    slots = {"initial": 1, "minimum": 1, "maximum": 1, "window_s": 0, "priority_headroom": 1}
+    tenants = {"noisy": {"api_keys": ["sk-noisy"]}, "quiet": {"api_keys": ["sk-quiet"]}}
+    clock = FakeClock()
+    runtime, pool = _runtime({"tenants": tenants, "limits": {"slots": slots, "isolation": {} if isolation else None}},
+                             clock=clock)
+    noisy, quiet = runtime.authenticate(b"Bearer sk-noisy"), runtime.authenticate(b"Bearer sk-quiet")
+    for i in range(10):  # "noisy" served alone for a while: the tier's service rate is known
+        served = runtime.admit(clock(), f"s{i}", noisy, "m", _BODY)
+        replica = await runtime.acquire(served)
+        clock.now_s += 0.6
+        runtime.settle(served, None, 10)
+        pool.release(replica, clock())
+    await runtime.acquire(runtime.admit(clock(), "n0", noisy, "m", _BODY))
+    waiting = []
+    for i in range(1, 11):  # the flood: ten more of the same tier wait for the one slot
+        clock.now_s += 0.1
+        waiting.append(asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), f"n{i}", noisy, "m", _BODY))))
+    clock.now_s += 0.1
+    first = asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), "q", quiet, "m", _BODY)))
+    await asyncio.sleep(0)
+    # within its share while "noisy" is over its own: served like the best tier, in the headroom
+    assert first.done() is isolation
+    assert not any(future.done() for future in waiting)
+    assert pool.replicas[0].outstanding == (2 if isolation else 1)
+    for future in [*waiting, first]:
+        future.cancel()
+
+
 async def test_without_best_tier_traffic_lower_tiers_get_every_slot() -> None:
     slots = {"initial": 3, "minimum": 3, "maximum": 3, "window_s": 0, "priority_headroom": 0}
     runtime, pool = _runtime({**_TENANTS, "limits": {"slots": slots}})

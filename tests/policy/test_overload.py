@@ -13,6 +13,7 @@ from tidegate.policy.degradation import LadderConfig, Rung
 from tidegate.policy.overload import ArrivalOutcome, OverloadControl, PoolPolicies, RequestFacts
 from tidegate.policy.prediction import WorkUnit
 from tidegate.policy.queueing import ShedReason
+from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import default_tiers
 
 TIERS = default_tiers()
@@ -247,3 +248,27 @@ def test_idle_time_after_a_backlog_drains_does_not_collapse_the_service_rate(emp
     control.dispatch(now_s, "big")
     assert control.pools["big"].predictor.service_rate_per_s == pytest.approx(10.0)
     assert control.arrive(now_s, _facts(tenant="other")).outcome is ArrivalOutcome.QUEUED
+
+
+@pytest.mark.parametrize("isolation", [True, False])
+def test_a_tenant_within_its_share_is_protected_while_another_floods_its_tier(isolation: bool) -> None:
+    shares = TenantShares() if isolation else None
+    control = OverloadControl(TIERS, RateLimiter(), {"big": PoolPolicies.create("big", TIERS, max_queued=1000,
+                                                                              shares=shares)})
+    now_s = 0.0
+    for _ in range(80):  # "noisy" sends 10 requests a second, "quiet" one; 2 a second are served
+        now_s += 0.1
+        if round(now_s * 10) % 5 == 0:
+            control.dispatch(now_s, "big")
+        control.arrive(now_s, _facts(tenant="noisy"))
+        if round(now_s * 10) % 10 == 0:
+            control.arrive(now_s, _facts(tenant="quiet"))
+    quiet = control.peek("big")
+    assert quiet is not None and quiet.tenant == "quiet"  # sparse-tenant priority: it goes first
+    assert control.protected(now_s, "big", quiet) is isolation
+    control.dispatch(now_s, "big")
+    noisy = control.peek("big")
+    assert noisy is not None and noisy.tenant == "noisy" and not control.protected(now_s, "big", noisy)
+    critical = control.arrive(now_s, _facts(tier="critical", tenant="gold", request_id="gold"))
+    assert critical.outcome is ArrivalOutcome.QUEUED
+    assert control.protected(now_s, "big", control.peek("big"))  # the best tier, always

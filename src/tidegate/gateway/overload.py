@@ -94,7 +94,7 @@ class Ticket:
     """What overload control knows of one admitted request; rides on `Waiter.ticket`."""
 
     __slots__ = ("request_id", "pool", "tier", "tenant", "prompt_tokens", "arrived_s", "predicted_wait_s",
-                 "response_headers", "dispatched_s", "waiter", "replica", "holds_best_slot")
+                 "response_headers", "dispatched_s", "waiter", "replica", "protected", "holds_protected_slot")
 
     def __init__(self, request_id: str, pool: str, tier: str, tenant: str, prompt_tokens: int, arrived_s: float,
                  predicted_wait_s: float | None, response_headers: bytes) -> None:
@@ -109,7 +109,9 @@ class Ticket:
         self.dispatched_s: float | None = None
         self.waiter: Waiter | None = None
         self.replica: Replica | None = None  # set at admission by the uncontended fast path
-        self.holds_best_slot: Replica | None = None  # the replica whose slot it holds, for the best tier
+        # served like the best tier (decided when it leaves the queue: `OverloadControl.protected`)
+        self.protected = False
+        self.holds_protected_slot: Replica | None = None  # the replica whose slot it holds, when protected
 
 
 class FairWaitQueue:
@@ -151,9 +153,10 @@ class FairWaitQueue:
                 return None
             waiter = self._waiting.get(head.request_id)
             if waiter is not None:
-                if head.tier != self._runtime.best_tier:
-                    # lower tiers fill only the slots neither headroom nor the best tier's reserve keeps
-                    excluded = self._runtime.lower_tier_exclusions(self._pool, now_s)
+                protected = waiter.ticket.protected = self._control.protected(now_s, self._pool, head)
+                if not protected:
+                    # the rest fill only the slots neither headroom nor the protected reserve keeps
+                    excluded = self._runtime.unprotected_exclusions(self._pool, now_s)
                     if excluded is None:
                         return None  # no such slot free: hold the head back
                     waiter.exclude = excluded
@@ -229,13 +232,14 @@ class OverloadRuntime:
         self.slots: dict[str, ReplicaSlots] = {}  # replica id -> its adaptive slots
         self._tickets: dict[str, Ticket] = {}  # queued, by request id: to find a shed request's waiter
         slots_config = self.config.limits.slots
-        self.best_tier = next(iter(self.control.tiers)).name
         self._headroom = slots_config.priority_headroom
         half_life_s = slots_config.priority_reserve_half_life_s
-        # per pool: the best tier's recent concurrency, reserved inside the limits (None: no reserve)
+        # Protected requests: the best tier's, and (isolation) those of tenants within their share
+        # while another tenant floods their tier. Per pool: their recent concurrency, reserved
+        # inside the limits (None: no reserve)
         self._reserves: dict[str, PriorityReserve | None] = {
             name: PriorityReserve(half_life_s) if half_life_s is not None else None for name in pools}
-        self._best_held: dict[str, int] = {}  # replica id -> best-tier requests holding its slots
+        self._protected_held: dict[str, int] = {}  # replica id -> protected requests holding its slots
         # One anonymous tenant, no rate limit: a request that finds the queue empty and a slot free
         # would be admitted, queued and dispatched at once, so it skips the policy round trip.
         default_tier = self.control.tiers.default
@@ -244,15 +248,17 @@ class OverloadRuntime:
         for name, pool in pools.items():
             queue = self.queues[name] = FairWaitQueue(self, name)
             pool.queue = queue
-            tier_queue = self.control.pools[name].queue
+            tier_queue, shares = self.control.pools[name].queue, self.control.pools[name].shares
             for tier in self.control.tiers:
                 metrics.watch_queue(name, tier.name, lambda q=tier_queue, t=tier.name: q.depth(t),
-                                    lambda q=tier_queue, t=tier.name: q.oldest_wait_s(self.clock(), t))
+                                    lambda q=tier_queue, t=tier.name: q.oldest_wait_s(self.clock(), t),
+                                    None if shares is None else
+                                    lambda s=shares, t=tier.name: len(s.over_share(self.clock(), t)))
             for replica in pool.replicas:
                 # the backend's configured slot_limit stays a ceiling the adaptive limit never passes
                 slots = self.slots[replica.replica_id] = slots_config.new_slots(ceiling=replica.slot_limit)
-                self._best_held[replica.replica_id] = 0
-                # routing's cap: the adaptive limit plus the best tier's headroom
+                self._protected_held[replica.replica_id] = 0
+                # routing's cap: the adaptive limit plus the protected requests' headroom
                 replica.slot_limit = slots.slot_limit + self._headroom
                 metrics.watch_slot_limit(name, replica.replica_id, lambda s=slots: s.slot_limit,
                                          lambda s=slots: s.aimed_latency_s(self.clock()))
@@ -284,7 +290,7 @@ class OverloadRuntime:
             pool = self.pools[model]
             replica = pool.try_acquire(now_s) if not len(pool.queue) else None
             if replica is not None and replica.outstanding > self.slots[replica.replica_id].slot_limit:
-                pool.release(replica, now_s)  # it took the best tier's headroom: queue instead
+                pool.release(replica, now_s)  # it took the protected headroom: queue instead
                 replica = None
             if replica is not None:
                 return self._dispatched_at_once(now_s, request_id, identity, model, replica,
@@ -343,8 +349,8 @@ class OverloadRuntime:
         ticket = Ticket(request_id, model, tier, identity.tenant, prompt_tokens, now_s, 0.0, b"")
         ticket.dispatched_s = now_s
         ticket.replica = replica
-        if tier == self.best_tier:
-            self._took_slot(ticket, replica, now_s)
+        ticket.protected = tier == self.control.tiers.best.name
+        self._took_slot(ticket, replica, now_s)
         return ticket
 
     # -- 2./3. queue and late-binding dispatch
@@ -371,26 +377,26 @@ class OverloadRuntime:
         return replica
 
     def _took_slot(self, ticket: Ticket, replica: Replica, now_s: float) -> None:
-        if ticket.tier != self.best_tier:
+        if not ticket.protected:
             return
         reserve = self._reserves.get(ticket.pool)
         if reserve is not None:
             reserve.on_change(now_s, +1)
-        ticket.holds_best_slot = replica
-        self._best_held[replica.replica_id] = self._best_held.get(replica.replica_id, 0) + 1
+        ticket.holds_protected_slot = replica
+        self._protected_held[replica.replica_id] = self._protected_held.get(replica.replica_id, 0) + 1
 
     def _gave_back_slot(self, ticket: Ticket, now_s: float) -> None:
-        replica = ticket.holds_best_slot
+        replica = ticket.holds_protected_slot
         if replica is None:
             return
-        ticket.holds_best_slot = None
+        ticket.holds_protected_slot = None
         reserve = self._reserves.get(ticket.pool)
         if reserve is not None:
             reserve.on_change(now_s, -1)
-        self._best_held[replica.replica_id] -= 1
+        self._protected_held[replica.replica_id] -= 1
         pool = self.pools[ticket.pool]
         if len(pool.queue):
-            pool.dispatch_waiting(now_s)  # a lower tier may now fit where the best tier's slot was
+            pool.dispatch_waiting(now_s)  # an unprotected request may now fit where this one was
 
     def on_dispatch(self, ticket: Ticket, waited_s: float) -> None:
         self._tickets.pop(ticket.request_id, None)
@@ -453,11 +459,11 @@ class OverloadRuntime:
         now_s = self.clock()
         slots.inflight = replica.outstanding  # the pool counts held slots; the policy reads them
         slots.observe_load(now_s, replica.load)
-        slots.protect_best_tier(self._best_tier_present(replica, now_s))
+        slots.protect_best_tier(self._protected_present(replica, now_s))
         before = replica.slot_limit
         pool = self.pools[replica.pool_name]
         slots.observe(now_s, latency_s, dropped, queued=len(pool.queue) > 0)
-        replica.slot_limit = self._best_tier_cap(replica, slots, now_s) + self._headroom
+        replica.slot_limit = self._protected_cap(replica, slots, now_s) + self._headroom
         kind = "drop" if dropped else "ok"
         self.metrics.of(self.metrics.slot_samples, replica.pool_name, replica.replica_id, kind).inc()
         if replica.slot_limit > before:
@@ -468,34 +474,35 @@ class OverloadRuntime:
         """The tier's rank (0 = best), sent as `priority` to engines that schedule by it."""
         return self.control.tiers[tier].rank
 
-    def _best_tier_cap(self, replica: Replica, slots: ReplicaSlots, now_s: float) -> int:
-        """Slots of the replica the best tier may hold, before the headroom (see `best_tier_slots`)."""
+    def _protected_cap(self, replica: Replica, slots: ReplicaSlots, now_s: float) -> int:
+        """Slots of the replica protected requests may hold, before the headroom (`best_tier_slots`)."""
         reserve = self._reserves.get(replica.pool_name)
         if reserve is None:
             return slots.slot_limit
         return slots.best_tier_slots(reserve.peak_per_replica(now_s, len(self.pools[replica.pool_name].replicas)))
 
-    def _best_tier_present(self, replica: Replica, now_s: float) -> bool:
+    def _protected_present(self, replica: Replica, now_s: float) -> bool:
         reserve = self._reserves.get(replica.pool_name)
         if reserve is None:
-            return self._best_held.get(replica.replica_id, 0) > 0
+            return self._protected_held.get(replica.replica_id, 0) > 0
         return reserve.reserved_per_replica(now_s, len(self.pools[replica.pool_name].replicas)) > 0
 
-    def lower_tier_exclusions(self, pool: str, now_s: float) -> tuple[str, ...] | None:
-        """Replicas of `pool` where a lower-tier request may not go now; None when it fits nowhere.
+    def unprotected_exclusions(self, pool: str, now_s: float) -> tuple[str, ...] | None:
+        """Replicas of `pool` where an unprotected request may not go now; None when it fits nowhere.
 
-        Lower tiers may hold at most `limit - reserved` slots of a replica: the headroom above the
-        adaptive limit and the best tier's expected concurrency inside it stay free for the best tier.
+        Unprotected requests may hold at most `limit - reserved` slots of a replica: the headroom
+        above the adaptive limit and the protected requests' expected concurrency inside it stay
+        free for them.
         """
         replicas = self.pools[pool].replicas
         reserve = self._reserves.get(pool)
         reserved = reserve.reserved_per_replica(now_s, len(replicas)) if reserve is not None else 0
-        slots, best_held = self.slots, self._best_held
+        slots, protected_held = self.slots, self._protected_held
         excluded: list[str] = []
         fits = False
         for replica in replicas:
             rid = replica.replica_id
-            lower_held = replica.outstanding - best_held.get(rid, 0)
+            lower_held = replica.outstanding - protected_held.get(rid, 0)
             if (lower_held < slots[rid].slot_limit - reserved and replica.outstanding < slots[rid].slot_limit
                     and is_routable(replica.health, replica.breaker, now_s)):
                 fits = True
@@ -506,7 +513,7 @@ class OverloadRuntime:
     # -- 6. settle
     def settle(self, ticket: Ticket, prompt_tokens: int | None, completion_tokens: int) -> None:
         """Ends the request's accounts: refund unused tokens, correct fair share. Call exactly once."""
-        if ticket.holds_best_slot is not None:
+        if ticket.holds_protected_slot is not None:
             self._gave_back_slot(ticket, self.clock())
         if ticket.replica is not None:
             return  # the fast path: nothing reserved, nothing queued

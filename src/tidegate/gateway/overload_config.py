@@ -22,6 +22,7 @@ limits:
   default: {requests_per_minute: 60}        # tenants without their own limit
   max_queued: 10000                         # per pool, all tiers together
   slots: {target_latency_s: 0.5, initial: 4, minimum: 1, maximum: 256}
+  isolation: {over_share_factor: 2.0}       # a tenant's flood cannot slow its tier's others; null: off
 degradation:
   preset_reply: "系统繁忙，请稍后重试"
   pools: {big-model: {fallback_pool: small-model}}
@@ -43,6 +44,7 @@ from tidegate.policy.degradation import LadderConfig
 from tidegate.policy.identity import ApiKeyEntry, IdentityResolver
 from tidegate.policy.overload import OverloadControl, PoolPolicies
 from tidegate.policy.prediction import WorkUnit
+from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import TierSpec, TierTable, default_tiers
 
 __all__ = [
@@ -52,6 +54,7 @@ __all__ = [
     "TiersConfig",
     "SlotAlgorithm",
     "SlotsConfig",
+    "IsolationConfig",
     "LimitsConfig",
     "PoolLadderConfig",
     "DegradationConfig",
@@ -174,10 +177,24 @@ class SlotsConfig(_Strict):
         return ReplicaSlots(limit, best_tier_target_s=self.best_tier_target_latency_s)
 
 
+class IsolationConfig(_Strict):
+    """Tenant isolation within a tier (`policy.shares`): while a tenant sends more than
+    `over_share_factor` x its fair share, requests of the tier's other tenants are served like the
+    best tier's (its reserve and tighter target), so the flood's excess gets only the slots left."""
+
+    over_share_factor: float = Field(2.0, ge=1)
+    rate_half_life_s: float = Field(5.0, gt=0)  # arrival and service rates are averaged this long
+
+    def shares(self, tenant_weights: Mapping[str, float] | None) -> TenantShares:
+        return TenantShares(half_life_s=self.rate_half_life_s, over_share_factor=self.over_share_factor,
+                            tenant_weights=tenant_weights)
+
+
 class LimitsConfig(_Strict):
     default: LimitConfig | None = None  # for tenants without a limit of their own; None: unlimited
     max_queued: int = Field(10_000, ge=0)  # per pool, every tier together
     slots: SlotsConfig = SlotsConfig()
+    isolation: IsolationConfig | None = IsolationConfig()  # null: no isolation beyond fair queueing
     predict_in: WorkUnit = WorkUnit.TOKENS  # the unit of queued work for the wait prediction
     default_max_tokens: int = Field(256, ge=1)  # reserved when a request names no max_tokens
 
@@ -271,10 +288,12 @@ def build_policies(config: OverloadConfig, pools: Iterable[str]) -> OverloadPoli
         default_limit=config.limits.default.policy() if config.limits.default is not None else None,
     )
     weights = {name: t.weight for name, t in tenants.items() if t.weight != 1.0} or None
+    isolation = config.limits.isolation
     control = OverloadControl(tiers, limiter, {
         name: PoolPolicies.create(name, tiers, max_queued=config.limits.max_queued,
                                   ladder=config.degradation.ladder(name), tenant_weights=weights,
-                                  unit=config.limits.predict_in)
+                                  unit=config.limits.predict_in,
+                                  shares=isolation.shares(weights) if isolation is not None else None)
         for name in pool_names})
     return OverloadPolicies(IdentityResolver(_key_entries(tenants)), control, config)
 

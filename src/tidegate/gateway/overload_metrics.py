@@ -43,6 +43,9 @@ class OverloadMetrics:
         self.rejection_latency = Histogram("tidegate_overload_rejection_seconds",
                                            "Arrival to the answer of a request refused at admission",
                                            ["pool"], buckets=_REJECTION_BUCKETS_S, registry=r)
+        self.over_share = Gauge("tidegate_overload_tenants_over_share", "Tenants sending more than their fair "
+                                "share's over_share_factor (their tier's other tenants are protected meanwhile)",
+                                ["pool", "tier"], registry=r)
         self.slot_limit = Gauge("tidegate_replica_slot_limit", "Adaptive slot limit, by replica",
                                 ["pool", "replica"], registry=r)
         self.slot_target = Gauge("tidegate_replica_slot_target_seconds", "Latency the slot limit aims at: the "
@@ -59,9 +62,12 @@ class OverloadMetrics:
             child = self._children[key] = metric.labels(*labels)
         return child
 
-    def watch_queue(self, pool: str, tier: str, depth: Callable[[], float], oldest_wait_s: Callable[[], float]) -> None:
+    def watch_queue(self, pool: str, tier: str, depth: Callable[[], float], oldest_wait_s: Callable[[], float],
+                    over_share: Callable[[], float] | None = None) -> None:
         self.queue_depth.labels(pool, tier).set_function(depth)
         self.oldest_wait.labels(pool, tier).set_function(oldest_wait_s)
+        if over_share is not None:
+            self.over_share.labels(pool, tier).set_function(over_share)
 
     def watch_slot_limit(self, pool: str, replica: str, limit: Callable[[], float],
                          aimed_latency_s: Callable[[], float]) -> None:

@@ -18,6 +18,7 @@ from tidegate.policy.admission import AdmissionDecision, AdmissionOutcome, RateL
 from tidegate.policy.degradation import DegradationDecision, DegradationLadder, LadderConfig, Rung
 from tidegate.policy.prediction import WaitPrediction, WaitPredictor, WorkUnit
 from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReason, ShedRequest
+from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import TierSpec, TierTable
 
 __all__ = [
@@ -83,17 +84,20 @@ class Dispatch:
 
 @dataclass(slots=True)
 class PoolPolicies:
-    """The queue, wait predictor and degradation ladder of one model pool."""
+    """The queue, wait predictor and degradation ladder of one model pool, and, when isolation is
+    on, its tenants' shares (who floods a tier, who stays within its share)."""
 
     queue: FairPriorityQueue
     predictor: WaitPredictor
     ladder: DegradationLadder
+    shares: TenantShares | None = None
 
     @classmethod
     def create(cls, pool: str, tiers: TierTable, *, max_queued: int, ladder: LadderConfig = LadderConfig(),
-               tenant_weights: Mapping[str, float] | None = None, unit: WorkUnit = WorkUnit.TOKENS) -> PoolPolicies:
+               tenant_weights: Mapping[str, float] | None = None, unit: WorkUnit = WorkUnit.TOKENS,
+               shares: TenantShares | None = None) -> PoolPolicies:
         return cls(FairPriorityQueue(tiers, max_queued=max_queued, tenant_weights=tenant_weights),
-                   WaitPredictor(unit), DegradationLadder(pool, ladder))
+                   WaitPredictor(unit), DegradationLadder(pool, ladder), shares)
 
 
 class OverloadControl:
@@ -126,6 +130,8 @@ class OverloadControl:
             return Arrival(outcome, tier, None, Rung.PRIMARY, admission, None, None, ())
         assert admission.reservation is not None
         self._reservations[facts.request_id] = admission.reservation
+        if policies.shares is not None:  # demand counts whether or not it is served
+            policies.shares.on_arrival(now_s, tier.name, facts.tenant, facts.prompt_tokens + facts.max_tokens)
 
         # expire first: the prediction must not count requests already past their deadline, and
         # the predictor must learn if that emptied the queue
@@ -170,8 +176,18 @@ class OverloadControl:
         request = result.request
         if request is not None:
             policies.predictor.on_dispatch(now_s, request.tokens, queued_after=len(policies.queue))
+            if policies.shares is not None:
+                policies.shares.on_dispatch(now_s, request.tier, request.tokens)
             self._dispatched[request.request_id] = (policies, request)
         return Dispatch(request, shed)
+
+    def protected(self, now_s: float, pool: str, request: QueuedRequest) -> bool:
+        """Whether `request` is served like the best tier: it is of the best tier, or its tenant
+        stays within its fair share while another tenant of its tier floods it (`shares`)."""
+        if request.tier == self.tiers.best.name:
+            return True
+        shares = self.pools[pool].shares
+        return shares is not None and shares.protects(now_s, request.tier, request.tenant)
 
     def peek(self, pool: str) -> QueuedRequest | None:
         """The request `dispatch` would hand out next, left waiting (to check a replica suits it)."""

@@ -54,6 +54,7 @@ class TierTable:
             raise ValueError(f"default tier {default_tier!r} is not a configured tier")
         self._ordered = tuple(ordered)
         self.default = self._by_name[default_tier]
+        self.best = ordered[0]  # the first rank: the tier protected under load
 
     def __getitem__(self, name: str) -> TierSpec:
         return self._by_name[name]

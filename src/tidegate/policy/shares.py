@@ -1,0 +1,141 @@
+"""Which tenants of a tier send more than their fair share, and which stay within it.
+
+VTC (`queueing`) divides a tier's *throughput* fairly, but under a flood the flooding tenant keeps
+every free slot filled, so each batch runs at the slot limit's latency target, and a tenant that
+sends only its share waits no longer in the queue yet still gets its first token that much later.
+The isolation the gateway offers against that: while some tenant of a tier is *over* its share,
+the requests of that tier's tenants *within* theirs are protected like the best tier's (a
+reserve inside each replica's limit, and the limit aimed at the tighter target), so only the
+flooding tenant's excess pays for the smaller batches.
+
+A tenant's share is its max-min fair rate (weighted water-filling, as in fair queueing: Demers,
+Keshav and Shenker 1989): the tier's measured service rate divided so that no tenant gets more
+than it asks and the rest is split by weight. A tenant is over its share when its recent arrival
+rate exceeds `over_share_factor` times that rate *and* that many times the rate of every tenant
+it would be protected from; rates are exponentially decaying averages (`half_life_s`) of the work
+arriving (tokens reserved at admission) and dispatched. While the tier is served all it asks
+for, nobody is over. The second condition keeps the verdict from feeding on itself: protection
+narrows the batches, which lowers the service rate and with it every fair share, and tenants
+sending alike would then take turns being "over" by chance, holding the tier in protection at a
+fraction of its throughput. Against each other, equal tenants are never over, whatever the
+load, and neither is a tenant alone in its tier. No verdict is given in a tier's first `half_life_s`, while its rates still rest on a handful
+of requests.
+
+Pure: every method takes `now_s`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+__all__ = ["DecayingRate", "TenantShares", "fair_rate"]
+
+
+class DecayingRate:
+    """Events per second (weighted by `amount`), averaged with an exponential decay of `half_life_s`."""
+
+    __slots__ = ("_tau_s", "_value", "_at_s")
+
+    def __init__(self, half_life_s: float) -> None:
+        self._tau_s = half_life_s / math.log(2)
+        self._value = 0.0  # amount arrived, decayed: rate x tau in a steady state
+        self._at_s: float | None = None
+
+    def add(self, now_s: float, amount: float) -> None:
+        self._decay(now_s)
+        self._value += amount
+
+    def rate(self, now_s: float) -> float:
+        self._decay(now_s)
+        return self._value / self._tau_s
+
+    def _decay(self, now_s: float) -> None:
+        if self._at_s is not None and now_s > self._at_s:
+            self._value *= math.exp(-(now_s - self._at_s) / self._tau_s)
+        if self._at_s is None or now_s > self._at_s:
+            self._at_s = now_s
+
+
+def fair_rate(demands: Mapping[str, float], weights: Mapping[str, float], capacity: float) -> float:
+    """The max-min fair level per unit weight: each tenant gets min(demand, weight x level), adding
+    up to `capacity`; infinite when the demands fit (nobody is held back)."""
+    if sum(demands.values()) <= capacity:
+        return math.inf
+    remaining, weight_left = capacity, sum(weights.get(t, 1.0) for t in demands)
+    for tenant, demand in sorted(demands.items(), key=lambda item: item[1] / weights.get(item[0], 1.0)):
+        weight = weights.get(tenant, 1.0)
+        if demand / weight * weight_left > remaining:
+            break  # this tenant and every one after it are held to the level
+        remaining -= demand
+        weight_left -= weight
+    return max(remaining, 0.0) / weight_left
+
+
+class TenantShares:
+    """Per tier: tenants' arrival rates, the tier's service rate, and who is over or within share."""
+
+    # a tenant whose rate has decayed below this fraction of its tier's service rate is forgotten
+    FORGET_BELOW = 1e-4
+
+    def __init__(self, *, half_life_s: float = 5.0, over_share_factor: float = 2.0,
+                 tenant_weights: Mapping[str, float] | None = None) -> None:
+        if half_life_s <= 0 or over_share_factor < 1:
+            raise ValueError("half_life_s > 0 and over_share_factor >= 1 needed")
+        self._half_life_s = half_life_s
+        self._factor = over_share_factor
+        self._weights = dict(tenant_weights or {})
+        self._arrivals: dict[str, dict[str, DecayingRate]] = {}  # tier -> tenant -> work arriving
+        self._served: dict[str, DecayingRate] = {}  # tier -> work dispatched
+        self._first_arrival_s: dict[str, float] = {}  # tier -> when its rates began
+        # tier -> (when computed, tenants over share, the fair level); recomputed once per instant
+        self._verdicts: dict[str, tuple[float, frozenset[str], float]] = {}
+
+    def on_arrival(self, now_s: float, tier: str, tenant: str, work: float) -> None:
+        """Work (tokens reserved) admitted for `tenant` in `tier`, whether it is served or not."""
+        tenants = self._arrivals.setdefault(tier, {})
+        self._first_arrival_s.setdefault(tier, now_s)
+        rate = tenants.get(tenant)
+        if rate is None:
+            rate = tenants[tenant] = DecayingRate(self._half_life_s)
+        rate.add(now_s, work)
+        self._verdicts.pop(tier, None)
+
+    def on_dispatch(self, now_s: float, tier: str, work: float) -> None:
+        """Work of `tier` handed to a replica."""
+        served = self._served.get(tier)
+        if served is None:
+            served = self._served[tier] = DecayingRate(self._half_life_s)
+        served.add(now_s, work)
+        self._verdicts.pop(tier, None)
+
+    def over_share(self, now_s: float, tier: str) -> frozenset[str]:
+        """Tenants of `tier` whose arrival rate exceeds `over_share_factor` x their fair share."""
+        return self._verdict(now_s, tier)[1]
+
+    def protects(self, now_s: float, tier: str, tenant: str) -> bool:
+        """True when some tenant of `tier` is over its share and `tenant` is not."""
+        over = self._verdict(now_s, tier)[1]
+        return bool(over) and tenant not in over
+
+    def _verdict(self, now_s: float, tier: str) -> tuple[float, frozenset[str], float]:
+        cached = self._verdicts.get(tier)
+        if cached is not None and cached[0] == now_s:
+            return cached
+        tenants = self._arrivals.get(tier, {})
+        served = self._served.get(tier)
+        capacity = served.rate(now_s) if served is not None else 0.0
+        demands = {tenant: rate.rate(now_s) for tenant, rate in tenants.items()}
+        for tenant, demand in list(demands.items()):
+            if demand <= self.FORGET_BELOW * capacity:
+                del tenants[tenant], demands[tenant]
+        level = fair_rate(demands, self._weights, capacity)
+        weighted = {tenant: demand / self._weights.get(tenant, 1.0) for tenant, demand in demands.items()}
+        candidates = {tenant for tenant, rate in weighted.items() if rate > self._factor * level}
+        # ...that stand out from every tenant they would be protected from (with none, nobody does)
+        rest = [rate for tenant, rate in weighted.items() if tenant not in candidates]
+        over = frozenset(tenant for tenant in candidates if rest and weighted[tenant] > self._factor * max(rest))
+        if now_s - self._first_arrival_s.get(tier, now_s) < self._half_life_s:
+            over = frozenset()  # too few requests yet for a verdict
+        verdict = self._verdicts[tier] = (now_s, over, level)
+        return verdict
