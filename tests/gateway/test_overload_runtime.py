@@ -252,7 +252,8 @@ def test_best_tier_target_may_not_exceed_the_target() -> None:
 
 @pytest.mark.parametrize("isolation", [True, False])
 async def test_a_quiet_tenant_takes_the_headroom_while_another_floods_its_tier(isolation: bool) -> None:
-    slots = {"initial": 1, "minimum": 1, "maximum": 1, "window_s": 0, "priority_headroom": 1}
+    slots = {"initial": 1, "minimum": 1, "maximum": 1, "window_s": 0, "priority_headroom": 1,
+             "target_latency_s": 0.5, "backlog_tolerance": 1.5, "floor_tolerance": None}
     tenants = {"noisy": {"api_keys": ["sk-noisy"]}, "quiet": {"api_keys": ["sk-quiet"]}}
     clock = FakeClock()
     runtime, pool = _runtime({"tenants": tenants, "limits": {"slots": slots, "isolation": {} if isolation else None}},
@@ -276,6 +277,14 @@ async def test_a_quiet_tenant_takes_the_headroom_while_another_floods_its_tier(i
     assert first.done() is isolation
     assert not any(future.done() for future in waiting)
     assert pool.replicas[0].outstanding == (2 if isolation else 1)
+    for _ in range(10):  # a window of slow answers while the flood waits for slots
+        clock.now_s += 0.1
+        runtime.first_token(pool.replicas[0], 0.6)
+    # the flood's own backlog does not stretch the target the others' batches are held to
+    aimed_s = _metric(runtime, "tidegate_replica_slot_target_seconds", pool="m", replica="r0")
+    assert aimed_s == (0.5 if isolation else 0.75)
+    assert _metric(runtime, "tidegate_overload_tenants_over_share", pool="m", tier="standard") == (
+        1 if isolation else None)
     for future in [*waiting, first]:
         future.cancel()
 

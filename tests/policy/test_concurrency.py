@@ -349,3 +349,14 @@ def test_the_backlog_never_stretches_the_best_tiers_target() -> None:
     for i in range(10):
         slots.observe(i / 9, 0.6, queued=True)
     assert slots.aimed_latency_s(1.0) == 0.5 and slots.slot_limit < 10
+
+
+@pytest.mark.parametrize("make", [GradientSlotLimit, AimdSlotLimit])
+@pytest.mark.parametrize(("latency_s", "queued", "doubles"),
+                         [(0.3, True, True), (0.3, False, False), (0.8, True, False)])
+def test_a_limit_that_queues_requests_far_inside_the_target_doubles(make, latency_s: float, queued: bool,
+                                                                     doubles: bool) -> None:
+    limit = make(1.0, bounds=BOUNDS)
+    for i in range(10):  # one window at the limit, answering at latency_s against a 1 s target
+        limit.on_sample(i / 9, latency_s, inflight=limit.limit, queued=queued)
+    assert (limit.limit == 2 * BOUNDS.initial) is doubles

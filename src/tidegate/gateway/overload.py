@@ -235,11 +235,17 @@ class OverloadRuntime:
         self._headroom = slots_config.priority_headroom
         half_life_s = slots_config.priority_reserve_half_life_s
         # Protected requests: the best tier's, and (isolation) those of tenants within their share
-        # while another tenant floods their tier. Per pool: their recent concurrency, reserved
-        # inside the limits (None: no reserve)
+        # while another tenant floods their tier. Per pool, for each of the two: their recent
+        # concurrency, reserved inside the limits (None: no reserve). Only the best tier's presence
+        # aims the limits at its tighter target: tenants within their share are most of the load
+        # in a flood, and a target near the unloaded latency would hold them to the fewest slots.
+        self._best_tier = self.control.tiers.best.name
         self._reserves: dict[str, PriorityReserve | None] = {
             name: PriorityReserve(half_life_s) if half_life_s is not None else None for name in pools}
+        self._share_reserves: dict[str, PriorityReserve | None] = {
+            name: PriorityReserve(half_life_s) if half_life_s is not None else None for name in pools}
         self._protected_held: dict[str, int] = {}  # replica id -> protected requests holding its slots
+        self._best_held: dict[str, int] = {}  # replica id -> best-tier requests holding its slots
         # One anonymous tenant, no rate limit: a request that finds the queue empty and a slot free
         # would be admitted, queued and dispatched at once, so it skips the policy round trip.
         default_tier = self.control.tiers.default
@@ -257,7 +263,7 @@ class OverloadRuntime:
             for replica in pool.replicas:
                 # the backend's configured slot_limit stays a ceiling the adaptive limit never passes
                 slots = self.slots[replica.replica_id] = slots_config.new_slots(ceiling=replica.slot_limit)
-                self._protected_held[replica.replica_id] = 0
+                self._protected_held[replica.replica_id] = self._best_held[replica.replica_id] = 0
                 # routing's cap: the adaptive limit plus the protected requests' headroom
                 replica.slot_limit = slots.slot_limit + self._headroom
                 metrics.watch_slot_limit(name, replica.replica_id, lambda s=slots: s.slot_limit,
@@ -349,7 +355,7 @@ class OverloadRuntime:
         ticket = Ticket(request_id, model, tier, identity.tenant, prompt_tokens, now_s, 0.0, b"")
         ticket.dispatched_s = now_s
         ticket.replica = replica
-        ticket.protected = tier == self.control.tiers.best.name
+        ticket.protected = tier == self._best_tier
         self._took_slot(ticket, replica, now_s)
         return ticket
 
@@ -379,24 +385,33 @@ class OverloadRuntime:
     def _took_slot(self, ticket: Ticket, replica: Replica, now_s: float) -> None:
         if not ticket.protected:
             return
-        reserve = self._reserves.get(ticket.pool)
+        reserve = self._reserve_of(ticket)
         if reserve is not None:
             reserve.on_change(now_s, +1)
         ticket.holds_protected_slot = replica
-        self._protected_held[replica.replica_id] = self._protected_held.get(replica.replica_id, 0) + 1
+        rid = replica.replica_id
+        self._protected_held[rid] = self._protected_held.get(rid, 0) + 1
+        if ticket.tier == self._best_tier:
+            self._best_held[rid] = self._best_held.get(rid, 0) + 1
 
     def _gave_back_slot(self, ticket: Ticket, now_s: float) -> None:
         replica = ticket.holds_protected_slot
         if replica is None:
             return
         ticket.holds_protected_slot = None
-        reserve = self._reserves.get(ticket.pool)
+        reserve = self._reserve_of(ticket)
         if reserve is not None:
             reserve.on_change(now_s, -1)
         self._protected_held[replica.replica_id] -= 1
+        if ticket.tier == self._best_tier:
+            self._best_held[replica.replica_id] -= 1
         pool = self.pools[ticket.pool]
         if len(pool.queue):
             pool.dispatch_waiting(now_s)  # an unprotected request may now fit where this one was
+
+    def _reserve_of(self, ticket: Ticket) -> PriorityReserve | None:
+        reserves = self._reserves if ticket.tier == self._best_tier else self._share_reserves
+        return reserves.get(ticket.pool)
 
     def on_dispatch(self, ticket: Ticket, waited_s: float) -> None:
         self._tickets.pop(ticket.request_id, None)
@@ -459,10 +474,13 @@ class OverloadRuntime:
         now_s = self.clock()
         slots.inflight = replica.outstanding  # the pool counts held slots; the policy reads them
         slots.observe_load(now_s, replica.load)
-        slots.protect_best_tier(self._protected_present(replica, now_s))
+        slots.protect_best_tier(self._best_tier_present(replica, now_s))
         before = replica.slot_limit
         pool = self.pools[replica.pool_name]
-        slots.observe(now_s, latency_s, dropped, queued=len(pool.queue) > 0)
+        # a flooding tenant's backlog stretches no target: the bigger batch would slow the very
+        # tenants isolation protects, to drain a queue that is the flood's own
+        queued = len(pool.queue) > 0 and not self.control.isolating(now_s, replica.pool_name)
+        slots.observe(now_s, latency_s, dropped, queued=queued)
         replica.slot_limit = self._protected_cap(replica, slots, now_s) + self._headroom
         kind = "drop" if dropped else "ok"
         self.metrics.of(self.metrics.slot_samples, replica.pool_name, replica.replica_id, kind).inc()
@@ -481,10 +499,10 @@ class OverloadRuntime:
             return slots.slot_limit
         return slots.best_tier_slots(reserve.peak_per_replica(now_s, len(self.pools[replica.pool_name].replicas)))
 
-    def _protected_present(self, replica: Replica, now_s: float) -> bool:
+    def _best_tier_present(self, replica: Replica, now_s: float) -> bool:
         reserve = self._reserves.get(replica.pool_name)
         if reserve is None:
-            return self._protected_held.get(replica.replica_id, 0) > 0
+            return self._best_held.get(replica.replica_id, 0) > 0
         return reserve.reserved_per_replica(now_s, len(self.pools[replica.pool_name].replicas)) > 0
 
     def unprotected_exclusions(self, pool: str, now_s: float) -> tuple[str, ...] | None:
@@ -495,8 +513,8 @@ class OverloadRuntime:
         free for them.
         """
         replicas = self.pools[pool].replicas
-        reserve = self._reserves.get(pool)
-        reserved = reserve.reserved_per_replica(now_s, len(replicas)) if reserve is not None else 0
+        reserved = sum(reserve.reserved_per_replica(now_s, len(replicas))
+                       for reserve in (self._reserves.get(pool), self._share_reserves.get(pool)) if reserve is not None)
         slots, protected_held = self.slots, self._protected_held
         excluded: list[str] = []
         fits = False

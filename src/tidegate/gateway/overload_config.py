@@ -179,8 +179,9 @@ class SlotsConfig(_Strict):
 
 class IsolationConfig(_Strict):
     """Tenant isolation within a tier (`policy.shares`): while a tenant sends more than
-    `over_share_factor` x its fair share, requests of the tier's other tenants are served like the
-    best tier's (its reserve and tighter target), so the flood's excess gets only the slots left."""
+    `over_share_factor` x its fair share, requests of the tier's other tenants are protected (the
+    headroom, a reserve of their own, no target stretched for the flood's backlog), so the flood's
+    excess gets only the slots they leave."""
 
     over_share_factor: float = Field(2.0, ge=1)
     rate_half_life_s: float = Field(5.0, gt=0)  # arrival and service rates are averaged this long

@@ -22,6 +22,11 @@ replica's *floor*, and for `floor_ttl_s` the limit aims at `floor_tolerance` x t
 the floor expires the limit aims at the configured target again and shrinks back to the minimum,
 which re-measures the floor (BBR's periodic ProbeRTT), or finds the target reachable again.
 
+A window in most of whose samples requests were waiting in the gateway for a slot, while the
+replica answered within half the aimed latency, doubles the limit (slow start): there the limit
+itself is the bottleneck, after a cold start or while it regrows after protection, and a smoothed
+step a window would keep a load below capacity queueing for many seconds.
+
 With `backlog_tolerance`, a window in most of whose samples requests were waiting in the gateway
 for a slot aims at that many times the target: Gradient2's `queueSize` allowance, granted only
 when there is a queue to drain. A real engine's throughput keeps rising with its batch, so a
@@ -100,6 +105,10 @@ class _Window:
 
 class _WindowedLimit:
     """Window bookkeeping shared by the gradient and AIMD limits."""
+
+    # a window whose latency is at most this fraction of the aimed latency, with requests waiting
+    # in the gateway, doubles the limit
+    FAR_BELOW = 0.5
 
     def __init__(self, target_latency_s: float, bounds: SlotLimitBounds, window_s: float,
                  min_window_samples: int, max_window_samples: int, latency_quantile: float,
@@ -197,6 +206,13 @@ class _WindowedLimit:
             may_grow = used and not self._engine_queueing
             aimed_s = self.aimed_latency_s(now_s)
             limit = self._next_limit(self._limit, latency, aimed_s, window.dropped, may_grow)
+            if (self._backlogged and may_grow and self.may_relax and not window.dropped
+                    and latency <= self.FAR_BELOW * aimed_s):
+                # requests wait in the gateway for slots while the replica answers far inside the
+                # target: the limit, not the replica, is the bottleneck (a cold start, or regrowth
+                # after protection), so it doubles, as in slow start, instead of creeping up
+                # by a smoothed step a window while the queue's wait adds to every request
+                limit = max(limit, 2.0 * self._limit)
             if self._resume_limit is not None:
                 met = not window.dropped and latency <= aimed_s
                 if met and may_grow:

@@ -189,6 +189,11 @@ class OverloadControl:
         shares = self.pools[pool].shares
         return shares is not None and shares.protects(now_s, request.tier, request.tenant)
 
+    def isolating(self, now_s: float, pool: str) -> bool:
+        """Whether some tenant floods a tier of `pool` (its tier's other tenants are protected)."""
+        shares = self.pools[pool].shares
+        return shares is not None and any(shares.over_share(now_s, tier.name) for tier in self.tiers)
+
     def peek(self, pool: str) -> QueuedRequest | None:
         """The request `dispatch` would hand out next, left waiting (to check a replica suits it)."""
         return self.pools[pool].queue.peek()

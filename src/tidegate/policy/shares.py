@@ -4,9 +4,9 @@ VTC (`queueing`) divides a tier's *throughput* fairly, but under a flood the flo
 every free slot filled, so each batch runs at the slot limit's latency target, and a tenant that
 sends only its share waits no longer in the queue yet still gets its first token that much later.
 The isolation the gateway offers against that: while some tenant of a tier is *over* its share,
-the requests of that tier's tenants *within* theirs are protected like the best tier's (a
-reserve inside each replica's limit, and the limit aimed at the tighter target), so only the
-flooding tenant's excess pays for the smaller batches.
+the requests of that tier's tenants *within* theirs are protected (the headroom and a reserve
+inside each replica's limit, and no target stretched for the flood's backlog), so the flood's
+excess gets only the slots they leave.
 
 A tenant's share is its max-min fair rate (weighted water-filling, as in fair queueing: Demers,
 Keshav and Shenker 1989): the tier's measured service rate divided so that no tenant gets more
