@@ -360,3 +360,32 @@ def test_a_limit_that_queues_requests_far_inside_the_target_doubles(make, latenc
     for i in range(10):  # one window at the limit, answering at latency_s against a 1 s target
         limit.on_sample(i / 9, latency_s, inflight=limit.limit, queued=queued)
     assert (limit.limit == 2 * BOUNDS.initial) is doubles
+
+
+def test_while_a_tenant_floods_the_limit_aims_at_the_latency_from_before_the_flood() -> None:
+    slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=BOUNDS), best_tier_target_s=0.2, isolation_tolerance=1.1)
+    slots.set_protection(False, isolating=True)
+    assert slots.target_latency_s == 1.0  # nothing measured before the flood yet: the target
+    slots.set_protection(False, isolating=False)
+    for window in range(20):  # answers at 0.4 s before the flood
+        for i in range(10):
+            slots.observe(window + i / 10, 0.4)
+    assert slots.reference_latency_s == pytest.approx(0.4)
+    slots.set_protection(False, isolating=True)
+    assert slots.target_latency_s == pytest.approx(0.44)
+    for window in range(20, 40):  # flood-time windows teach the reference nothing
+        for i in range(10):
+            slots.observe(window + i / 10, 0.9)
+    assert slots.reference_latency_s == pytest.approx(0.4)
+    slots.set_protection(True, isolating=True)
+    assert slots.target_latency_s == 0.2  # the best tier's target comes first
+    slots.set_protection(False, isolating=False)
+    assert slots.target_latency_s == 1.0
+
+
+def test_the_isolation_target_never_exceeds_the_base_target() -> None:
+    slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=BOUNDS, floor_tolerance=None), isolation_tolerance=2.0)
+    for i in range(10):
+        slots.observe(i / 9, 0.8)
+    slots.set_protection(False, isolating=True)
+    assert slots.target_latency_s == 1.0

@@ -232,6 +232,8 @@ class OverloadRuntime:
         self.slots: dict[str, ReplicaSlots] = {}  # replica id -> its adaptive slots
         self._tickets: dict[str, Ticket] = {}  # queued, by request id: to find a shed request's waiter
         slots_config = self.config.limits.slots
+        isolation = self.config.limits.isolation
+        isolation_tolerance = isolation.latency_tolerance if isolation is not None else None
         self._headroom = slots_config.priority_headroom
         half_life_s = slots_config.priority_reserve_half_life_s
         # Protected requests: the best tier's, and (isolation) those of tenants within their share
@@ -262,7 +264,8 @@ class OverloadRuntime:
                                     lambda s=shares, t=tier.name: len(s.over_share(self.clock(), t)))
             for replica in pool.replicas:
                 # the backend's configured slot_limit stays a ceiling the adaptive limit never passes
-                slots = self.slots[replica.replica_id] = slots_config.new_slots(ceiling=replica.slot_limit)
+                slots = self.slots[replica.replica_id] = slots_config.new_slots(
+                    ceiling=replica.slot_limit, isolation_tolerance=isolation_tolerance)
                 self._protected_held[replica.replica_id] = self._best_held[replica.replica_id] = 0
                 # routing's cap: the adaptive limit plus the protected requests' headroom
                 replica.slot_limit = slots.slot_limit + self._headroom
@@ -474,13 +477,13 @@ class OverloadRuntime:
         now_s = self.clock()
         slots.inflight = replica.outstanding  # the pool counts held slots; the policy reads them
         slots.observe_load(now_s, replica.load)
-        slots.protect_best_tier(self._best_tier_present(replica, now_s))
+        isolating = self.control.isolating(now_s, replica.pool_name)
+        slots.set_protection(self._best_tier_present(replica, now_s), isolating)
         before = replica.slot_limit
         pool = self.pools[replica.pool_name]
         # a flooding tenant's backlog stretches no target: the bigger batch would slow the very
         # tenants isolation protects, to drain a queue that is the flood's own
-        queued = len(pool.queue) > 0 and not self.control.isolating(now_s, replica.pool_name)
-        slots.observe(now_s, latency_s, dropped, queued=queued)
+        slots.observe(now_s, latency_s, dropped, queued=len(pool.queue) > 0 and not isolating)
         replica.slot_limit = self._protected_cap(replica, slots, now_s) + self._headroom
         kind = "drop" if dropped else "ok"
         self.metrics.of(self.metrics.slot_samples, replica.pool_name, replica.replica_id, kind).inc()

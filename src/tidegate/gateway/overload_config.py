@@ -22,7 +22,7 @@ limits:
   default: {requests_per_minute: 60}        # tenants without their own limit
   max_queued: 10000                         # per pool, all tiers together
   slots: {target_latency_s: 0.5, initial: 4, minimum: 1, maximum: 256}
-  isolation: {over_share_factor: 2.0}       # a tenant's flood cannot slow its tier's others; null: off
+  isolation: {over_share_factor: 2.0, latency_tolerance: 1.0}  # a tenant's flood cannot slow its tier's others
 degradation:
   preset_reply: "系统繁忙，请稍后重试"
   pools: {big-model: {fallback_pool: small-model}}
@@ -165,8 +165,9 @@ class SlotsConfig(_Strict):
             raise ValueError("best_tier_target_latency_s must not exceed target_latency_s")
         return self
 
-    def new_slots(self, ceiling: int | None = None) -> ReplicaSlots:
-        """Slots for one replica; `ceiling`: the backend's own `slot_limit`, never exceeded."""
+    def new_slots(self, ceiling: int | None = None, isolation_tolerance: float | None = None) -> ReplicaSlots:
+        """Slots for one replica; `ceiling`: the backend's own `slot_limit`, never exceeded;
+        `isolation_tolerance`: `IsolationConfig.latency_tolerance` when isolation is on."""
         maximum = self.maximum if ceiling is None else max(1, min(self.maximum, ceiling))
         minimum = min(self.minimum, maximum)
         bounds = SlotLimitBounds(min(max(self.initial, minimum), maximum), minimum, maximum)
@@ -174,17 +175,21 @@ class SlotsConfig(_Strict):
         limit = kind(self.target_latency_s, bounds=bounds, window_s=self.window_s,
                      floor_tolerance=self.floor_tolerance, floor_ttl_s=self.floor_ttl_s,
                      backlog_tolerance=self.backlog_tolerance)
-        return ReplicaSlots(limit, best_tier_target_s=self.best_tier_target_latency_s)
+        return ReplicaSlots(limit, best_tier_target_s=self.best_tier_target_latency_s,
+                            isolation_tolerance=isolation_tolerance)
 
 
 class IsolationConfig(_Strict):
     """Tenant isolation within a tier (`policy.shares`): while a tenant sends more than
     `over_share_factor` x its fair share, requests of the tier's other tenants are protected (the
-    headroom, a reserve of their own, no target stretched for the flood's backlog), so the flood's
-    excess gets only the slots they leave."""
+    headroom, a reserve of their own, no target stretched for the flood's backlog, limits aimed at
+    the latency from before the flood), so the flood's excess gets only the slots they leave."""
 
     over_share_factor: float = Field(2.0, ge=1)
     rate_half_life_s: float = Field(5.0, gt=0)  # arrival and service rates are averaged this long
+    # while a tenant floods, replica limits aim at this many times the latency they answered with
+    # before the flood (never above the target), so the others keep it. null: the target
+    latency_tolerance: float | None = Field(1.0, ge=1)
 
     def shares(self, tenant_weights: Mapping[str, float] | None) -> TenantShares:
         return TenantShares(half_life_s=self.rate_half_life_s, over_share_factor=self.over_share_factor,

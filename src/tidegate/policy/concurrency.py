@@ -48,6 +48,8 @@ __all__ = ["SlotLimit", "GradientSlotLimit", "AimdSlotLimit", "SlotLimitBounds",
 class SlotLimit(Protocol):
     target_latency_s: float
     may_relax: bool
+    windows_closed: int  # windows judged so far
+    last_window_latency_s: float  # the latency quantile of the last window judged (inf: all dropped)
 
     @property
     def limit(self) -> int: ...
@@ -140,6 +142,8 @@ class _WindowedLimit:
         self._resume_limit: float | None = None  # a limit being regained after a change of target
         self._window: _Window | None = None
         self._engine_queueing = False
+        self.windows_closed = 0
+        self.last_window_latency_s = math.nan
 
     @property
     def limit(self) -> int:
@@ -197,6 +201,8 @@ class _WindowedLimit:
         full = count >= self._max_samples
         if full or window.dropped or (now_s - window.started_s >= self._window_s and count >= self._min_samples):
             latency = window.quantile(self._quantile) if count else math.inf
+            self.windows_closed += 1
+            self.last_window_latency_s = latency
             self._backlogged = 2 * window.queued_samples >= count + window.dropped
             if (self.may_relax and not window.dropped and self._limit <= self.bounds.minimum
                     and latency > self.aimed_latency_s(now_s)):
@@ -315,29 +321,65 @@ class ReplicaSlots:
     otherwise join a batch sized for the looser target), and switching back regains the base
     target's limit by doubling per window, not a smoothed step at a time (lower tiers would
     otherwise wait behind a few slots for many seconds after the best tier leaves).
+
+    With `isolation_tolerance`, while the caller says a tenant floods the pool (`set_protection`),
+    the limit aims at that many times the latency the replica answered with before the flood (a
+    smoothed window quantile, learnt at the base target only), never above the base target: the
+    tenants within their share keep the latency they had, and the flood gets the batch that
+    leaves them. The best tier's target, when present, comes first.
     """
 
-    def __init__(self, limit: SlotLimit, best_tier_target_s: float | None = None) -> None:
+    REFERENCE_WEIGHT = 0.2  # of each new window in the smoothed latency before a flood
+
+    def __init__(self, limit: SlotLimit, best_tier_target_s: float | None = None,
+                 isolation_tolerance: float | None = None) -> None:
         self._limit = limit
         self._base_target_s = limit.target_latency_s
         self._best_tier_target_s = best_tier_target_s
-        self._protecting = False
-        self._other_target_limit: float | None = None  # learnt for the target not in use; None: not yet
+        self._isolation_tolerance = isolation_tolerance
+        self._best_tier_present = False
+        self._isolating = False
+        self._mode = "base"  # whose target the limit aims at: "base", "best" or "isolation"
+        self._learnt: dict[str, float] = {}  # mode -> the limit learnt for its target, while not in use
+        self._reference_s: float | None = None  # smoothed window latency at the base target
         self.inflight = 0
 
     @property
     def target_latency_s(self) -> float:
         return self._limit.target_latency_s
 
+    @property
+    def reference_latency_s(self) -> float | None:
+        """The replica's smoothed window latency at the base target (None until one is measured)."""
+        return self._reference_s
+
     def protect_best_tier(self, present: bool) -> None:
-        if self._best_tier_target_s is None or present == self._protecting:
+        self.set_protection(present, self._isolating)
+
+    def set_protection(self, best_tier_present: bool, isolating: bool = False) -> None:
+        """Whether the best tier is present, and whether a tenant floods the pool: picks the target."""
+        self._best_tier_present, self._isolating = best_tier_present, isolating
+        if self._best_tier_present and self._best_tier_target_s is not None:
+            mode = "best"
+        elif self._isolating and self._isolation_tolerance is not None and self._reference_s is not None:
+            mode = "isolation"
+        else:
+            mode = "base"
+        if mode == self._mode:
             return
-        self._protecting = present
-        target_s = self._best_tier_target_s if present else self._base_target_s
-        self._other_target_limit = self._limit.retarget(target_s, self._other_target_limit)
+        if mode == "best":
+            assert self._best_tier_target_s is not None
+            target_s = self._best_tier_target_s
+        elif mode == "isolation":
+            assert self._isolation_tolerance is not None and self._reference_s is not None
+            target_s = min(self._base_target_s, self._isolation_tolerance * self._reference_s)
+        else:
+            target_s = self._base_target_s
+        self._learnt[self._mode] = self._limit.retarget(target_s, self._learnt.pop(mode, None))
+        self._mode = mode
         # a best-tier target missed even at the fewest slots still means the fewest slots: more
         # would serve lower tiers at the best tier's expense
-        self._limit.may_relax = not present
+        self._limit.may_relax = mode != "best"
 
     @property
     def slot_limit(self) -> int:
@@ -352,8 +394,8 @@ class ReplicaSlots:
         learnt for the base target, so a flood of the best tier is held like any other.
         """
         base_limit = self._limit.limit
-        if self._protecting and self._other_target_limit is not None:
-            base_limit = int(self._other_target_limit)
+        if self._mode != "base" and "base" in self._learnt:
+            base_limit = int(self._learnt["base"])
         return max(self._limit.limit, min(peak_concurrency, base_limit))
 
     @property
@@ -376,7 +418,14 @@ class ReplicaSlots:
     def observe(self, now_s: float, latency_s: float, dropped: bool = False, queued: bool = False) -> int:
         """A latency measurement (TTFT or inter-token) or a drop; `queued`: requests were waiting in
         the gateway for a slot when it was taken. Returns the new limit."""
-        return self._limit.on_sample(now_s, latency_s, self.inflight, dropped, queued)
+        closed = self._limit.windows_closed
+        limit = self._limit.on_sample(now_s, latency_s, self.inflight, dropped, queued)
+        window_s = self._limit.last_window_latency_s
+        if self._limit.windows_closed != closed and self._mode == "base" and math.isfinite(window_s):
+            reference = self._reference_s
+            self._reference_s = window_s if reference is None else (
+                (1 - self.REFERENCE_WEIGHT) * reference + self.REFERENCE_WEIGHT * window_s)
+        return limit
 
     def observe_load(self, now_s: float, load: ReplicaLoad) -> None:
         self._limit.on_load(now_s, load)
