@@ -213,16 +213,25 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
                 run_open(gateways[mode], streams, duration_s, seed) if not flood
                 else run_open_beside_flood(gateways[mode], streams, flood, duration_s, seed))
             limits: list[float] = []
+            aimed_ms: list[float] = []  # what the limits aimed at (mean over replicas)
+            flooding: list[float] = []  # tenants the gateway judged to be flooding a tier
             refused_before = refusals(gateways[mode]) if mode == "tidegate" else {}
             while mode == "tidegate" and not load.done():
                 await asyncio.sleep(1.0)
-                limits.append(sum((await asyncio.to_thread(slot_limits, gateways[mode])).values()))
+                text = await asyncio.to_thread(http_text, gateways[mode] + "/metrics")
+                limits.append(sum(replica_gauge(text, "tidegate_replica_slot_limit").values()))
+                aimed = replica_gauge(text, "tidegate_replica_slot_target_seconds").values()
+                aimed_ms.append(1000 * float(np.mean(list(aimed))) if aimed else math.nan)
+                flooding.append(sum(float(v) for v in re.findall(
+                    r"^tidegate_overload_tenants_over_share{[^}]*} (\S+)", text, re.M)))
             out[mode] = await load
             if limits:
                 refused = {why: count - refused_before.get(why, 0.0) for why, count in refusals(gateways[mode]).items()}
                 refused_text = ", ".join(f"{count:.0f} {why}" for why, count in sorted(refused.items()) if count)
                 print(f"  (tidegate's slot limits, all replicas, sampled each second: median {np.median(limits):.0f}, "
-                      f"range {min(limits):.0f}-{max(limits):.0f}; refused by tier and reason: {refused_text or 'none'})")
+                      f"range {min(limits):.0f}-{max(limits):.0f}, aimed at median {np.median(aimed_ms):.0f} ms; "
+                      f"a tenant judged flooding in {sum(f > 0 for f in flooding)}/{len(flooding)} samples; "
+                      f"refused by tier and reason: {refused_text or 'none'})")
             drain(upstreams)
         return out
 
