@@ -389,3 +389,13 @@ def test_the_isolation_target_never_exceeds_the_base_target() -> None:
         slots.observe(i / 9, 0.8)
     slots.set_protection(False, isolating=True)
     assert slots.target_latency_s == 1.0
+
+
+def test_windows_with_requests_waiting_in_the_gateway_teach_the_reference_nothing() -> None:
+    slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=BOUNDS), isolation_tolerance=1.0)
+    for i in range(10):
+        slots.observe(i / 9, 0.4)
+    for window in range(1, 10):  # a flood not yet detected: requests wait, answers slow down
+        for i in range(10):
+            slots.observe(window + i / 9, 0.9, queued=True)
+    assert slots.reference_latency_s == pytest.approx(0.4)

@@ -272,3 +272,18 @@ def test_a_tenant_within_its_share_is_protected_while_another_floods_its_tier(is
     critical = control.arrive(now_s, _facts(tier="critical", tenant="gold", request_id="gold"))
     assert critical.outcome is ArrivalOutcome.QUEUED
     assert control.protected(now_s, "big", control.peek("big"))  # the best tier, always
+
+
+@pytest.mark.parametrize(("replica_first_token_s", "wait_budget_s"), [(None, 4.0), (3.0, 2.0), (10.0, 1.0)])
+def test_a_request_waits_no_longer_than_its_ttft_target_leaves_after_the_replicas_own_time(
+        replica_first_token_s: float | None, wait_budget_s: float) -> None:
+    # standard: at most 4 s in the queue, 5 s TTFT target; replicas slower than the target itself
+    # still get a quarter of the maximum wait (1 s), not an instant refusal of everything
+    control = _control()
+    if replica_first_token_s is not None:
+        control.observe_first_token("big", "standard", replica_first_token_s)
+    control.arrive(0.0, _facts(request_id="waits"))
+    assert control.expire(wait_budget_s - 0.01, "big") == ()
+    shed = control.expire(wait_budget_s + 0.01, "big")
+    assert [notice.request.request_id for notice in shed] == ["waits"]
+    assert shed[0].reason is ShedReason.DEADLINE

@@ -462,8 +462,10 @@ class OverloadRuntime:
         pool.dispatch_waiting(now_s)
 
     # -- 4./5. adaptive slots
-    def first_token(self, replica: Replica, latency_s: float) -> None:
+    def first_token(self, replica: Replica, latency_s: float, ticket: Ticket | None = None) -> None:
         """Time from dispatch to the first token (or to the whole answer when not streamed)."""
+        if ticket is not None:  # the wait budget of later requests of its tier counts it
+            self.control.observe_first_token(ticket.pool, ticket.tier, latency_s)
         self._sample(replica, latency_s, dropped=False)
 
     def ended_badly(self, replica: Replica, elapsed_s: float) -> None:

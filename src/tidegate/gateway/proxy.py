@@ -425,10 +425,10 @@ class _Usage:
         self.replica, self.sent_s = replica, now_s
 
     def first_token(self, overload: OverloadRuntime, now_s: float) -> None:
-        overload.first_token(self.replica, now_s - self.sent_s)
+        overload.first_token(self.replica, now_s - self.sent_s, self.ticket)
 
     def answered_whole(self, overload: OverloadRuntime, now_s: float, body: bytes) -> None:
-        overload.first_token(self.replica, now_s - self.sent_s)
+        overload.first_token(self.replica, now_s - self.sent_s, self.ticket)
         found = _COMPLETION_TOKENS.search(body)
         if found is not None:
             self.reported = int(found.group(1))

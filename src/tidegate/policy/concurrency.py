@@ -50,6 +50,7 @@ class SlotLimit(Protocol):
     may_relax: bool
     windows_closed: int  # windows judged so far
     last_window_latency_s: float  # the latency quantile of the last window judged (inf: all dropped)
+    last_window_backlogged: bool  # whether requests waited in the gateway in most of its samples
 
     @property
     def limit(self) -> int: ...
@@ -144,6 +145,7 @@ class _WindowedLimit:
         self._engine_queueing = False
         self.windows_closed = 0
         self.last_window_latency_s = math.nan
+        self.last_window_backlogged = False
 
     @property
     def limit(self) -> int:
@@ -203,7 +205,7 @@ class _WindowedLimit:
             latency = window.quantile(self._quantile) if count else math.inf
             self.windows_closed += 1
             self.last_window_latency_s = latency
-            self._backlogged = 2 * window.queued_samples >= count + window.dropped
+            self._backlogged = self.last_window_backlogged = 2 * window.queued_samples >= count + window.dropped
             if (self.may_relax and not window.dropped and self._limit <= self.bounds.minimum
                     and latency > self.aimed_latency_s(now_s)):
                 self._floor_s, self._floor_expires_s = latency, now_s + self._floor_ttl_s
@@ -324,7 +326,8 @@ class ReplicaSlots:
 
     With `isolation_tolerance`, while the caller says a tenant floods the pool (`set_protection`),
     the limit aims at that many times the latency the replica answered with before the flood (a
-    smoothed window quantile, learnt at the base target only), never above the base target: the
+    smoothed window quantile, learnt at the base target from windows without a queue in the
+    gateway only), never above the base target: the
     tenants within their share keep the latency they had, and the flood gets the batch that
     leaves them. The best tier's target, when present, comes first.
     """
@@ -421,7 +424,10 @@ class ReplicaSlots:
         closed = self._limit.windows_closed
         limit = self._limit.on_sample(now_s, latency_s, self.inflight, dropped, queued)
         window_s = self._limit.last_window_latency_s
-        if self._limit.windows_closed != closed and self._mode == "base" and math.isfinite(window_s):
+        # only windows where the replica, not the gateway's queue, set the pace: a flood's first
+        # windows, before it is detected, must not teach the reference the flood's latency
+        if (self._limit.windows_closed != closed and self._mode == "base" and math.isfinite(window_s)
+                and not self._limit.last_window_backlogged):
             reference = self._reference_s
             self._reference_s = window_s if reference is None else (
                 (1 - self.REFERENCE_WEIGHT) * reference + self.REFERENCE_WEIGHT * window_s)

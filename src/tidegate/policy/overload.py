@@ -101,6 +101,9 @@ class PoolPolicies:
 
 
 class OverloadControl:
+    FIRST_TOKEN_WEIGHT = 0.05  # of each sample in the smoothed replica time to first token
+    MIN_WAIT_SHARE = 0.25  # the queue wait budget never falls below this share of the tier's maximum
+
     def __init__(self, tiers: TierTable, limiter: RateLimiter, pools: Mapping[str, PoolPolicies]) -> None:
         for name, policies in pools.items():
             fallback = policies.ladder.config.fallback_pool
@@ -112,6 +115,7 @@ class OverloadControl:
         self._reservations: dict[str, Reservation] = {}  # admitted and not yet settled
         self._dispatched: dict[str, tuple[PoolPolicies, QueuedRequest]] = {}  # left the queue, not finished
         self._moved: set[str] = set()  # displaced to a fallback pool once: never again
+        self._first_token_s: dict[tuple[str, str], float] = {}  # (pool, tier) -> smoothed replica TTFT
 
     def arrive(self, now_s: float, facts: RequestFacts, *, cached_answer_available: bool = False) -> Arrival:
         """Step 1: admission, prediction, degradation and queueing of a new request.
@@ -136,7 +140,8 @@ class OverloadControl:
         # expire first: the prediction must not count requests already past their deadline, and
         # the predictor must learn if that emptied the queue
         shed = [self._notice(now_s, policies, item) for item in self._expire(now_s, policies)]
-        deadline_s = now_s + self._wait_budget_s(tier, facts)
+        wait_budget_s = self._wait_budget_s(facts.model, tier, facts)
+        deadline_s = now_s + wait_budget_s
         prediction = self._predict(now_s, policies, tier, deadline_s, facts)
         fallback = self._fallback(policies)
         fallback_ok = (fallback is not None
@@ -147,14 +152,15 @@ class OverloadControl:
             retry_after_s=prediction.retry_after_s,
         )
         if decision.rung is Rung.PRIMARY:
-            if self._enqueue(now_s, policies, facts, tier, shed):
+            if self._enqueue(now_s, policies, facts, tier, shed, wait_budget_s):
                 return Arrival(ArrivalOutcome.QUEUED, tier, facts.model, Rung.PRIMARY, admission, prediction, None,
                                tuple(shed))
             decision = policies.ladder.next_rung(Rung.PRIMARY, fallback_has_capacity=fallback_ok,
                                                  cached_answer_available=cached_answer_available,
                                                  retry_after_s=prediction.retry_after_s)
         if decision.rung is Rung.FALLBACK_POOL and fallback is not None:
-            if self._enqueue(now_s, fallback, facts, tier, shed):
+            if self._enqueue(now_s, fallback, facts, tier, shed,
+                             self._wait_budget_s(fallback.ladder.pool, tier, facts)):
                 return Arrival(ArrivalOutcome.QUEUED, tier, decision.pool, Rung.FALLBACK_POOL, admission, prediction,
                                None, tuple(shed))
             decision = policies.ladder.next_rung(Rung.FALLBACK_POOL, cached_answer_available=cached_answer_available,
@@ -237,9 +243,25 @@ class OverloadControl:
             policies.predictor.on_queue_emptied()
         return expired
 
-    @staticmethod
-    def _wait_budget_s(tier: TierSpec, facts: RequestFacts) -> float:
-        return tier.max_queue_wait_s if facts.timeout_s is None else min(tier.max_queue_wait_s, facts.timeout_s)
+    def observe_first_token(self, pool: str, tier: str, latency_s: float) -> None:
+        """A replica's time from dispatch to the first token, for a request of `tier` in `pool`."""
+        key = (pool, tier)
+        smoothed = self._first_token_s.get(key)
+        self._first_token_s[key] = latency_s if smoothed is None else (
+            smoothed + self.FIRST_TOKEN_WEIGHT * (latency_s - smoothed))
+
+    def _wait_budget_s(self, pool: str, tier: TierSpec, facts: RequestFacts) -> float:
+        """How long the request may wait in the queue: the tier's maximum wait or the client's
+        timeout, and no longer than the tier's TTFT target less the replicas' own time to first
+        token, since a request that waits longer is answered too late to count, at the cost of
+        capacity that one still in time could have used. Never under `MIN_WAIT_SHARE` of the
+        tier's maximum wait: replicas slower than the target itself still serve, just late."""
+        budget_s = tier.max_queue_wait_s if facts.timeout_s is None else min(tier.max_queue_wait_s, facts.timeout_s)
+        first_token_s = self._first_token_s.get((pool, tier.name))
+        if first_token_s is not None:
+            budget_s = min(budget_s, max(tier.ttft_target_s - first_token_s,
+                                         self.MIN_WAIT_SHARE * tier.max_queue_wait_s))
+        return budget_s
 
     @staticmethod
     def _predict(now_s: float, policies: PoolPolicies, tier: TierSpec, deadline_s: float,
@@ -253,11 +275,11 @@ class OverloadControl:
         return None if name is None else self.pools[name]
 
     def _enqueue(self, now_s: float, policies: PoolPolicies, facts: RequestFacts, tier: TierSpec,
-                 shed: list[ShedNotice]) -> bool:
+                 shed: list[ShedNotice], wait_budget_s: float | None) -> bool:
         expected = facts.max_tokens if facts.expected_output_tokens is None else facts.expected_output_tokens
         decision = policies.queue.enqueue(now_s, request_id=facts.request_id, tenant=facts.tenant, tier=tier.name,
                                           prompt_tokens=facts.prompt_tokens, expected_output_tokens=expected,
-                                          timeout_s=facts.timeout_s)
+                                          timeout_s=wait_budget_s)
         for item in decision.shed:
             moved_to = self._move_to_fallback(now_s, policies, item, shed)
             if moved_to is None:
@@ -283,7 +305,7 @@ class OverloadControl:
                              expected_output_tokens=request.expected_output_tokens,
                              timeout_s=request.deadline_s - now_s)
         self._moved.add(request.request_id)
-        if not self._enqueue(now_s, fallback, facts, tier, shed):
+        if not self._enqueue(now_s, fallback, facts, tier, shed, facts.timeout_s):
             return None
         return fallback.ladder.pool
 
