@@ -88,8 +88,8 @@ class TenantShares:
         self._arrivals: dict[str, dict[str, DecayingRate]] = {}  # tier -> tenant -> work arriving
         self._served: dict[str, DecayingRate] = {}  # tier -> work dispatched
         self._first_arrival_s: dict[str, float] = {}  # tier -> when its rates began
-        # tier -> (when computed, tenants over share, the fair level); recomputed once per instant
-        self._verdicts: dict[str, tuple[float, frozenset[str], float]] = {}
+        # tier -> (when computed, tenants over share); recomputed once per instant
+        self._verdicts: dict[str, tuple[float, frozenset[str]]] = {}
 
     def on_arrival(self, now_s: float, tier: str, tenant: str, work: float) -> None:
         """Work (tokens reserved) admitted for `tenant` in `tier`, whether it is served or not."""
@@ -118,7 +118,7 @@ class TenantShares:
         over = self._verdict(now_s, tier)[1]
         return bool(over) and tenant not in over
 
-    def _verdict(self, now_s: float, tier: str) -> tuple[float, frozenset[str], float]:
+    def _verdict(self, now_s: float, tier: str) -> tuple[float, frozenset[str]]:
         cached = self._verdicts.get(tier)
         if cached is not None and cached[0] == now_s:
             return cached
@@ -137,5 +137,5 @@ class TenantShares:
         over = frozenset(tenant for tenant in candidates if rest and weighted[tenant] > self._factor * max(rest))
         if now_s - self._first_arrival_s.get(tier, now_s) < self._half_life_s:
             over = frozenset()  # too few requests yet for a verdict
-        verdict = self._verdicts[tier] = (now_s, over, level)
+        verdict = self._verdicts[tier] = (now_s, over)
         return verdict
