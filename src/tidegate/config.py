@@ -94,9 +94,10 @@ class UpstreamBackend(_Strict):
     api_key: SecretStr | None = None  # sent as Bearer; never echoed
     health_path: str | None = "/health"  # on the URL's host; null: passive ejection only
     slot_limit: int = Field(256, ge=1)
-    # send the request's tier rank (0 = best) as its `priority`, for engines that schedule by it
-    # (vLLM with --scheduling-policy priority, `tidegate engine`): a critical prompt is then prefilled
-    # ahead of the sheddable ones already queued inside the engine. Off: other servers may refuse
+    # send 2 x the request's tier rank (0 = best), +1 while its tenant floods the tier, as its
+    # `priority`, for engines that schedule by it (vLLM with --scheduling-policy priority,
+    # `tidegate engine`): a critical prompt is then prefilled ahead of the sheddable ones already
+    # queued inside the engine, a quiet tenant's ahead of a flood's. Off: other servers may refuse
     # the unknown field
     forward_priority: bool = False
 

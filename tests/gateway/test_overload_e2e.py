@@ -91,4 +91,4 @@ def test_the_tier_rank_goes_upstream_as_priority_whatever_the_client_asked(gatew
     # the backend has forward_priority on; the mock echoes the priority it got as system_fingerprint
     reply = _client(gateway, "sk-worker").chat.completions.create(model="m", messages=_MESSAGES,
                                                                   extra_body={"priority": -5})
-    assert reply.system_fingerprint == "priority=1"  # `mid` is rank 1
+    assert reply.system_fingerprint == "priority=2"  # `mid` is rank 1: 2 x rank, not flooding

@@ -271,8 +271,14 @@ async def test_a_quiet_tenant_takes_the_headroom_while_another_floods_its_tier(i
         clock.now_s += 0.1
         waiting.append(asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), f"n{i}", noisy, "m", _BODY))))
     clock.now_s += 0.1
-    first = asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), "q", quiet, "m", _BODY)))
+    quiet_ticket = runtime.admit(clock(), "q", quiet, "m", _BODY)
+    first = asyncio.ensure_future(runtime.acquire(quiet_ticket))
     await asyncio.sleep(0)
+    # sent to engines as `priority`: the flood's prompts go after the quiet tenant's (standard: rank 1)
+    flood_ticket = runtime.admit(clock(), "n11", noisy, "m", _BODY)
+    assert (runtime.engine_priority(quiet_ticket), runtime.engine_priority(flood_ticket)) == (
+        (2, 3) if isolation else (2, 2))
+    waiting.append(asyncio.ensure_future(runtime.acquire(flood_ticket)))
     # within its share while "noisy" is over its own: served like the best tier, in the headroom
     assert first.done() is isolation
     assert not any(future.done() for future in waiting)

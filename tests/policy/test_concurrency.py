@@ -362,6 +362,31 @@ def test_a_limit_that_queues_requests_far_inside_the_target_doubles(make, latenc
     assert (limit.limit == 2 * BOUNDS.initial) is doubles
 
 
+@pytest.mark.parametrize("make", [GradientSlotLimit, AimdSlotLimit])
+def test_doubling_stops_where_the_last_backoff_left_the_limit(make) -> None:
+    # ssthresh: a limit that missed the target at 20 slots backs off, then regains by doubling only
+    # up to where the backoff left it; above that it grows by the ordinary step a window
+    limit = make(1.0, bounds=BOUNDS)
+    for i in range(10):  # cold start: requests wait while the replica answers far inside the target
+        limit.on_sample(i / 9, 0.3, inflight=limit.limit, queued=True)
+    assert limit.limit == 20
+    for i in range(10):  # too many slots: over the target
+        limit.on_sample(2 + i / 9, 1.6, inflight=limit.limit, queued=True)
+    backed_off = limit.limit
+    assert backed_off < 20
+    limits = []
+    for window in range(3):  # far inside the target again, with a queue
+        for i in range(10):
+            limit.on_sample(4 + 2 * window + i / 9, 0.3, inflight=limit.limit, queued=True)
+        limits.append(limit.limit)
+    assert limits[0] < 2 * backed_off  # not doubled past the ceiling
+    assert limits[0] >= backed_off and limits[2] > limits[0]  # still grows, a step at a time
+    limit.retarget(1.0, None)  # a new target forgets the ceiling: doubling resumes
+    for i in range(10):
+        limit.on_sample(20 + i / 9, 0.3, inflight=limit.limit, queued=True)
+    assert limit.limit >= min(BOUNDS.maximum, 2 * limits[2])  # an ordinary step grows 1.25x at most
+
+
 def test_while_a_tenant_floods_the_limit_aims_at_the_latency_from_before_the_flood() -> None:
     slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=BOUNDS), best_tier_target_s=0.2, isolation_tolerance=1.1)
     slots.set_protection(False, isolating=True)

@@ -493,9 +493,18 @@ class OverloadRuntime:
             if len(pool.queue):
                 pool.dispatch_waiting(now_s)
 
-    def tier_rank(self, tier: str) -> int:
-        """The tier's rank (0 = best), sent as `priority` to engines that schedule by it."""
-        return self.control.tiers[tier].rank
+    def engine_priority(self, ticket: Ticket) -> int:
+        """The `priority` sent to engines that schedule by it (lower first): twice the tier's rank,
+        plus one while the ticket's tenant floods its tier.
+
+        The gateway's slots bound how many requests a replica holds, but the engine orders them
+        itself: its waiting sequences are admitted to the batch best priority first, then oldest,
+        and preemption takes the worst. With one priority per tier a flood's requests, dispatched
+        while nothing else waited, sit ahead of a protected tenant's in the engine's queue; one step
+        lower for the flooding tenant lets the others' prompts in first, and never below a lower tier.
+        """
+        flooding = self.control.floods(self.clock(), ticket.pool, ticket.tier, ticket.tenant)
+        return 2 * self.control.tiers[ticket.tier].rank + flooding
 
     def _protected_cap(self, replica: Replica, slots: ReplicaSlots, now_s: float) -> int:
         """Slots of the replica protected requests may hold, before the headroom (`best_tier_slots`)."""

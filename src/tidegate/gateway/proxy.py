@@ -235,8 +235,8 @@ class Proxy:
         if replica.upstream_model != body["model"]:
             rewrites["model"] = replica.upstream_model
         if replica.forward_priority and usage is not None and usage.ticket is not None:
-            # the tier decides, not a `priority` the client may have sent
-            rewrites["priority"] = self.overload.tier_rank(usage.ticket.tier)
+            # the tier (and a tenant's flood) decides, not a `priority` the client may have sent
+            rewrites["priority"] = self.overload.engine_priority(usage.ticket)
         payload = orjson.dumps({**body, **rewrites}) if rewrites else raw_body
         data = b"".join((replica.request_head(endpoint.value), b"x-request-id: ", request_id,
                          b"\r\ncontent-length: ", str(len(payload)).encode(), b"\r\n\r\n", payload))

@@ -25,7 +25,10 @@ which re-measures the floor (BBR's periodic ProbeRTT), or finds the target reach
 A window in most of whose samples requests were waiting in the gateway for a slot, while the
 replica answered within half the aimed latency, doubles the limit (slow start): there the limit
 itself is the bottleneck, after a cold start or while it regrows after protection, and a smoothed
-step a window would keep a load below capacity queueing for many seconds.
+step a window would keep a load below capacity queueing for many seconds. As TCP's slow start stops
+at ssthresh, doubling stops at the limit the last backoff left (until the target changes): above it
+the target was missed, and doubling back past it makes the limit swing around the best instead of
+settling on it (seen after a replica slowed 2x: 44 -> 13 -> 31 -> 19 slots).
 
 With `backlog_tolerance`, a window in most of whose samples requests were waiting in the gateway
 for a slot aims at that many times the target: Gradient2's `queueSize` allowance, granted only
@@ -141,6 +144,7 @@ class _WindowedLimit:
         self._kv_cache_high = kv_cache_high
         self._limit = float(bounds.initial)
         self._resume_limit: float | None = None  # a limit being regained after a change of target
+        self._slow_start_ceiling = math.inf  # ssthresh: where the last backoff left the limit
         self._window: _Window | None = None
         self._engine_queueing = False
         self.windows_closed = 0
@@ -175,6 +179,7 @@ class _WindowedLimit:
         previous = self._limit
         self.target_latency_s = target_latency_s
         self._resume_limit = None
+        self._slow_start_ceiling = math.inf  # learnt against the old target
         if limit is not None:
             limit = self.bounds.clamp(limit)
             if limit <= self._limit:
@@ -214,13 +219,15 @@ class _WindowedLimit:
             may_grow = used and not self._engine_queueing
             aimed_s = self.aimed_latency_s(now_s)
             limit = self._next_limit(self._limit, latency, aimed_s, window.dropped, may_grow)
+            if limit < self._limit:
+                self._slow_start_ceiling = limit
             if (self._backlogged and may_grow and self.may_relax and not window.dropped
                     and latency <= self.FAR_BELOW * aimed_s):
                 # requests wait in the gateway for slots while the replica answers far inside the
                 # target: the limit, not the replica, is the bottleneck (a cold start, or regrowth
                 # after protection), so it doubles, as in slow start, instead of creeping up
                 # by a smoothed step a window while the queue's wait adds to every request
-                limit = max(limit, 2.0 * self._limit)
+                limit = max(limit, min(2.0 * self._limit, self._slow_start_ceiling))
             if self._resume_limit is not None:
                 met = not window.dropped and latency <= aimed_s
                 if met and may_grow:

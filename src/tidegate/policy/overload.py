@@ -195,6 +195,11 @@ class OverloadControl:
         shares = self.pools[pool].shares
         return shares is not None and shares.protects(now_s, request.tier, request.tenant)
 
+    def floods(self, now_s: float, pool: str, tier: str, tenant: str) -> bool:
+        """Whether `tenant` sends more than its fair share of `tier` by the isolation's factor."""
+        shares = self.pools[pool].shares
+        return shares is not None and tenant in shares.over_share(now_s, tier)
+
     def isolating(self, now_s: float, pool: str) -> bool:
         """Whether some tenant floods a tier of `pool` (its tier's other tenants are protected)."""
         shares = self.pools[pool].shares
