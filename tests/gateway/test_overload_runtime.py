@@ -279,6 +279,10 @@ async def test_a_quiet_tenant_takes_the_headroom_while_another_floods_its_tier(i
     assert (runtime.engine_priority(quiet_ticket), runtime.engine_priority(flood_ticket)) == (
         (2, 3) if isolation else (2, 2))
     waiting.append(asyncio.ensure_future(runtime.acquire(flood_ticket)))
+    if isolation:  # the demoted request's wait in the engine is the flood's own: no slot sample
+        before = _metric(runtime, "tidegate_replica_slot_samples_total", pool="m", replica="r0", kind="ok")
+        runtime.first_token(pool.replicas[0], 5.0, flood_ticket)
+        assert _metric(runtime, "tidegate_replica_slot_samples_total", pool="m", replica="r0", kind="ok") == before
     # within its share while "noisy" is over its own: served like the best tier, in the headroom
     assert first.done() is isolation
     assert not any(future.done() for future in waiting)

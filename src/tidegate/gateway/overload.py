@@ -94,7 +94,8 @@ class Ticket:
     """What overload control knows of one admitted request; rides on `Waiter.ticket`."""
 
     __slots__ = ("request_id", "pool", "tier", "tenant", "prompt_tokens", "arrived_s", "predicted_wait_s",
-                 "response_headers", "dispatched_s", "waiter", "replica", "protected", "holds_protected_slot")
+                 "response_headers", "dispatched_s", "waiter", "replica", "protected", "holds_protected_slot",
+                 "demoted")
 
     def __init__(self, request_id: str, pool: str, tier: str, tenant: str, prompt_tokens: int, arrived_s: float,
                  predicted_wait_s: float | None, response_headers: bytes) -> None:
@@ -112,6 +113,8 @@ class Ticket:
         # served like the best tier (decided when it leaves the queue: `OverloadControl.protected`)
         self.protected = False
         self.holds_protected_slot: Replica | None = None  # the replica whose slot it holds, when protected
+        # sent to the engine a priority step below its tier, its tenant flooding (`engine_priority`)
+        self.demoted = False
 
 
 class FairWaitQueue:
@@ -463,7 +466,14 @@ class OverloadRuntime:
 
     # -- 4./5. adaptive slots
     def first_token(self, replica: Replica, latency_s: float, ticket: Ticket | None = None) -> None:
-        """Time from dispatch to the first token (or to the whole answer when not streamed)."""
+        """Time from dispatch to the first token (or to the whole answer when not streamed).
+
+        Not of a request the engine was told to serve after its tier's others (`demoted`): its
+        wait inside the engine is the flood's own queue, which neither the slot limit (that keeps
+        the others' batch at the target) nor the others' wait budget should answer for.
+        """
+        if ticket is not None and ticket.demoted:
+            return
         if ticket is not None:  # the wait budget of later requests of its tier counts it
             self.control.observe_first_token(ticket.pool, ticket.tier, latency_s)
         self._sample(replica, latency_s, dropped=False)
@@ -502,9 +512,10 @@ class OverloadRuntime:
         and preemption takes the worst. With one priority per tier a flood's requests, dispatched
         while nothing else waited, sit ahead of a protected tenant's in the engine's queue; one step
         lower for the flooding tenant lets the others' prompts in first, and never below a lower tier.
+        Records on the ticket whether it was demoted (see `first_token`).
         """
-        flooding = self.control.floods(self.clock(), ticket.pool, ticket.tier, ticket.tenant)
-        return 2 * self.control.tiers[ticket.tier].rank + flooding
+        ticket.demoted = self.control.floods(self.clock(), ticket.pool, ticket.tier, ticket.tenant)
+        return 2 * self.control.tiers[ticket.tier].rank + ticket.demoted
 
     def _protected_cap(self, replica: Replica, slots: ReplicaSlots, now_s: float) -> int:
         """Slots of the replica protected requests may hold, before the headroom (`best_tier_slots`)."""
