@@ -51,7 +51,7 @@ def test_running_decodes_come_before_new_prefills() -> None:
 
 
 def test_step_never_exceeds_token_budget() -> None:
-    scheduler, runner = make_scheduler(max_batch_tokens=10), FakeRunner()
+    scheduler, runner = make_scheduler(max_batch_tokens=10, max_num_seqs=16), FakeRunner()
     for _ in range(3):
         scheduler.add(make_seq(prompt_len=6))
     batch, _ = step(scheduler, runner)
@@ -149,6 +149,36 @@ def test_better_priority_is_admitted_first() -> None:
     scheduler.add(urgent)
     step(scheduler, runner)
     assert scheduler.running == [urgent]
+
+
+def test_a_better_class_prompt_takes_the_budget_before_a_worse_class_decodes() -> None:
+    # 8 worse-priority sequences decoding use 8 of a 10-token budget; a better prompt of 6 tokens
+    # must not wait for them: it is prefilled whole, and the worse decodes share what is left
+    scheduler, runner = make_scheduler(max_batch_tokens=10, max_num_seqs=16), FakeRunner()
+    flood = [make_seq(prompt_len=1, max_tokens=50, priority=3) for _ in range(8)]
+    for seq in flood:
+        scheduler.add(seq)
+    step(scheduler, runner)
+    assert all(seq.is_decoding for seq in flood)
+    quiet = make_seq(prompt_len=6, priority=2)
+    scheduler.add(quiet)
+    batch, _ = step(scheduler, runner)
+    prefills = batch.chunks[batch.num_decodes:]
+    assert [(c.seq, c.num_tokens) for c in prefills] == [(quiet, 6)]
+    assert batch.num_decodes == 4 and all(c.seq in flood for c in batch.chunks[:4])  # oldest first
+    assert batch.num_tokens == 10
+
+
+def test_with_one_priority_every_decode_comes_before_a_new_prompt() -> None:
+    scheduler, runner = make_scheduler(max_batch_tokens=10, max_num_seqs=16), FakeRunner()
+    running = [make_seq(prompt_len=1, max_tokens=50) for _ in range(8)]
+    for seq in running:
+        scheduler.add(seq)
+    step(scheduler, runner)
+    newcomer = make_seq(prompt_len=6)
+    scheduler.add(newcomer)
+    batch, _ = step(scheduler, runner)
+    assert batch.num_decodes == 8 and [(c.seq, c.num_tokens) for c in batch.chunks[8:]] == [(newcomer, 2)]
 
 
 def test_out_of_blocks_preempts_the_newest_of_equal_priority() -> None:

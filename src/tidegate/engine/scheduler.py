@@ -6,7 +6,8 @@ PURE: no torch, no asyncio, no clock. Each step:
 2. waiting sequences admitted, best priority then oldest first, under the token budget and
    `max_num_seqs`; a prompt longer than what is left of the budget is split across steps
    (a chunk deep in a long prompt is charged for its attention over the context, see
-   `attention_cost_tokens`, so it is shorter and the step no slower);
+   `attention_cost_tokens`, so it is shorter and the step no slower); with several priorities,
+   1 and 2 go class by class (a worse class's decodes wait for a better class's prompts);
 3. if a running sequence cannot get a KV block, the worst running sequence (lowest priority, then
    newest) is preempted: its blocks are freed and it is recomputed from its tokens later.
 `update` then appends the sampled tokens; finished sequences leave at once and free their blocks.
@@ -14,6 +15,7 @@ PURE: no torch, no asyncio, no clock. Each step:
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -90,7 +92,7 @@ class Scheduler:
         self._arrivals += 1
         seq.arrival_index = self._arrivals
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_rank)  # `schedule` may still admit from it this step
 
     def abort(self, seq_id: int) -> StepOutput | None:
         for queue in (self.running, self.waiting):
@@ -103,34 +105,43 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         budget = self.config.max_batch_tokens
         chunks: list[ScheduledChunk] = []
-        # decodes first; among equals, best rank first so that victims come from the tail
-        candidates = sorted(self.running, key=lambda s: (not s.is_decoding, _rank(s)))
-        scheduled: list[Sequence] = []
-        while candidates and budget > 0:
-            seq = candidates.pop(0)
-            want = 1 if seq.is_decoding else self._chunk_size(seq, budget, bool(chunks))
-            granted = self._reserve(seq, want, candidates)
-            if granted == 0:
-                continue  # preempted itself, or no room for it in this step
-            chunks.append(self._chunk(seq, granted))
-            scheduled.append(seq)
-            budget -= granted if seq.is_decoding else self._prefill_cost(seq.num_computed_tokens, granted)
-        num_decodes = sum(1 for chunk in chunks if chunk.seq.is_decoding)
+        # Class by class of priority: a class's running sequences (decodes first), then its waiting
+        # prompts, then the next class. With one class that is all decodes, then the prompts; with
+        # several, a better class's prompt is not left waiting while the step's budget goes to a
+        # worse class's decodes (a flood's hundred decodes would otherwise take most of every step).
+        # Among equals, best rank first, so that victims come from the tail.
+        candidates = sorted(self.running, key=lambda s: (s.priority, not s.is_decoding, s.arrival_index))
         self.waiting.sort(key=_rank)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
-            want = self._chunk_size(seq, budget, has_prefill=any(not c.seq.is_decoding for c in chunks))
+        admitting = True  # a prompt that cannot be admitted stops admissions: the order holds
+        while budget > 0:
+            head = self.waiting[0] if admitting and self.waiting else None
+            if candidates and (head is None or candidates[0].priority <= head.priority):
+                seq = candidates.pop(0)
+                want = 1 if seq.is_decoding else self._chunk_size(seq, budget, bool(chunks))
+                granted = self._reserve(seq, want, candidates)
+                if granted == 0:
+                    continue  # preempted itself, or no room for it in this step
+                chunks.append(self._chunk(seq, granted))
+                budget -= granted if seq.is_decoding else self._prefill_cost(seq.num_computed_tokens, granted)
+                continue
+            if head is None or len(self.running) >= self.config.max_num_seqs:
+                break
+            want = self._chunk_size(head, budget, has_prefill=any(not c.seq.is_decoding for c in chunks))
             # admit only when the whole prompt fits: a half-admitted prompt would be preempted
             # by the next decode that needs a block, and its chunks computed again and again
-            if want == 0 or not self.blocks.can_hold(seq, seq.num_tokens):
-                break
+            if want == 0 or not self.blocks.can_hold(head, head.num_tokens):
+                admitting = False
+                continue
             self.waiting.pop(0)
-            self.blocks.grow(seq, seq.num_computed_tokens + want)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            chunks.append(self._chunk(seq, want))
-            budget -= self._prefill_cost(seq.num_computed_tokens, want)
-        return ScheduledBatch(chunks=tuple(chunks), num_decodes=num_decodes)
+            self.blocks.grow(head, head.num_computed_tokens + want)
+            head.status = SequenceStatus.RUNNING
+            self.running.append(head)
+            chunks.append(self._chunk(head, want))
+            budget -= self._prefill_cost(head.num_computed_tokens, want)
+        # the runner takes the decodes first (one token each), then the prefill chunks
+        decodes = [chunk for chunk in chunks if chunk.seq.is_decoding]
+        prefills = [chunk for chunk in chunks if not chunk.seq.is_decoding]
+        return ScheduledBatch(chunks=(*decodes, *prefills), num_decodes=len(decodes))
 
     def update(self, batch: ScheduledBatch, sampled: list[int]) -> list[StepOutput]:
         """Applies one step's results; `sampled` holds a token per chunk with `samples`, in order."""
@@ -208,7 +219,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        self.waiting.append(seq)
+        bisect.insort(self.waiting, seq, key=_rank)  # `schedule` may still admit from it this step
 
     @staticmethod
     def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
