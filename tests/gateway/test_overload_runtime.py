@@ -250,14 +250,15 @@ def test_best_tier_target_may_not_exceed_the_target() -> None:
         parse_overload_sections({"limits": {"slots": {"target_latency_s": 0.5, "best_tier_target_latency_s": 0.6}}})
 
 
-@pytest.mark.parametrize("isolation", [True, False])
-async def test_a_quiet_tenant_takes_the_headroom_while_another_floods_its_tier(isolation: bool) -> None:
+async def _flooded(isolation: bool, forward_priority: bool = False):
+    """One slot plus one of headroom; "noisy" holds the slot with ten more of its requests waiting."""
     slots = {"initial": 1, "minimum": 1, "maximum": 1, "window_s": 0, "priority_headroom": 1,
              "target_latency_s": 0.5, "backlog_tolerance": 1.5, "floor_tolerance": None}
     tenants = {"noisy": {"api_keys": ["sk-noisy"]}, "quiet": {"api_keys": ["sk-quiet"]}}
     clock = FakeClock()
     runtime, pool = _runtime({"tenants": tenants, "limits": {"slots": slots, "isolation": {} if isolation else None}},
                              clock=clock)
+    pool.replicas[0].forward_priority = forward_priority
     noisy, quiet = runtime.authenticate(b"Bearer sk-noisy"), runtime.authenticate(b"Bearer sk-quiet")
     for i in range(10):  # "noisy" served alone for a while: the tier's service rate is known
         served = runtime.admit(clock(), f"s{i}", noisy, "m", _BODY)
@@ -265,27 +266,25 @@ async def test_a_quiet_tenant_takes_the_headroom_while_another_floods_its_tier(i
         clock.now_s += 0.6
         runtime.settle(served, None, 10)
         pool.release(replica, clock())
-    await runtime.acquire(runtime.admit(clock(), "n0", noisy, "m", _BODY))
+    holder = runtime.admit(clock(), "n0", noisy, "m", _BODY)
+    await runtime.acquire(holder)
     waiting = []
     for i in range(1, 11):  # the flood: ten more of the same tier wait for the one slot
         clock.now_s += 0.1
-        waiting.append(asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), f"n{i}", noisy, "m", _BODY))))
+        ticket = runtime.admit(clock(), f"n{i}", noisy, "m", _BODY)
+        waiting.append((ticket, asyncio.ensure_future(runtime.acquire(ticket))))
     clock.now_s += 0.1
-    quiet_ticket = runtime.admit(clock(), "q", quiet, "m", _BODY)
-    first = asyncio.ensure_future(runtime.acquire(quiet_ticket))
+    return runtime, pool, clock, quiet, holder, waiting
+
+
+@pytest.mark.parametrize("isolation", [True, False])
+async def test_a_quiet_tenant_takes_the_headroom_while_another_floods_its_tier(isolation: bool) -> None:
+    runtime, pool, clock, quiet, _, waiting = await _flooded(isolation)
+    first = asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), "q", quiet, "m", _BODY)))
     await asyncio.sleep(0)
-    # sent to engines as `priority`: the flood's prompts go after the quiet tenant's (standard: rank 1)
-    flood_ticket = runtime.admit(clock(), "n11", noisy, "m", _BODY)
-    assert (runtime.engine_priority(quiet_ticket), runtime.engine_priority(flood_ticket)) == (
-        (2, 3) if isolation else (2, 2))
-    waiting.append(asyncio.ensure_future(runtime.acquire(flood_ticket)))
-    if isolation:  # the demoted request's wait in the engine is the flood's own: no slot sample
-        before = _metric(runtime, "tidegate_replica_slot_samples_total", pool="m", replica="r0", kind="ok")
-        runtime.first_token(pool.replicas[0], 5.0, flood_ticket)
-        assert _metric(runtime, "tidegate_replica_slot_samples_total", pool="m", replica="r0", kind="ok") == before
     # within its share while "noisy" is over its own: served like the best tier, in the headroom
     assert first.done() is isolation
-    assert not any(future.done() for future in waiting)
+    assert not any(future.done() for _, future in waiting)
     assert pool.replicas[0].outstanding == (2 if isolation else 1)
     for _ in range(10):  # a window of slow answers while the flood waits for slots
         clock.now_s += 0.1
@@ -295,7 +294,42 @@ async def test_a_quiet_tenant_takes_the_headroom_while_another_floods_its_tier(i
     assert aimed_s == (0.5 if isolation else 0.75)
     assert _metric(runtime, "tidegate_overload_tenants_over_share", pool="m", tier="standard") == (
         1 if isolation else None)
-    for future in [*waiting, first]:
+    for future in [*(future for _, future in waiting), first]:
+        future.cancel()
+
+
+@pytest.mark.parametrize("forward_priority", [True, False])
+async def test_a_flooding_tenants_request_goes_to_the_engine_a_priority_step_down(forward_priority: bool) -> None:
+    runtime, pool, clock, quiet, holder, waiting = await _flooded(True, forward_priority)
+    replica = pool.replicas[0]
+    quiet_ticket = runtime.admit(clock(), "q", quiet, "m", _BODY)  # within its share: the headroom
+    await asyncio.wait_for(runtime.acquire(quiet_ticket), 1.0)
+    for ticket in (quiet_ticket, holder):  # both end: the flood's next request takes the slot
+        runtime.settle(ticket, None, 10)
+        pool.release(replica, clock())
+    (flooded, taken), *rest = waiting
+    await asyncio.sleep(0)
+    assert taken.done() and not any(future.done() for _, future in rest)
+    # standard is rank 1: 2 x rank, and one more for the flood (where the engine schedules by it)
+    assert runtime.engine_priority(quiet_ticket) == 2
+    assert runtime.engine_priority(flooded) == (3 if forward_priority else 2)
+    # the engine serves a demoted request last: it holds no slot against the quiet tenant, who
+    # has the slot and the headroom's; otherwise only the headroom's
+    quiet_again = [runtime.admit(clock(), f"q{i}", quiet, "m", _BODY) for i in (2, 3)]
+    acquired = [asyncio.ensure_future(runtime.acquire(ticket)) for ticket in quiet_again]
+    await asyncio.sleep(0)
+    assert [future.done() for future in acquired] == ([True, True] if forward_priority else [True, False])
+    assert replica.slot_limit == (3 if forward_priority else 2)
+    # a demoted request's time to first token is the flood's own queue in the engine: no sample
+    samples = _metric(runtime, "tidegate_replica_slot_samples_total", pool="m", replica="r0", kind="ok")
+    runtime.first_token(replica, 5.0, flooded)
+    after = _metric(runtime, "tidegate_replica_slot_samples_total", pool="m", replica="r0", kind="ok")
+    assert after == (samples if forward_priority else (samples or 0) + 1)
+    runtime.settle(flooded, None, 10)
+    assert replica.slot_limit == 2
+    for future in acquired:
+        future.cancel()
+    for _, future in rest:
         future.cancel()
 
 

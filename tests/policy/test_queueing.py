@@ -60,6 +60,21 @@ def test_least_served_tenant_goes_next() -> None:
     assert _drain(queue, 0.0) == ["f0", "q0", "f1", "f2"]
 
 
+def test_a_skipped_tenants_turn_passes_to_the_next_least_served() -> None:
+    queue = FairPriorityQueue(_tiers(), max_queued=100)
+    for i in range(2):
+        _put(queue, 0.0, tenant="flood", tokens=100, request_id=f"f{i}")
+        _put(queue, 0.0, tenant="quiet", tokens=100, request_id=f"q{i}")
+    _put(queue, 0.0, tenant="other", tier="sheddable", request_id="s")
+    skip = frozenset({"flood"})
+    assert queue.peek().request_id == "f0"  # its turn, but it may not go now
+    assert queue.peek(skip).request_id == "q0"
+    assert [queue.dequeue(0.0, skip).request.request_id for _ in range(2)] == ["q0", "q1"]
+    # only skipped tenants wait in the tier whose turn it is: nothing, not a lower tier's request
+    assert queue.peek(skip) is None and queue.dequeue(0.0, skip).request is None
+    assert _drain(queue, 0.0) == ["f0", "f1", "s"]
+
+
 def test_tenant_weight_buys_a_larger_share() -> None:
     queue = FairPriorityQueue(_tiers(), max_queued=100, tenant_weights={"gold": 3.0})
     for i in range(8):

@@ -95,7 +95,7 @@ class Ticket:
 
     __slots__ = ("request_id", "pool", "tier", "tenant", "prompt_tokens", "arrived_s", "predicted_wait_s",
                  "response_headers", "dispatched_s", "waiter", "replica", "protected", "holds_protected_slot",
-                 "demoted")
+                 "demoted_on")
 
     def __init__(self, request_id: str, pool: str, tier: str, tenant: str, prompt_tokens: int, arrived_s: float,
                  predicted_wait_s: float | None, response_headers: bytes) -> None:
@@ -113,8 +113,8 @@ class Ticket:
         # served like the best tier (decided when it leaves the queue: `OverloadControl.protected`)
         self.protected = False
         self.holds_protected_slot: Replica | None = None  # the replica whose slot it holds, when protected
-        # sent to the engine a priority step below its tier, its tenant flooding (`engine_priority`)
-        self.demoted = False
+        # the replica that was told to serve it a priority step below its tier, its tenant flooding
+        self.demoted_on: Replica | None = None
 
 
 class FairWaitQueue:
@@ -134,6 +134,7 @@ class FairWaitQueue:
         self._waiting: dict[str, Waiter] = {}
         self._retries: deque[Waiter] = deque()
         self._peeked_at_s = 0.0
+        self._skipped: frozenset[str] = frozenset()  # flooding tenants `peek` passed over
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at_s: float | None = None
 
@@ -150,8 +151,9 @@ class FairWaitQueue:
             return self._retries[0]
         now_s = self._peeked_at_s = self._runtime.clock()
         self._runtime.answer_shed(now_s, self._control.expire(now_s, self._pool))
+        self._skipped = frozenset()
         while True:
-            head = self._control.peek(self._pool)
+            head = self._control.peek(self._pool, self._skipped)
             if head is None:
                 return None
             waiter = self._waiting.get(head.request_id)
@@ -161,7 +163,13 @@ class FairWaitQueue:
                     # the rest fill only the slots neither headroom nor the protected reserve keeps
                     excluded = self._runtime.unprotected_exclusions(self._pool, now_s)
                     if excluded is None:
-                        return None  # no such slot free: hold the head back
+                        # no such slot free: hold the head back; but a flooding tenant's turn must
+                        # not hold back its tier's tenants within their share, who may go now
+                        flooding = self._control.flooding(now_s, self._pool, head.tier)
+                        if head.tenant not in flooding or self._skipped:
+                            return None
+                        self._skipped = flooding
+                        continue
                     waiter.exclude = excluded
                 return waiter
             # queued in the policy but nobody waits for it (its handler failed before waiting)
@@ -171,7 +179,7 @@ class FairWaitQueue:
         if self._retries:
             return self._retries.popleft()
         now_s = self._peeked_at_s  # the instant `peek` looked: the same request comes out
-        dispatch = self._control.dispatch(now_s, self._pool)
+        dispatch = self._control.dispatch(now_s, self._pool, self._skipped)
         self._runtime.answer_shed(now_s, dispatch.shed)
         request = dispatch.request
         if request is None:
@@ -250,6 +258,7 @@ class OverloadRuntime:
         self._share_reserves: dict[str, PriorityReserve | None] = {
             name: PriorityReserve(half_life_s) if half_life_s is not None else None for name in pools}
         self._protected_held: dict[str, int] = {}  # replica id -> protected requests holding its slots
+        self._demoted_held: dict[str, int] = {}  # replica id -> demoted requests (`engine_priority`) it holds
         self._best_held: dict[str, int] = {}  # replica id -> best-tier requests holding its slots
         # One anonymous tenant, no rate limit: a request that finds the queue empty and a slot free
         # would be admitted, queued and dispatched at once, so it skips the policy round trip.
@@ -390,6 +399,13 @@ class OverloadRuntime:
 
     def _took_slot(self, ticket: Ticket, replica: Replica, now_s: float) -> None:
         if not ticket.protected:
+            if replica.forward_priority and self.control.floods(now_s, ticket.pool, ticket.tier, ticket.tenant):
+                # demoted (see `engine_priority`): the engine serves it after the tier's others, so
+                # it takes no slot from them; the limit still bounds the flood (unprotected_exclusions)
+                ticket.demoted_on = replica
+                rid = replica.replica_id
+                self._demoted_held[rid] = self._demoted_held.get(rid, 0) + 1
+                replica.slot_limit += 1
             return
         reserve = self._reserve_of(ticket)
         if reserve is not None:
@@ -401,6 +417,11 @@ class OverloadRuntime:
             self._best_held[rid] = self._best_held.get(rid, 0) + 1
 
     def _gave_back_slot(self, ticket: Ticket, now_s: float) -> None:
+        demoted_on = ticket.demoted_on
+        if demoted_on is not None:
+            ticket.demoted_on = None
+            self._demoted_held[demoted_on.replica_id] -= 1
+            demoted_on.slot_limit -= 1
         replica = ticket.holds_protected_slot
         if replica is None:
             return
@@ -472,7 +493,7 @@ class OverloadRuntime:
         wait inside the engine is the flood's own queue, which neither the slot limit (that keeps
         the others' batch at the target) nor the others' wait budget should answer for.
         """
-        if ticket is not None and ticket.demoted:
+        if ticket is not None and ticket.demoted_on is not None:
             return
         if ticket is not None:  # the wait budget of later requests of its tier counts it
             self.control.observe_first_token(ticket.pool, ticket.tier, latency_s)
@@ -496,7 +517,8 @@ class OverloadRuntime:
         # a flooding tenant's backlog stretches no target: the bigger batch would slow the very
         # tenants isolation protects, to drain a queue that is the flood's own
         slots.observe(now_s, latency_s, dropped, queued=len(pool.queue) > 0 and not isolating)
-        replica.slot_limit = self._protected_cap(replica, slots, now_s) + self._headroom
+        replica.slot_limit = (self._protected_cap(replica, slots, now_s) + self._headroom
+                              + self._demoted_held.get(replica.replica_id, 0))
         kind = "drop" if dropped else "ok"
         self.metrics.of(self.metrics.slot_samples, replica.pool_name, replica.replica_id, kind).inc()
         if replica.slot_limit > before:
@@ -505,17 +527,17 @@ class OverloadRuntime:
 
     def engine_priority(self, ticket: Ticket) -> int:
         """The `priority` sent to engines that schedule by it (lower first): twice the tier's rank,
-        plus one while the ticket's tenant floods its tier.
+        plus one if the ticket is demoted: its tenant flooded its tier when it took its slot.
 
         The gateway's slots bound how many requests a replica holds, but the engine orders them
-        itself: its waiting sequences are admitted to the batch best priority first, then oldest,
-        and preemption takes the worst. With one priority per tier a flood's requests, dispatched
-        while nothing else waited, sit ahead of a protected tenant's in the engine's queue; one step
-        lower for the flooding tenant lets the others' prompts in first, and never below a lower tier.
-        Records on the ticket whether it was demoted (see `first_token`).
+        itself: its prompts and decodes go best priority first, then oldest, and preemption takes
+        the worst. With one priority per tier a flood's requests, dispatched while nothing else
+        waited, sit ahead of a protected tenant's in the engine's queue and fill its steps; one
+        step lower for the flooding tenant lets the others' prompts in first, and never below a
+        lower tier. A demoted request holds no slot against protected ones (`_took_slot`), and its
+        time to first token teaches nothing (`first_token`).
         """
-        ticket.demoted = self.control.floods(self.clock(), ticket.pool, ticket.tier, ticket.tenant)
-        return 2 * self.control.tiers[ticket.tier].rank + ticket.demoted
+        return 2 * self.control.tiers[ticket.tier].rank + (ticket.demoted_on is not None)
 
     def _protected_cap(self, replica: Replica, slots: ReplicaSlots, now_s: float) -> int:
         """Slots of the replica protected requests may hold, before the headroom (`best_tier_slots`)."""
@@ -556,7 +578,7 @@ class OverloadRuntime:
     # -- 6. settle
     def settle(self, ticket: Ticket, prompt_tokens: int | None, completion_tokens: int) -> None:
         """Ends the request's accounts: refund unused tokens, correct fair share. Call exactly once."""
-        if ticket.holds_protected_slot is not None:
+        if ticket.holds_protected_slot is not None or ticket.demoted_on is not None:
             self._gave_back_slot(ticket, self.clock())
         if ticket.replica is not None:
             return  # the fast path: nothing reserved, nothing queued

@@ -173,12 +173,13 @@ class OverloadControl:
         return Arrival(ArrivalOutcome.PRESET_REPLY, tier, None, Rung.PRESET_REPLY, admission, prediction, decision,
                        tuple(shed))
 
-    def dispatch(self, now_s: float, pool: str) -> Dispatch:
-        """Step 2: a replica of `pool` has a free slot: the request to send it, if any."""
+    def dispatch(self, now_s: float, pool: str, skip_tenants: frozenset[str] = frozenset()) -> Dispatch:
+        """Step 2: a replica of `pool` has a free slot: the request to send it, if any (passing
+        over `skip_tenants` in the tier whose turn it is, as `peek` did)."""
         policies = self.pools[pool]
         # expired first, so that the predictor learns if that emptied the queue; dequeue then finds none
         shed = tuple(self._notice(now_s, policies, item) for item in self._expire(now_s, policies))
-        result = policies.queue.dequeue(now_s)
+        result = policies.queue.dequeue(now_s, skip_tenants)
         request = result.request
         if request is not None:
             policies.predictor.on_dispatch(now_s, request.tokens, queued_after=len(policies.queue))
@@ -197,17 +198,21 @@ class OverloadControl:
 
     def floods(self, now_s: float, pool: str, tier: str, tenant: str) -> bool:
         """Whether `tenant` sends more than its fair share of `tier` by the isolation's factor."""
+        return tenant in self.flooding(now_s, pool, tier)
+
+    def flooding(self, now_s: float, pool: str, tier: str) -> frozenset[str]:
+        """The tenants that send more than their fair share of `tier` by the isolation's factor."""
         shares = self.pools[pool].shares
-        return shares is not None and tenant in shares.over_share(now_s, tier)
+        return frozenset() if shares is None else shares.over_share(now_s, tier)
 
     def isolating(self, now_s: float, pool: str) -> bool:
         """Whether some tenant floods a tier of `pool` (its tier's other tenants are protected)."""
         shares = self.pools[pool].shares
         return shares is not None and any(shares.over_share(now_s, tier.name) for tier in self.tiers)
 
-    def peek(self, pool: str) -> QueuedRequest | None:
+    def peek(self, pool: str, skip_tenants: frozenset[str] = frozenset()) -> QueuedRequest | None:
         """The request `dispatch` would hand out next, left waiting (to check a replica suits it)."""
-        return self.pools[pool].queue.peek()
+        return self.pools[pool].queue.peek(skip_tenants)
 
     def expire(self, now_s: float, pool: str) -> tuple[ShedNotice, ...]:
         """Requests of `pool` past their deadline (call at `queue.next_deadline_s()`): answer them."""

@@ -199,15 +199,18 @@ class FairPriorityQueue:
             heapq.heappop(self._deadlines)
         return self._deadlines[0][0] if self._deadlines else None
 
-    def peek(self) -> QueuedRequest | None:
+    def peek(self, skip_tenants: frozenset[str] = frozenset()) -> QueuedRequest | None:
         """The request `dequeue` would hand out next (expiry aside), left in place.
 
         For a dispatcher that must first find a replica this request may use (retry exclusions).
+        `skip_tenants`: tenants of the tier whose turn it is that may not be served now (the next
+        least-served tenant of that tier goes instead; None when only they wait there).
         """
         queue = self._pick_tier()
         if queue is None:
             return None
-        return next(iter(queue.by_tenant[self._least_served_tenant(queue)].values()))
+        tenant = self._next_tenant(queue, skip_tenants)
+        return None if tenant is None else next(iter(queue.by_tenant[tenant].values()))
 
     def service_counter(self, tier: str, tenant: str) -> float:
         return self._queues[tier].counters.get(tenant, 0.0)
@@ -250,13 +253,14 @@ class FairPriorityQueue:
         self._add(queue, request)
         return EnqueueDecision(EnqueueOutcome.QUEUED, request, tuple(shed))
 
-    def dequeue(self, now_s: float) -> DequeueResult:
-        """The next request to dispatch: call when a replica has a free slot (late binding)."""
+    def dequeue(self, now_s: float, skip_tenants: frozenset[str] = frozenset()) -> DequeueResult:
+        """The next request to dispatch: call when a replica has a free slot (late binding).
+        `skip_tenants` as for `peek`."""
         expired = self.expire(now_s)
         queue = self._pick_tier()
-        if queue is None:
+        tenant = None if queue is None else self._next_tenant(queue, skip_tenants)
+        if queue is None or tenant is None:
             return DequeueResult(None, expired, 0.0)
-        tenant = self._least_served_tenant(queue)
         seq = next(iter(queue.by_tenant[tenant]))
         request = self._remove(queue, seq)
         charged = self._charge(request.prompt_tokens, request.expected_output_tokens, tenant)
@@ -318,6 +322,14 @@ class FairPriorityQueue:
                 elif offset_s is not None and oldest_s + offset_s < best_key:
                     best, best_key = queue, oldest_s + offset_s
         return best
+
+    def _next_tenant(self, queue: _TierQueue, skip_tenants: frozenset[str]) -> str | None:
+        tenant = self._least_served_tenant(queue)
+        if tenant not in skip_tenants:
+            return tenant
+        # passed over: the least served of the rest (a scan, taken only when some tenant is skipped)
+        rest = [(queue.counters[other], other) for other in queue.by_tenant if other not in skip_tenants]
+        return min(rest)[1] if rest else None
 
     def _least_served_tenant(self, queue: _TierQueue) -> str:
         while True:
