@@ -67,6 +67,9 @@ SLOWDOWN_SLOT_TARGET_S = 0.2
 # the noisy-tenant bar's shares add up to this fraction of the measured capacity: what a service is
 # provisioned to carry with headroom (utilisation 0.8), so the fair baseline is a settled queue
 PROVISIONED = 0.8
+# the noisy bar also prints the others' P99 split at this many seconds into the flood: before it,
+# the gateway may not yet judge the tenant to be flooding (rates average over a 5 s half-life)
+DETECTION_S = 10.0
 
 
 def gateway_config(port: int, upstreams: list[str], overload: bool, slot_target_s: float = SLOT_TARGET_S,
@@ -110,6 +113,14 @@ async def noisy_tenant_bar(both, capacity: float, standard: list[str], phase_s: 
               f"noisy {served(noisy[mode], {'noisy'})}; {noisy_s:.0f} s phases]")
         print(f"  others' TTFT p50/p90/p99 ms: fair {ttft_summary(fair[mode], others)}, "
               f"noisy {ttft_summary(noisy[mode], others)}")
+        # isolation starts only once the flood is detected: how much of the tail is its first seconds
+        early = [r.ttft_s for r in noisy[mode].records if r.tenant in others and r.ok and r.ttft_s is not None
+                 and r.sent_s < DETECTION_S]
+        late = [r.ttft_s for r in noisy[mode].records if r.tenant in others and r.ok and r.ttft_s is not None
+                and r.sent_s >= DETECTION_S]
+        print(f"  others' P99 TTFT in the noisy phase, sent in its first {DETECTION_S:.0f} s / after: "
+              + " / ".join(f"{np.percentile(part, 99) * 1000:.0f} ms" if part else "-" for part in (early, late))
+              + f"; slowest (sent at s/TTFT ms/send lag ms): {slowest(noisy[mode], others, 6)}")
     return ok
 
 

@@ -189,10 +189,9 @@ class IsolationConfig(_Strict):
     over_share_factor: float = Field(2.0, ge=1)
     rate_half_life_s: float = Field(5.0, gt=0)  # arrival and service rates are averaged this long
     # while a tenant floods, replica limits aim at this many times the latency they answered with
-    # before the flood (never above the target). Off by default: measured on the embedded engine,
-    # the smaller batches cost the protected tenants more in queueing (and refusals) than they
-    # gained in batch latency. null: the target
-    latency_tolerance: float | None = Field(None, ge=1)
+    # before the flood (never above the target); the flood's requests, demoted in the engine, hold
+    # no slot against the others, so the smaller limit squeezes the flood, not them. null: the target
+    latency_tolerance: float | None = Field(1.1, ge=1)
 
     def shares(self, tenant_weights: Mapping[str, float] | None) -> TenantShares:
         return TenantShares(half_life_s=self.rate_half_life_s, over_share_factor=self.over_share_factor,

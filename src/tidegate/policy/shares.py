@@ -5,8 +5,9 @@ every free slot filled, so each batch runs at the slot limit's latency target, a
 sends only its share waits no longer in the queue yet still gets its first token that much later.
 The isolation the gateway offers against that: while some tenant of a tier is *over* its share,
 the requests of that tier's tenants *within* theirs are protected (the headroom and a reserve
-inside each replica's limit, no target stretched for the flood's backlog, and optionally limits
-aimed at the latency from before the flood), so the flood's excess gets only the slots they leave.
+inside each replica's limit, no target stretched for the flood's backlog, limits aimed at the
+latency from before the flood, and the flood's requests a priority step lower in engines that
+schedule by it), so the flood's excess gets only the slots and steps they leave.
 
 A tenant's share is its max-min fair rate (weighted water-filling, as in fair queueing: Demers,
 Keshav and Shenker 1989): the tier's measured service rate divided so that no tenant gets more
