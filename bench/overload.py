@@ -76,9 +76,12 @@ def gateway_config(port: int, upstreams: list[str], overload: bool, slot_target_
                    best_tier_target_s: float = BEST_TIER_SLOT_TARGET_S, upstream_model: str | None = None) -> dict:
     config: dict = {
         "server": {"port": port, "access_log": False, "queue_timeout_s": 30.0},
-        # forward_priority: the embedded engine schedules by the tier's rank (the knee mock ignores it)
+        # forward_priority: the embedded engine schedules by the tier's rank (the knee mock ignores
+        # it, so it is not told: the gateway would count on a demotion the mock never makes); the
+        # embedded replicas are the ones named by a model
         "pools": [{"name": "m", "backends": [{"type": "upstream", "url": url, "health_path": "/health",
-                                               "model": upstream_model, "forward_priority": True}
+                                               "model": upstream_model,
+                                               "forward_priority": upstream_model is not None}
                                               for url in upstreams]}],
         "tenants": {name: {"api_keys": [f"sk-{name}"], "tier": tier} for name, tier in TENANTS.items()},
         "limits": {"slots": {"target_latency_s": slot_target_s, "initial": 4, "maximum": 256,

@@ -277,7 +277,10 @@ class OverloadRuntime:
             for replica in pool.replicas:
                 # the backend's configured slot_limit stays a ceiling the adaptive limit never passes
                 slots = self.slots[replica.replica_id] = slots_config.new_slots(
-                    ceiling=replica.slot_limit, isolation_tolerance=isolation_tolerance)
+                    ceiling=replica.slot_limit,
+                    # a smaller limit squeezes the flood, not the protected tenants, only where the
+                    # flood is demoted (`engine_priority`); elsewhere it measured worse than none
+                    isolation_tolerance=isolation_tolerance if replica.forward_priority else None)
                 self._protected_held[replica.replica_id] = self._best_held[replica.replica_id] = 0
                 # routing's cap: the adaptive limit plus the protected requests' headroom
                 replica.slot_limit = slots.slot_limit + self._headroom
