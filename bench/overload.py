@@ -246,6 +246,9 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
                       f"range {min(limits):.0f}-{max(limits):.0f}, aimed at median {np.median(aimed_ms):.0f} ms; "
                       f"a tenant judged flooding in {sum(f > 0 for f in flooding)}/{len(flooding)} samples; "
                       f"refused by tier and reason: {refused_text or 'none'})")
+                if flood:  # to line the others' slowest requests up with what the limits did
+                    print("  (each second: slot limits " + " ".join(f"{limit:.0f}" for limit in limits)
+                          + "; flooding judged " + "".join("F" if f > 0 else "." for f in flooding) + ")")
             drain(upstreams)
         return out
 
