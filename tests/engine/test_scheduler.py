@@ -169,6 +169,23 @@ def test_a_better_class_prompt_takes_the_budget_before_a_worse_class_decodes() -
     assert batch.num_tokens == 10
 
 
+def test_a_full_engine_keeps_decoding_a_worse_class_while_a_better_prompt_waits() -> None:
+    # no room to admit the better prompt: the worse class's sequences must still run, or none
+    # would ever finish to make room
+    scheduler, runner = make_scheduler(max_num_seqs=2), FakeRunner()
+    worse = [make_seq(prompt_len=1, max_tokens=3, priority=3) for _ in range(2)]
+    for seq in worse:
+        scheduler.add(seq)
+    step(scheduler, runner)
+    better = make_seq(priority=0)
+    scheduler.add(better)
+    batch, _ = step(scheduler, runner)
+    assert [c.seq for c in batch.chunks] == worse
+    for _ in range(5):
+        step(scheduler, runner)
+    assert all(seq.status is SequenceStatus.FINISHED for seq in worse) and better in scheduler.running
+
+
 def test_with_one_priority_every_decode_comes_before_a_new_prompt() -> None:
     scheduler, runner = make_scheduler(max_batch_tokens=10, max_num_seqs=16), FakeRunner()
     running = [make_seq(prompt_len=1, max_tokens=50) for _ in range(8)]

@@ -92,7 +92,7 @@ class Scheduler:
         self._arrivals += 1
         seq.arrival_index = self._arrivals
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=_rank)  # `schedule` may still admit from it this step
+        self.waiting.append(seq)  # `schedule` sorts
 
     def abort(self, seq_id: int) -> StepOutput | None:
         for queue in (self.running, self.waiting):
@@ -124,8 +124,13 @@ class Scheduler:
                 chunks.append(self._chunk(seq, granted))
                 budget -= granted if seq.is_decoding else self._prefill_cost(seq.num_computed_tokens, granted)
                 continue
-            if head is None or len(self.running) >= self.config.max_num_seqs:
+            if head is None:
                 break
+            if len(self.running) >= self.config.max_num_seqs:
+                # no room for the prompt: the worse classes' running sequences still go (stopping
+                # here would leave the engine full, idle and waiting for one of them to finish)
+                admitting = False
+                continue
             want = self._chunk_size(head, budget, has_prefill=any(not c.seq.is_decoding for c in chunks))
             # admit only when the whole prompt fits: a half-admitted prompt would be preempted
             # by the next decode that needs a block, and its chunks computed again and again
