@@ -151,14 +151,20 @@ def test_better_priority_is_admitted_first() -> None:
     assert scheduler.running == [urgent]
 
 
+def _running(scheduler: Scheduler, runner: FakeRunner, count: int, **seq) -> list[Sequence]:
+    """`count` sequences of 1-token prompts, admitted and past their first step."""
+    running = [make_seq(prompt_len=1, **seq) for _ in range(count)]
+    for each in running:
+        scheduler.add(each)
+    step(scheduler, runner)
+    return running
+
+
 def test_a_better_class_prompt_takes_the_budget_before_a_worse_class_decodes() -> None:
     # 8 worse-priority sequences decoding use 8 of a 10-token budget; a better prompt of 6 tokens
     # must not wait for them: it is prefilled whole, and the worse decodes share what is left
     scheduler, runner = make_scheduler(max_batch_tokens=10, max_num_seqs=16), FakeRunner()
-    flood = [make_seq(prompt_len=1, max_tokens=50, priority=3) for _ in range(8)]
-    for seq in flood:
-        scheduler.add(seq)
-    step(scheduler, runner)
+    flood = _running(scheduler, runner, 8, max_tokens=50, priority=3)
     assert all(seq.is_decoding for seq in flood)
     quiet = make_seq(prompt_len=6, priority=2)
     scheduler.add(quiet)
@@ -173,10 +179,7 @@ def test_a_full_engine_keeps_decoding_a_worse_class_while_a_better_prompt_waits(
     # no room to admit the better prompt: the worse class's sequences must still run, or none
     # would ever finish to make room
     scheduler, runner = make_scheduler(max_num_seqs=2), FakeRunner()
-    worse = [make_seq(prompt_len=1, max_tokens=3, priority=3) for _ in range(2)]
-    for seq in worse:
-        scheduler.add(seq)
-    step(scheduler, runner)
+    worse = _running(scheduler, runner, 2, max_tokens=3, priority=3)
     better = make_seq(priority=0)
     scheduler.add(better)
     batch, _ = step(scheduler, runner)
@@ -188,10 +191,7 @@ def test_a_full_engine_keeps_decoding_a_worse_class_while_a_better_prompt_waits(
 
 def test_with_one_priority_every_decode_comes_before_a_new_prompt() -> None:
     scheduler, runner = make_scheduler(max_batch_tokens=10, max_num_seqs=16), FakeRunner()
-    running = [make_seq(prompt_len=1, max_tokens=50) for _ in range(8)]
-    for seq in running:
-        scheduler.add(seq)
-    step(scheduler, runner)
+    _running(scheduler, runner, 8, max_tokens=50)
     newcomer = make_seq(prompt_len=6)
     scheduler.add(newcomer)
     batch, _ = step(scheduler, runner)

@@ -207,8 +207,7 @@ class OverloadControl:
 
     def isolating(self, now_s: float, pool: str) -> bool:
         """Whether some tenant floods a tier of `pool` (its tier's other tenants are protected)."""
-        shares = self.pools[pool].shares
-        return shares is not None and any(shares.over_share(now_s, tier.name) for tier in self.tiers)
+        return any(self.flooding(now_s, pool, tier.name) for tier in self.tiers)
 
     def peek(self, pool: str, skip_tenants: frozenset[str] = frozenset()) -> QueuedRequest | None:
         """The request `dispatch` would hand out next, left waiting (to check a replica suits it)."""
