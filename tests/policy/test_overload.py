@@ -259,7 +259,9 @@ def test_a_tenant_within_its_share_is_protected_while_another_floods_its_tier(is
     for _ in range(80):  # "noisy" sends 10 requests a second, "quiet" one; 2 a second are served
         now_s += 0.1
         if round(now_s * 10) % 5 == 0:
-            control.dispatch(now_s, "big")
+            served = control.dispatch(now_s, "big").request
+            if served is not None:
+                control.finish(now_s, served.request_id, prompt_tokens=10, completion_tokens=10)
         control.arrive(now_s, _facts(tenant="noisy"))
         if round(now_s * 10) % 10 == 0:
             control.arrive(now_s, _facts(tenant="quiet"))

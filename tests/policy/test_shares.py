@@ -47,15 +47,37 @@ def test_decaying_rate_reads_a_steady_stream_and_halves_each_half_life() -> None
 
 
 def _stream(shares: TenantShares, tier: str, rates: dict[str, float], served: float, seconds: float = 30.0,
-            start_s: float = 0.0) -> float:
-    """Arrivals at `rates` (work a second, per tenant) and `served` work a second, in 0.1 s steps."""
+            start_s: float = 0.0, dispatched: float | None = None) -> float:
+    """Arrivals at `rates` (work a second, per tenant), `served` work a second finished and
+    `dispatched` (default: `served`) dispatched, in 0.1 s steps."""
     now_s = start_s
     for _ in range(int(seconds * 10)):
         now_s += 0.1
         for tenant, rate in rates.items():
             shares.on_arrival(now_s, tier, tenant, rate * 0.1)
-        shares.on_dispatch(now_s, tier, served * 0.1)
+        shares.on_dispatch(now_s, tier, (served if dispatched is None else dispatched) * 0.1)
+        shares.on_finish(now_s, tier, served * 0.1)
     return now_s
+
+
+def _seconds_to_verdict(shares: TenantShares, now_s: float, rates: dict[str, float], served: float,
+                        dispatched: float) -> float:
+    start_s = now_s
+    while not shares.over_share(now_s, "standard") and now_s - start_s < 10.0:
+        now_s = _stream(shares, "standard", rates, served, seconds=0.1, start_s=now_s, dispatched=dispatched)
+    return now_s - start_s
+
+
+def test_a_flood_is_judged_within_about_a_second_though_free_slots_take_its_first_requests() -> None:
+    fair, flood = {t: 1.0 for t in ("t1", "t2", "t3", "noisy")}, {"t1": 1.0, "t2": 1.0, "t3": 1.0, "noisy": 10.0}
+    shares = TenantShares(half_life_s=5.0, over_share_factor=2.0)
+    now_s = _stream(shares, "standard", fair, served=4.0)
+    # the flood's first requests go straight into free slots (dispatched as they come) while the
+    # engines still finish 4 a second; judged on dispatches, the tier looks served all it asks
+    assert _seconds_to_verdict(shares, now_s, flood, served=4.0, dispatched=13.0) < 1.5
+    by_dispatches = TenantShares(half_life_s=5.0, over_share_factor=2.0)
+    now_s = _stream(by_dispatches, "standard", fair, served=4.0)
+    assert _seconds_to_verdict(by_dispatches, now_s, flood, served=13.0, dispatched=13.0) == pytest.approx(10.0)
 
 
 def test_a_tenant_at_ten_times_its_share_is_over_and_the_others_are_protected() -> None:

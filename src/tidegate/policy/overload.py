@@ -228,6 +228,8 @@ class OverloadControl:
         if dispatched is not None:
             policies, request = dispatched
             policies.queue.settle_service(request, completion_tokens)
+            if policies.shares is not None:
+                policies.shares.on_finish(now_s, request.tier, request.tokens)
         return self._settle(now_s, request_id, prompt_tokens + completion_tokens)
 
     def cancel(self, now_s: float, request_id: str) -> bool:

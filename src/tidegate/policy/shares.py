@@ -14,8 +14,12 @@ Keshav and Shenker 1989): the tier's measured service rate divided so that no te
 than it asks and the rest is split by weight. A tenant is over its share when its recent arrival
 rate exceeds `over_share_factor` times that rate *and* that many times the rate of every tenant
 it would be protected from; rates are exponentially decaying averages (`half_life_s`) of the work
-arriving (tokens reserved at admission) and dispatched. While the tier is served all it asks
-for, nobody is over. The second condition keeps the verdict from feeding on itself: protection
+arriving (tokens reserved at admission), dispatched and finished. The tier's service rate is the
+smaller of the rates its work is dispatched and finished at: when a flood starts, the replicas'
+free slots take its first requests at once, so dispatches keep pace with arrivals for the second
+or two the batch takes to fill, while finishes show the engines' throughput from the start (a
+verdict on dispatches alone came about 3 s into a flood, after the engines were full of it).
+While the tier is served all it asks for, nobody is over. The second condition keeps the verdict from feeding on itself: protection
 narrows the batches, which lowers the service rate and with it every fair share, and tenants
 sending alike would then take turns being "over" by chance, holding the tier in protection at a
 fraction of its throughput. Against each other, equal tenants are never over, whatever the
@@ -70,6 +74,8 @@ def fair_rate(demands: Mapping[str, float], weights: Mapping[str, float], capaci
             break  # this tenant and every one after it are held to the level
         remaining -= demand
         weight_left -= weight
+    else:
+        return math.inf  # all fit after all (the sums differed only by rounding)
     return max(remaining, 0.0) / weight_left
 
 
@@ -87,7 +93,8 @@ class TenantShares:
         self._factor = over_share_factor
         self._weights = dict(tenant_weights or {})
         self._arrivals: dict[str, dict[str, DecayingRate]] = {}  # tier -> tenant -> work arriving
-        self._served: dict[str, DecayingRate] = {}  # tier -> work dispatched
+        self._dispatched: dict[str, DecayingRate] = {}  # tier -> work dispatched
+        self._finished: dict[str, DecayingRate] = {}  # tier -> work finished (or given up) by replicas
         self._first_arrival_s: dict[str, float] = {}  # tier -> when its rates began
         # tier -> (when computed, tenants over share); recomputed once per instant
         self._verdicts: dict[str, tuple[float, frozenset[str]]] = {}
@@ -104,11 +111,26 @@ class TenantShares:
 
     def on_dispatch(self, now_s: float, tier: str, work: float) -> None:
         """Work of `tier` handed to a replica."""
-        served = self._served.get(tier)
-        if served is None:
-            served = self._served[tier] = DecayingRate(self._half_life_s)
-        served.add(now_s, work)
+        self._add(self._dispatched, now_s, tier, work)
+
+    def on_finish(self, now_s: float, tier: str, work: float) -> None:
+        """Work of `tier` a replica is done with (answered, failed or abandoned), counted as it was
+        at dispatch (tokens reserved), so that it compares with the arrivals."""
+        self._add(self._finished, now_s, tier, work)
+
+    def _add(self, rates: dict[str, DecayingRate], now_s: float, tier: str, work: float) -> None:
+        rate = rates.get(tier)
+        if rate is None:
+            rate = rates[tier] = DecayingRate(self._half_life_s)
+        rate.add(now_s, work)
         self._verdicts.pop(tier, None)
+
+    def service_rate(self, now_s: float, tier: str) -> float:
+        """Work a second `tier` is served: the smaller of its dispatch and finish rates."""
+        dispatched, finished = self._dispatched.get(tier), self._finished.get(tier)
+        if dispatched is None or finished is None:
+            return 0.0
+        return min(dispatched.rate(now_s), finished.rate(now_s))
 
     def over_share(self, now_s: float, tier: str) -> frozenset[str]:
         """Tenants of `tier` whose arrival rate exceeds `over_share_factor` x their fair share."""
@@ -124,8 +146,7 @@ class TenantShares:
         if cached is not None and cached[0] == now_s:
             return cached
         tenants = self._arrivals.get(tier, {})
-        served = self._served.get(tier)
-        capacity = served.rate(now_s) if served is not None else 0.0
+        capacity = self.service_rate(now_s, tier)
         demands = {tenant: rate.rate(now_s) for tenant, rate in tenants.items()}
         for tenant, demand in list(demands.items()):
             if demand <= self.FORGET_BELOW * capacity:
