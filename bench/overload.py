@@ -45,8 +45,8 @@ import numpy as np
 import yaml
 
 from overload_measure import (EMBEDDED_MODEL, PROMPT_TOKENS, TENANTS, TOKENS, Phase, Processes, best_limit, drain,
-                              free_port, goodput_rps, histogram_p99, http_text, p99_ttft, refusals, replica_gauge,
-                              run_closed, run_open, run_open_beside_flood, served, slot_limits, slowest,
+                              engine_sequences, free_port, goodput_rps, histogram_p99, http_text, p99_ttft, refusals,
+                              replica_gauge, run_closed, run_open, run_open_beside_flood, served, slot_limits, slowest,
                               ttft_summary)
 
 HERE = Path(__file__).resolve().parent
@@ -229,6 +229,8 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
             limits: list[float] = []
             aimed_ms: list[float] = []  # what the limits aimed at (mean over replicas)
             flooding: list[float] = []  # tenants the gateway judged to be flooding a tier
+            sampled_at: list[float] = []  # time.monotonic() of each sample
+            engines: list[tuple[float, float]] = []  # sequences the replicas ran and held waiting
             refused_before = refusals(gateways[mode]) if mode == "tidegate" else {}
             while mode == "tidegate" and not load.done():
                 await asyncio.sleep(1.0)
@@ -238,6 +240,9 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
                 aimed_ms.append(1000 * float(np.mean(list(aimed))) if aimed else math.nan)
                 flooding.append(sum(float(v) for v in re.findall(
                     r"^tidegate_overload_tenants_over_share{[^}]*} (\S+)", text, re.M)))
+                sampled_at.append(time.monotonic())
+                if flood:
+                    engines.append(await asyncio.to_thread(engine_sequences, upstreams))
             out[mode] = await load
             if limits:
                 refused = {why: count - refused_before.get(why, 0.0) for why, count in refusals(gateways[mode]).items()}
@@ -247,8 +252,12 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
                       f"a tenant judged flooding in {sum(f > 0 for f in flooding)}/{len(flooding)} samples; "
                       f"refused by tier and reason: {refused_text or 'none'})")
                 if flood:  # to line the others' slowest requests up with what the limits did
-                    print("  (each second: slot limits " + " ".join(f"{limit:.0f}" for limit in limits)
-                          + "; flooding judged " + "".join("F" if f > 0 else "." for f in flooding) + ")")
+                    print(f"  (each second, at s into the phase: limit/engines' running+waiting/flooding verdict: "
+                          + " ".join(f"{at - out[mode].started_s:.1f}:{limit:.0f}/{running:.0f}+{waiting:.0f}/"
+                                     + ("F" if judged > 0 else "-")
+                                     for at, limit, (running, waiting), judged
+                                     in zip(sampled_at, limits, engines, flooding))
+                          + ")")
             drain(upstreams)
         return out
 

@@ -100,6 +100,7 @@ class Phase:
     records: list[RequestRecord]
     elapsed_s: float
     flood_served: dict[str, tuple[int, int]] | None = None  # tenant -> (ok, sent) of a flood sent elsewhere
+    started_s: float = 0.0  # time.monotonic() when its requests began (their sent_s count from it)
 
 
 async def run_open_beside_flood(url: str, measured: list[tuple[str, float]], flood: list[tuple[str, float]],
@@ -145,8 +146,9 @@ async def run_open(url: str, streams: list[tuple[str, float]], duration_s: float
                                      LengthDistribution("const", TOKENS)) for name, rate in streams if rate > 0],
                       np.random.default_rng(seed), duration_s=duration_s)
     driver = Driver(RunConfig(targets=(parse_url(url),), model="m", stream=True, timeout_s=15.0, ignore_eos=True), plan)
+    started_s = time.monotonic()
     result = await driver.run()
-    return Phase(result.records, duration_s)
+    return Phase(result.records, duration_s, started_s=started_s)
 
 
 async def run_closed(url: str, name: str, concurrency: int, duration_s: float, model: str = "m") -> Phase:
@@ -196,17 +198,25 @@ def served(phase: Phase, tenants: set[str]) -> str:
     return f"{ok}/{len(mine)} ok" + (f" ({detail})" if detail else "")
 
 
+def engine_sequences(upstreams: list[str]) -> tuple[float, float]:
+    """Sequences the replicas run and hold waiting, summed over them."""
+    running = waiting = 0.0
+    for url in upstreams:
+        text = http_text(url.removesuffix("/v1") + "/metrics")
+        # the knee mock's gauges, or the embedded engine's
+        for match in re.finditer(r"^(?:knee_|tidegate_engine_)(running|waiting)(?:_sequences)? (\S+)", text, re.M):
+            if match.group(1) == "running":
+                running += float(match.group(2))
+            else:
+                waiting += float(match.group(2))
+    return running, waiting
+
+
 def drain(upstreams: list[str], timeout_s: float = 30.0) -> None:
     """Waits until the replicas hold nothing, so one phase's backlog cannot slow the next."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        busy = 0.0
-        for url in upstreams:
-            text = http_text(url.removesuffix("/v1") + "/metrics")
-            # the knee mock's gauges, or the embedded engine's
-            busy += sum(float(v) for v in re.findall(
-                r"^(?:knee_(?:running|waiting)|tidegate_engine_(?:running|waiting)_sequences) (\S+)", text, re.M))
-        if busy == 0:
+        if sum(engine_sequences(upstreams)) == 0:
             return
         time.sleep(0.5)
     print(f"  (replicas still busy after {timeout_s:.0f} s)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tidegate.config import ConfigError, EmbeddedBackend, UpstreamBackend, default_config, embedded_sizing, parse_config
+from tidegate.gateway.app import _upstream_replica
 
 MINIMAL = """
 pools:
@@ -133,3 +134,14 @@ def test_examples_are_valid(name: str) -> None:
 
     path = Path(__file__).resolve().parents[2] / "examples" / name
     parse_config(path.read_text(), source=name, environ={"TIDEGATE_API_KEY": "k", "OPENAI_API_KEY": "k"})
+
+
+@pytest.mark.parametrize(("metrics_path", "scrape_url"), [(None, None), ("/metrics", "http://10.0.0.5:8000/metrics"),
+                                                          ("/stats", "http://10.0.0.5:8000/stats")])
+def test_an_upstreams_load_gauges_are_read_from_its_metrics_path(metrics_path: str | None,
+                                                                   scrape_url: str | None) -> None:
+    backend = UpstreamBackend(url="http://10.0.0.5:8000/v1") if metrics_path == "/metrics" else UpstreamBackend(
+        url="http://10.0.0.5:8000/v1", metrics_path=metrics_path)  # /metrics is the default
+    replica = _upstream_replica("m", 0, backend, connect_timeout_s=1.0)
+    assert replica.scrape_url == scrape_url
+    assert replica.health_url == "http://10.0.0.5:8000/health"

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from tidegate.types import ReplicaHealth, ReplicaLoad
 
@@ -29,21 +30,39 @@ class CheckedReplica(Protocol):
     scrape_url: str | None
 
 
+# The load gauges of the engines the gateway fronts: (running, waiting, KV-cache use 0-1) names.
+# vLLM renamed its KV gauge in V1; SGLang exports with --enable-metrics.
+_LOAD_GAUGES: dict[str, str] = {
+    "tidegate_engine_running_sequences": "running", "tidegate_engine_waiting_sequences": "waiting",
+    "tidegate_engine_kv_cache_usage": "kv",
+    "vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+    "vllm:kv_cache_usage_perc": "kv", "vllm:gpu_cache_usage_perc": "kv",
+    "sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting", "sglang:token_usage": "kv",
+}
+_GAUGE_PREFIXES = tuple(_LOAD_GAUGES)
+
+
 def parse_engine_load(text: str) -> ReplicaLoad:
-    """The engine's Prometheus gauges -> ReplicaLoad; absent gauges read as zero."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("tidegate_engine_"):
-            name, _, value = line.partition(" ")
-            try:
-                values[name.split("{", 1)[0]] = float(value.split()[0])
-            except (ValueError, IndexError):
+    """An engine's Prometheus page -> ReplicaLoad (tidegate engine, vLLM or SGLang gauges); absent
+    gauges read as zero. Counts add up over label sets (one per model or data-parallel rank); KV use
+    is the fullest one's, since that is where the next sequence may not fit."""
+    found = {"running": 0.0, "waiting": 0.0, "kv": 0.0}
+    # an engine's page runs to thousands of histogram lines; parsing only the gauges' own lines
+    # keeps the scrape from stalling the gateway's event loop (57 ms for 3000 lines parsed whole)
+    lines = "".join(line + "\n" for line in text.splitlines() if line.startswith(_GAUGE_PREFIXES))
+    try:
+        for family in text_string_to_metric_families(lines):
+            kind = _LOAD_GAUGES.get(family.name)
+            if kind is None:
                 continue
-    return ReplicaLoad(
-        running_sequences=int(values.get("tidegate_engine_running_sequences", 0)),
-        waiting_sequences=int(values.get("tidegate_engine_waiting_sequences", 0)),
-        kv_cache_usage=values.get("tidegate_engine_kv_cache_usage", 0.0),
-    )
+            for sample in family.samples:
+                if sample.name != family.name:
+                    continue  # e.g. a _created series
+                found[kind] = max(found[kind], sample.value) if kind == "kv" else found[kind] + sample.value
+    except ValueError:  # not a Prometheus page (a provider's 200 HTML, say): no load known
+        return ReplicaLoad()
+    return ReplicaLoad(running_sequences=int(found["running"]), waiting_sequences=int(found["waiting"]),
+                       kv_cache_usage=found["kv"])
 
 
 class HealthChecker:

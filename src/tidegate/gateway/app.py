@@ -43,12 +43,13 @@ def _upstream_replica(pool: str, index: int, backend: UpstreamBackend, connect_t
     endpoint = Endpoint(host=host, port=port, use_tls=tls, base_path=parts.path.encode(),
                         host_header=(host if default_port else f"{host}:{port}").encode())
     health_url = f"{parts.scheme}://{host}:{port}{backend.health_path}" if backend.health_path else None
+    scrape_url = f"{parts.scheme}://{host}:{port}{backend.metrics_path}" if backend.metrics_path else None
     return Replica(
         replica_id=f"{pool}#{index}@{host}:{port}", pool_name=pool,
         connections=ConnectionPool(endpoint, connect_timeout_s), slot_limit=backend.slot_limit,
         upstream_model=backend.model or pool,
         api_key=backend.api_key.get_secret_value() if backend.api_key else None, health_url=health_url,
-        forward_priority=backend.forward_priority)
+        scrape_url=scrape_url, forward_priority=backend.forward_priority)
 
 
 def _embedded_replica(pool: str, index: int, backend: EmbeddedBackend, connect_timeout_s: float,
