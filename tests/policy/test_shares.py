@@ -157,3 +157,24 @@ def test_bad_settings_are_refused() -> None:
         TenantShares(half_life_s=0.0)
     with pytest.raises(ValueError):
         TenantShares(over_share_factor=0.5)
+
+
+def test_a_flood_stands_out_while_the_service_rate_still_reads_low_for_everyone() -> None:
+    # after idle, finishes lag arrivals by a service time: the fair level (here 0.25) is under
+    # half of what every tenant sends, yet the flood still sends 10x what each of the others does
+    shares = TenantShares()
+    now_s = _stream(shares, "standard", {"t1": 1.0, "t2": 1.0, "t3": 1.0, "noisy": 10.0}, served=1.0,
+                    dispatched=13.0)
+    assert shares.over_share(now_s, "standard") == {"noisy"}
+    assert shares.protects(now_s, "standard", "t1")
+
+
+@pytest.mark.parametrize(("rates", "over"), [
+    ({"a": 10.0, "b": 5.0, "c": 1.0, "d": 1.0}, {"a", "b"}),  # two floods, both 2x above the rest
+    ({"a": 10.0, "b": 3.0, "c": 2.0, "d": 1.0}, {"a"}),  # b is no flood next to c
+    ({"a": 4.0, "b": 3.0, "c": 2.5, "d": 2.0}, set()),  # no gap of 2x anywhere
+])
+def test_the_tenants_over_share_are_the_top_group_standing_2x_above_all_others(rates: dict, over: set) -> None:
+    shares = TenantShares()
+    now_s = _stream(shares, "standard", rates, served=2.0)
+    assert shares.over_share(now_s, "standard") == over

@@ -11,20 +11,26 @@ schedule by it), so the flood's excess gets only the slots and steps they leave.
 
 A tenant's share is its max-min fair rate (weighted water-filling, as in fair queueing: Demers,
 Keshav and Shenker 1989): the tier's measured service rate divided so that no tenant gets more
-than it asks and the rest is split by weight. A tenant is over its share when its recent arrival
-rate exceeds `over_share_factor` times that rate *and* that many times the rate of every tenant
-it would be protected from; rates are exponentially decaying averages (`half_life_s`) of the work
-arriving (tokens reserved at admission), dispatched and finished. The tier's service rate is the
-smaller of the rates its work is dispatched and finished at: when a flood starts, the replicas'
-free slots take its first requests at once, so dispatches keep pace with arrivals for the second
-or two the batch takes to fill, while finishes show the engines' throughput from the start (a
-verdict on dispatches alone came about 3 s into a flood, after the engines were full of it).
-While the tier is served all it asks for, nobody is over. The second condition keeps the verdict from feeding on itself: protection
-narrows the batches, which lowers the service rate and with it every fair share, and tenants
-sending alike would then take turns being "over" by chance, holding the tier in protection at a
-fraction of its throughput. Against each other, equal tenants are never over, whatever the
-load, and neither is a tenant alone in its tier. No verdict is given in a tier's first `half_life_s`, while its rates still rest on a handful
-of requests.
+than it asks and the rest is split by weight. Tenants are over their share when their recent
+arrival rates exceed `over_share_factor` times that rate *and* that many times the rate of every
+tenant they would be protected from: the largest group of tenants, from the highest rate down,
+that stands out so from all the others. Rates are exponentially decaying averages (`half_life_s`)
+of the work arriving (tokens reserved at admission), dispatched and finished.
+
+The tier's service rate is the smaller of the rates its work is dispatched and finished at: when
+a flood starts, the replicas' free slots take its first requests at once, so dispatches keep pace
+with arrivals for the second or two the batch takes to fill, while finishes show the engines'
+throughput from the start (a verdict on dispatches alone came about 3 s into a flood, after the
+engines were full of it). While the tier is served all it asks for, nobody is over.
+
+The gap condition keeps the verdict from feeding on itself: protection narrows the batches, which
+lowers the service rate and with it every fair share, and tenants sending alike would then take
+turns being "over" by chance, holding the tier in protection at a fraction of its throughput.
+Against each other, equal tenants are never over, whatever the load, and neither is a tenant alone
+in its tier. It also keeps the verdict when the service rate reads low for every tenant: after
+idle, finishes lag arrivals by a service time, and until they catch up every tenant may send
+over twice the fair level. No verdict is given in a tier's first `half_life_s`, while its rates
+still rest on a handful of requests.
 
 Pure: every method takes `now_s`.
 """
@@ -141,6 +147,20 @@ class TenantShares:
         over = self._verdict(now_s, tier)[1]
         return bool(over) and tenant not in over
 
+    def _standing_out(self, weighted: Mapping[str, float], level: float) -> frozenset[str]:
+        """The most tenants, taken from the top rate down, that each send over `factor` x the fair
+        level and over `factor` x the rate of every tenant below them; none if no such gap."""
+        ranked = sorted(weighted.items(), key=lambda item: item[1], reverse=True)
+        # The largest such top group: a rate gap lower down is still a gap between floods and the
+        # tenants they would crowd out. While the service rate is still catching up (it lags the
+        # arrivals for a service time after idle, so every fair level reads low for a second or
+        # two), every tenant may exceed `factor` x the level; the gap still tells the flood.
+        for count in range(len(ranked) - 1, 0, -1):
+            lowest_over, highest_below = ranked[count - 1][1], ranked[count][1]
+            if lowest_over > self._factor * max(level, highest_below):
+                return frozenset(tenant for tenant, _ in ranked[:count])
+        return frozenset()
+
     def _verdict(self, now_s: float, tier: str) -> tuple[float, frozenset[str]]:
         cached = self._verdicts.get(tier)
         if cached is not None and cached[0] == now_s:
@@ -153,10 +173,7 @@ class TenantShares:
                 del tenants[tenant], demands[tenant]
         level = fair_rate(demands, self._weights, capacity)
         weighted = {tenant: demand / self._weights.get(tenant, 1.0) for tenant, demand in demands.items()}
-        candidates = {tenant for tenant, rate in weighted.items() if rate > self._factor * level}
-        # ...that stand out from every tenant they would be protected from (with none, nobody does)
-        rest = [rate for tenant, rate in weighted.items() if tenant not in candidates]
-        over = frozenset(tenant for tenant in candidates if rest and weighted[tenant] > self._factor * max(rest))
+        over = self._standing_out(weighted, level)
         if now_s - self._first_arrival_s.get(tier, now_s) < self._half_life_s:
             over = frozenset()  # too few requests yet for a verdict
         verdict = self._verdicts[tier] = (now_s, over)
