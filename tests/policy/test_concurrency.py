@@ -424,3 +424,25 @@ def test_windows_with_requests_waiting_in_the_gateway_teach_the_reference_nothin
         for i in range(10):
             slots.observe(window + i / 9, 0.9, queued=True)
     assert slots.reference_latency_s == pytest.approx(0.4)
+
+
+def test_a_flood_starts_from_the_limit_in_use_not_from_the_one_the_last_flood_left() -> None:
+    slots = ReplicaSlots(GradientSlotLimit(1.0, bounds=BOUNDS, floor_tolerance=None), isolation_tolerance=1.1)
+
+    def windows(first: int, count: int, latency_s: float) -> None:
+        for window in range(first, first + count):
+            slots.inflight = slots.slot_limit  # driven to its limit: growth has evidence
+            for i in range(10):
+                slots.observe(window + i / 9, latency_s)
+
+    windows(0, 1, 0.4)  # the latency before any flood
+    slots.set_protection(False, isolating=True)  # a first, short flood: far over the target
+    assert slots.target_latency_s == pytest.approx(0.44)
+    windows(1, 6, 5.0)
+    assert slots.slot_limit <= BOUNDS.minimum + 1
+    slots.set_protection(False, isolating=False)
+    windows(7, 20, 0.3)  # the limit grows back at the base target, well inside it
+    grown = slots.slot_limit
+    assert grown > 4 * BOUNDS.minimum
+    slots.set_protection(False, isolating=True)  # the next flood
+    assert slots.slot_limit == grown

@@ -385,7 +385,13 @@ class ReplicaSlots:
             target_s = min(self._base_target_s, self._isolation_tolerance * self._reference_s)
         else:
             target_s = self._base_target_s
-        self._learnt[self._mode] = self._limit.retarget(target_s, self._learnt.pop(mode, None))
+        # A flood starts from the limit in use, not from the one the last flood left: each flood
+        # meets other load, and a stale small limit applied at once queued the protected tenants
+        # behind a handful of slots for 15 s (a one-second false verdict had stored 1 slot)
+        resume = None if mode == "isolation" else self._learnt.pop(mode, None)
+        previous = self._limit.retarget(target_s, resume)
+        if self._mode != "isolation":
+            self._learnt[self._mode] = previous
         self._mode = mode
         # a best-tier target missed even at the fewest slots still means the fewest slots: more
         # would serve lower tiers at the best tier's expense
