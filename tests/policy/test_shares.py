@@ -178,3 +178,17 @@ def test_the_tenants_over_share_are_the_top_group_standing_2x_above_all_others(r
     shares = TenantShares()
     now_s = _stream(shares, "standard", rates, served=2.0)
     assert shares.over_share(now_s, "standard") == over
+
+
+def test_after_idle_a_tenants_first_few_requests_are_no_flood_but_a_real_one_is_judged_at_once() -> None:
+    shares = TenantShares()
+    fair = {t: 1.0 for t in ("t1", "t2", "t3", "t4")}
+    now_s = _stream(shares, "standard", fair, served=4.0) + 60.0  # a minute of idle: every rate decays
+    for _ in range(3):  # t1 is back first, with 3 requests; nobody else has sent yet
+        now_s += 0.05
+        shares.on_arrival(now_s, "standard", "t1", 0.1)
+        assert shares.over_share(now_s, "standard") == frozenset()
+    flood = {"t1": 1.0, "t2": 1.0, "t3": 1.0, "noisy": 10.0}
+    for _ in range(10):  # a request per tenant per 0.1 s, but the flood's carry 10x the work
+        now_s = _stream(shares, "standard", flood, served=1.0, seconds=0.1, start_s=now_s, dispatched=13.0)
+    assert shares.over_share(now_s, "standard") == {"noisy"}

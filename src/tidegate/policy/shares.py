@@ -30,7 +30,9 @@ Against each other, equal tenants are never over, whatever the load, and neither
 in its tier. It also keeps the verdict when the service rate reads low for every tenant: after
 idle, finishes lag arrivals by a service time, and until they catch up every tenant may send
 over twice the fair level. No verdict is given in a tier's first `half_life_s`, while its rates
-still rest on a handful of requests.
+still rest on a handful of requests, nor on fewer than `MIN_REQUESTS` of a tenant's recent
+requests (after idle, a tenant's first two stand out from the others' none); and a tenant gone
+quiet is no one to stand out from.
 
 Pure: every method takes `now_s`.
 """
@@ -61,6 +63,11 @@ class DecayingRate:
         self._decay(now_s)
         return self._value / self._tau_s
 
+    def amount(self, now_s: float) -> float:
+        """The amount arrived, each part decayed by its age."""
+        self._decay(now_s)
+        return self._value
+
     def _decay(self, now_s: float) -> None:
         if self._at_s is not None and now_s > self._at_s:
             self._value *= math.exp(-(now_s - self._at_s) / self._tau_s)
@@ -90,6 +97,11 @@ class TenantShares:
 
     # a tenant whose rate has decayed below this fraction of its tier's service rate is forgotten
     FORGET_BELOW = 1e-4
+    # a tenant is judged over its share only on this many of its requests (decayed by age): after
+    # idle every rate has decayed to nothing, and a tenant's first two requests would stand out
+    # from the others' none. A flood reaches it within a fraction of a second; a tenant sending
+    # under MIN_REQUESTS / (half_life_s / ln 2) a second (1.1 at the default 5 s) is never judged
+    MIN_REQUESTS = 8.0
 
     def __init__(self, *, half_life_s: float = 5.0, over_share_factor: float = 2.0,
                  tenant_weights: Mapping[str, float] | None = None) -> None:
@@ -99,6 +111,7 @@ class TenantShares:
         self._factor = over_share_factor
         self._weights = dict(tenant_weights or {})
         self._arrivals: dict[str, dict[str, DecayingRate]] = {}  # tier -> tenant -> work arriving
+        self._requests: dict[str, dict[str, DecayingRate]] = {}  # tier -> tenant -> requests arriving
         self._dispatched: dict[str, DecayingRate] = {}  # tier -> work dispatched
         self._finished: dict[str, DecayingRate] = {}  # tier -> work finished (or given up) by replicas
         self._first_arrival_s: dict[str, float] = {}  # tier -> when its rates began
@@ -109,10 +122,11 @@ class TenantShares:
         """Work (tokens reserved) admitted for `tenant` in `tier`, whether it is served or not."""
         tenants = self._arrivals.setdefault(tier, {})
         self._first_arrival_s.setdefault(tier, now_s)
-        rate = tenants.get(tenant)
-        if rate is None:
-            rate = tenants[tenant] = DecayingRate(self._half_life_s)
-        rate.add(now_s, work)
+        for rates, amount in ((tenants, work), (self._requests.setdefault(tier, {}), 1.0)):
+            rate = rates.get(tenant)
+            if rate is None:
+                rate = rates[tenant] = DecayingRate(self._half_life_s)
+            rate.add(now_s, amount)
         self._verdicts.pop(tier, None)
 
     def on_dispatch(self, now_s: float, tier: str, work: float) -> None:
@@ -170,10 +184,16 @@ class TenantShares:
         demands = {tenant: rate.rate(now_s) for tenant, rate in tenants.items()}
         for tenant, demand in list(demands.items()):
             if demand <= self.FORGET_BELOW * capacity:
-                del tenants[tenant], demands[tenant]
+                del tenants[tenant], demands[tenant], self._requests[tier][tenant]
         level = fair_rate(demands, self._weights, capacity)
-        weighted = {tenant: demand / self._weights.get(tenant, 1.0) for tenant, demand in demands.items()}
-        over = self._standing_out(weighted, level)
+        # a tenant gone quiet (its requests decayed to under half of one: none in the last
+        # half-life) is no one to stand out from: next to its rate of nearly nothing, every tenant
+        # still sending would
+        requests = {tenant: count.amount(now_s) for tenant, count in self._requests.get(tier, {}).items()}
+        weighted = {tenant: demand / self._weights.get(tenant, 1.0) for tenant, demand in demands.items()
+                    if requests[tenant] >= 0.5}
+        over = frozenset(tenant for tenant in self._standing_out(weighted, level)
+                         if requests[tenant] >= self.MIN_REQUESTS)
         if now_s - self._first_arrival_s.get(tier, now_s) < self._half_life_s:
             over = frozenset()  # too few requests yet for a verdict
         verdict = self._verdicts[tier] = (now_s, over)
