@@ -186,9 +186,9 @@ class TenantShares:
             if demand <= self.FORGET_BELOW * capacity:
                 del tenants[tenant], demands[tenant], self._requests[tier][tenant]
         level = fair_rate(demands, self._weights, capacity)
-        # a tenant gone quiet (its requests decayed to under half of one: none in the last
-        # half-life) is no one to stand out from: next to its rate of nearly nothing, every tenant
-        # still sending would
+        # a tenant gone quiet (its requests, decayed by age, add up to under half of one: about
+        # none in the last half-life) is no one to stand out from: next to its rate of nearly
+        # nothing, every tenant still sending would
         requests = {tenant: count.amount(now_s) for tenant, count in self._requests.get(tier, {}).items()}
         weighted = {tenant: demand / self._weights.get(tenant, 1.0) for tenant, demand in demands.items()
                     if requests[tenant] >= 0.5}
