@@ -93,13 +93,6 @@ def gateway_config(port: int, upstreams: list[str], overload: bool, slot_target_
     return config
 
 
-def p99_ttft_sent(phase: Phase, tenants: set[str], sent_from_s: float, sent_to_s: float) -> float:
-    """P99 TTFT of `tenants`' answered requests sent in [sent_from_s, sent_to_s) of the phase; nan if none."""
-    ttfts = [r.ttft_s for r in phase.records if r.tenant in tenants and r.ok and r.ttft_s is not None
-             and sent_from_s <= r.sent_s < sent_to_s]
-    return float(np.percentile(ttfts, 99)) if ttfts else math.nan
-
-
 async def noisy_tenant_bar(both, capacity: float, standard: list[str], phase_s: float) -> bool:
     """Other tenants' P99 TTFT while one tenant sends 10x its share, vs all at a fair load."""
     ok = True
@@ -135,7 +128,7 @@ async def noisy_tenant_bar(both, capacity: float, standard: list[str], phase_s: 
         # isolation starts only once the flood is detected: how much of the tail is its first seconds
         # (and, in the fair phase, how much is the limits still growing from where they started)
         for name, phase in (("fair", fair[mode]), ("noisy", noisy[mode])):
-            early, late = (p99_ttft_sent(phase, others, sent_from_s, sent_to_s)
+            early, late = (p99_ttft(phase, others, sent_from_s, sent_to_s)
                            for sent_from_s, sent_to_s in ((0.0, DETECTION_S), (DETECTION_S, math.inf)))
             print(f"  others' P99 TTFT in the {name} phase, sent in its first {DETECTION_S:.0f} s / after: "
                   + " / ".join(f"{part * 1000:.0f} ms" if not math.isnan(part) else "-" for part in (early, late))

@@ -167,8 +167,10 @@ def goodput_rps(phase: Phase, tenants: set[str] | None = None) -> float:
     return good / phase.elapsed_s
 
 
-def p99_ttft(phase: Phase, tenants: set[str]) -> float:
-    values = [r.ttft_s for r in phase.records if r.tenant in tenants and r.ok and r.ttft_s is not None]
+def p99_ttft(phase: Phase, tenants: set[str], sent_from_s: float = 0.0, sent_to_s: float = math.inf) -> float:
+    """P99 TTFT of `tenants`' answered requests sent in [sent_from_s, sent_to_s) of the phase; nan if none."""
+    values = [r.ttft_s for r in phase.records if r.tenant in tenants and r.ok and r.ttft_s is not None
+              and sent_from_s <= r.sent_s < sent_to_s]
     return float(np.percentile(values, 99)) if values else math.nan
 
 
