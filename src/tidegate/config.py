@@ -56,8 +56,14 @@ class ServerConfig(_Strict):
     max_body_bytes: int = Field(4 * 1024 * 1024, ge=1024)  # larger requests get 413
     max_tokens_cap: int = Field(1_000_000, ge=1)  # max_tokens above this is a 400
     connect_timeout_s: float = Field(2.0, gt=0)
-    first_byte_timeout_s: float = Field(120.0, gt=0)  # upstream silent this long -> 504
-    request_timeout_s: float = Field(600.0, gt=0)  # whole request, stream included -> 504
+    # Upstream timeouts, each from the request's dispatch to a replica -> 504 (mid-stream: an error
+    # event, then the stream ends). A stalled replica once held clients until request_timeout_s.
+    first_byte_timeout_s: float = Field(60.0, gt=0)  # stream: no event with output by then
+    stream_idle_timeout_s: float = Field(30.0, gt=0)  # stream: upstream silent this long between events
+    whole_answer_timeout_s: float = Field(120.0, gt=0)  # not streamed: the whole answer by then
+    request_timeout_s: float = Field(600.0, gt=0)  # whole request, stream included
+    # a client that reads none of its answer for this long is dropped and its upstream work cancelled
+    client_write_timeout_s: float = Field(30.0, gt=0)
     queue_timeout_s: float = Field(30.0, gt=0)  # waiting for a free replica slot -> 503
     max_queued_requests: int = Field(10_000, ge=0)  # per pool; beyond -> 503
     retry_after_s: int = Field(1, ge=0)  # Retry-After sent with 503
@@ -69,8 +75,14 @@ class HealthConfig(_Strict):
     interval_s: float = Field(2.0, gt=0)  # active GET /health period
     timeout_s: float = Field(2.0, gt=0)
     failure_threshold: int = Field(3, ge=1)  # consecutive request failures that eject a replica
+    failure_ratio: float = Field(0.2, gt=0, le=1)  # or this share failing of its last ~16 requests
     cooldown_s: float = Field(5.0, gt=0)
     max_cooldown_s: float = Field(60.0, gt=0)
+    max_ejected_fraction: float = Field(0.5, gt=0, le=1)  # of a pool's replicas (at least one)
+    # retries on another replica (connection failure or 5xx before anything reached the client):
+    # at most this many per request sent, plus retry_budget_min_per_s
+    retry_budget_ratio: float = Field(0.2, ge=0)
+    retry_budget_min_per_s: float = Field(5.0, ge=0)
 
 
 class EmbeddedBackend(_Strict):

@@ -9,7 +9,7 @@ from tidegate.policy.health import BreakerPolicy, CLOSED_BREAKER
 from tidegate.policy.routing import ReplicaSnapshot, any_routable, pick_replica
 from tidegate.types import ReplicaHealth, ReplicaLoad
 
-OPEN = CLOSED_BREAKER.on_failure(0.0, BreakerPolicy(failure_threshold=1, cooldown_s=10.0))
+OPEN = CLOSED_BREAKER.on_failure(0.0, 0.0, BreakerPolicy(failure_threshold=1, cooldown_s=10.0))
 
 
 def _ids(replicas, choice):

@@ -20,6 +20,7 @@ from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.gateway.proxy import Proxy, ProxySettings
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
 from tidegate.policy.health import BreakerPolicy
+from tidegate.policy.retry import RetryBudgetPolicy
 from tidegate.telemetry.logs import AccessLog
 from tidegate.telemetry.metrics import GatewayMetrics
 
@@ -72,7 +73,10 @@ class Gateway:
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         server, health = config.server, config.health
-        breaker_policy = BreakerPolicy(health.failure_threshold, health.cooldown_s, health.max_cooldown_s)
+        breaker_policy = BreakerPolicy(health.failure_threshold, health.cooldown_s, health.max_cooldown_s,
+                                       failure_ratio=health.failure_ratio,
+                                       max_ejected_fraction=health.max_ejected_fraction)
+        retry_budget = RetryBudgetPolicy(ratio=health.retry_budget_ratio, min_per_s=health.retry_budget_min_per_s)
         self.pools: dict[str, ModelPool] = {}
         workers: list[WorkerSpec] = []
         for pool_config in config.pools:
@@ -89,7 +93,7 @@ class Gateway:
                     workers.append(spec)
             self.pools[pool_config.name] = ModelPool(
                 pool_config.name, replicas, breaker_policy, server.max_queued_requests,
-                server.queue_timeout_s, server.retry_after_s)
+                server.queue_timeout_s, server.retry_after_s, retry_budget=retry_budget)
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(server.access_log)
         api_keys = frozenset(b"Bearer " + key.get_secret_value().encode() for key in server.api_keys)
@@ -98,8 +102,10 @@ class Gateway:
         if config.overload_control:
             self.overload = OverloadRuntime(build_policies(config.overload, self.pools), self.pools,
                                             OverloadMetrics(self.metrics.registry))
-        self.proxy = Proxy(self.pools, ProxySettings(server.max_tokens_cap, server.first_byte_timeout_s,
-                                                     server.request_timeout_s, api_keys),
+        settings = ProxySettings(server.max_tokens_cap, server.first_byte_timeout_s, server.request_timeout_s,
+                                 api_keys, whole_answer_timeout_s=server.whole_answer_timeout_s,
+                                 stream_idle_timeout_s=server.stream_idle_timeout_s)
+        self.proxy = Proxy(self.pools, settings,
                            self.metrics, self.access_log, overload=self.overload)
         self.supervisor = WorkerSupervisor(workers)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
@@ -127,7 +133,9 @@ class Gateway:
         server = self.config.server
         max_body = server.max_body_bytes
         handle = self.proxy.handle
-        self._server = await loop.create_server(lambda: HttpConnection(handle, max_body), server.host, server.port,
+        write_timeout_s = server.client_write_timeout_s
+        self._server = await loop.create_server(lambda: HttpConnection(handle, max_body, write_timeout_s),
+                                                server.host, server.port,
                                                 backlog=4096, reuse_address=True)
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("listening", extra={"fields": {"host": server.host, "port": self.port,

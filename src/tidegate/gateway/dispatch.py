@@ -17,6 +17,7 @@ from typing import Any, Protocol
 from tidegate.errors import OverloadedError
 from tidegate.gateway.upstream import ConnectionPool
 from tidegate.policy.health import CLOSED_BREAKER, Breaker, BreakerPolicy, BreakerState
+from tidegate.policy.retry import RetryBudget, RetryBudgetPolicy
 from tidegate.policy.routing import any_routable, pick_replica
 from tidegate.types import ReplicaHealth, ReplicaLoad
 
@@ -87,6 +88,7 @@ class WaitQueue(Protocol):
     def peek(self) -> Waiter | None: ...
     def pop(self) -> Waiter: ...
     def remove(self, waiter: Waiter) -> None: ...
+    def drain(self) -> list[Waiter]: ...  # removes and returns every waiter (none will be served)
     def __len__(self) -> int: ...
 
 
@@ -109,6 +111,11 @@ class FifoWaitQueue:
         except ValueError:
             pass
 
+    def drain(self) -> list[Waiter]:
+        waiters = list(self._waiters)
+        self._waiters.clear()
+        return waiters
+
     def __len__(self) -> int:
         return len(self._waiters)
 
@@ -123,6 +130,7 @@ class ModelPool:
         queue_timeout_s: float,
         retry_after_s: int,
         queue: WaitQueue | None = None,
+        retry_budget: RetryBudgetPolicy = RetryBudgetPolicy(),
     ) -> None:
         self.name = name
         self.replicas = replicas
@@ -132,9 +140,15 @@ class ModelPool:
         self._queue_timeout_s = queue_timeout_s
         self._retry_after_s = retry_after_s
         self._cursor = 0
+        self.retry_budget = RetryBudget(retry_budget)  # retries on another replica, per pool
+        self._released_s = 0.0  # when a slot was last given back: a queue with no release is stuck
 
     def ready(self, now_s: float) -> bool:
-        return any_routable(self.replicas, now_s)
+        """Can take work: some replica is routable, and waiting requests are not stuck behind slots
+        that nobody has given back for a whole queue timeout."""
+        if not any_routable(self.replicas, now_s):
+            return False
+        return not len(self.queue) or now_s - self._released_s < self._queue_timeout_s
 
     def try_acquire(self, now_s: float, exclude: Collection[str] = ()) -> Replica | None:
         if len(self.queue):
@@ -148,6 +162,8 @@ class ModelPool:
             return None
         replica = self.replicas[choice.index]
         replica.outstanding += 1
+        if replica.breaker.state is not BreakerState.CLOSED:
+            replica.breaker = replica.breaker.on_dispatch(now_s)  # the probe of an ejected replica
         return replica
 
     async def acquire(self, now_s: float, exclude: Collection[str] = (), ticket: Any = None) -> Replica:
@@ -155,8 +171,7 @@ class ModelPool:
         if replica is not None:
             return replica
         if not any_routable(self.replicas, now_s, exclude):
-            raise OverloadedError(f"no replica of model {self.name!r} is available",
-                                  code="no_replica", retry_after_s=self._retry_after_s)
+            raise self.no_replica_error()
         if len(self.queue) >= self._max_queued:
             raise OverloadedError(f"model {self.name!r} is overloaded: queue full",
                                   code="queue_full", retry_after_s=self._retry_after_s)
@@ -183,12 +198,19 @@ class ModelPool:
 
     def release(self, replica: Replica, now_s: float) -> None:
         replica.outstanding -= 1
+        self._released_s = now_s
         if len(self.queue):
             self.dispatch_waiting(now_s)
 
     def dispatch_waiting(self, now_s: float) -> None:
-        """Hand free slots to waiters in queue order; called on release and on health changes."""
+        """Hand free slots to waiters in queue order; called on release and on health changes.
+
+        With no routable replica left, every waiter is refused at once: waiting out its deadline
+        for a replica that is down or ejected only makes the refusal late."""
         queue = self.queue
+        if len(queue) and not any_routable(self.replicas, now_s):
+            self._refuse_all()
+            return
         while len(queue):
             waiter = queue.peek()
             if waiter is None:
@@ -200,21 +222,33 @@ class ModelPool:
             if replica is None:
                 if not any_routable(self.replicas, now_s, waiter.exclude):
                     queue.pop()
-                    waiter.future.set_exception(OverloadedError(
-                        f"no replica of model {self.name!r} is available",
-                        code="no_replica", retry_after_s=self._retry_after_s))
+                    waiter.future.set_exception(self.no_replica_error())
                     continue
                 return
             queue.pop()
             waiter.future.set_result(replica)
 
-    def record_success(self, replica: Replica) -> None:
-        replica.breaker = replica.breaker.on_success()
+    def _refuse_all(self) -> None:
+        for waiter in self.queue.drain():
+            if not waiter.future.done():
+                waiter.future.set_exception(self.no_replica_error())
 
-    def record_failure(self, replica: Replica, now_s: float) -> None:
+    def no_replica_error(self) -> OverloadedError:
+        return OverloadedError(f"no replica of model {self.name!r} is available: every replica is down or "
+                               "ejected; retry later", code="no_replica", retry_after_s=self._retry_after_s)
+
+    def record_success(self, replica: Replica, now_s: float, sent_s: float) -> None:
+        """A request sent to `replica` at `sent_s` succeeded."""
+        replica.breaker = replica.breaker.on_success(now_s, sent_s, self.breaker_policy)
+
+    def record_failure(self, replica: Replica, now_s: float, sent_s: float) -> None:
+        """A request sent to `replica` at `sent_s` failed (no answer, or a 5xx): may eject it."""
         before = replica.breaker
-        replica.breaker = after = before.on_failure(now_s, self.breaker_policy)
+        policy = self.breaker_policy
+        ejected = sum(1 for other in self.replicas if not other.breaker.admits(now_s))
+        may_eject = ejected < max(1, int(len(self.replicas) * policy.max_ejected_fraction))
+        replica.breaker = after = before.on_failure(now_s, sent_s, policy, may_eject)
         if after.state is BreakerState.OPEN and after.reopen_at_s != before.reopen_at_s:
             log.warning("replica ejected", extra={"fields": {
                 "replica": replica.replica_id, "consecutive_failures": after.consecutive_failures,
-                "cooldown_s": after.cooldown_s}})
+                "failure_ratio": round(after.failure_ratio, 3), "cooldown_s": after.cooldown_s}})

@@ -8,6 +8,7 @@ connection is handled at a time; pipelined requests wait their turn in arrival o
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
@@ -43,6 +44,8 @@ class HttpRequest:
         self.too_large = False  # the body passed the size cap and was discarded: answer 413
 
 
+log = logging.getLogger("tidegate.gateway")
+
 RequestHandler = Callable[["HttpConnection", HttpRequest], Awaitable[None]]
 
 # request line + headers; the parser would otherwise buffer a header of any length
@@ -56,8 +59,12 @@ class _HeadTooLarge(Exception):
 class HttpConnection(asyncio.Protocol):
     """One client connection. The handler answers through `respond` or `start_stream`/`stream_chunk`/`end_stream`."""
 
-    def __init__(self, handler: RequestHandler, max_body_bytes: int) -> None:
+    def __init__(self, handler: RequestHandler, max_body_bytes: int, write_timeout_s: float | None = None) -> None:
         self._handler = handler
+        # a client that reads nothing of its answer for this long is dropped, which cancels its
+        # request upstream and frees the replica slot (stalled readers once held slots for 600 s)
+        self._write_timeout_s = write_timeout_s
+        self._write_timer: asyncio.TimerHandle | None = None
         self._max_body_bytes = max_body_bytes
         self._parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
@@ -109,17 +116,32 @@ class HttpConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pending.clear()
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
         if self._task is not None and not self._task.done():
             # the client went away: cancelling the handler closes its upstream connection
             self._task.cancel()
 
     def pause_writing(self) -> None:
+        if self._write_timeout_s is not None and self._write_timer is None:
+            self._write_timer = asyncio.get_running_loop().call_later(self._write_timeout_s, self._write_timed_out)
         if self.on_pause_writing is not None:
             self.on_pause_writing()
 
     def resume_writing(self) -> None:
+        if self._write_timer is not None:
+            self._write_timer.cancel()
+            self._write_timer = None
         if self.on_resume_writing is not None:
             self.on_resume_writing()
+
+    def _write_timed_out(self) -> None:
+        """The client has read nothing for the write timeout: drop it (its handler is cancelled)."""
+        self._write_timer = None
+        log.info("client stopped reading; connection dropped",
+                 extra={"fields": {"write_timeout_s": self._write_timeout_s}})
+        self.abort()
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:

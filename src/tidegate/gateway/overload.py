@@ -202,6 +202,17 @@ class FairWaitQueue:
         if self._waiting.pop(ticket.request_id, None) is not None:
             self._control.cancel(self._runtime.clock(), ticket.request_id)
 
+    def drain(self) -> list[Waiter]:
+        """Every waiter, each request cancelled in the policy (its reservation refunded)."""
+        now_s = self._runtime.clock()
+        waiters = list(self._retries)
+        self._retries.clear()
+        for request_id, waiter in self._waiting.items():
+            self._control.cancel(now_s, request_id)
+            waiters.append(waiter)
+        self._waiting.clear()
+        return waiters
+
     def take_shed(self, request_id: str) -> Waiter | None:
         """The waiter of a request the policy dropped, no longer queued."""
         return self._waiting.pop(request_id, None)
@@ -317,8 +328,12 @@ class OverloadRuntime:
                 pool.release(replica, now_s)  # it took the protected headroom: queue instead
                 replica = None
             if replica is not None:
-                return self._dispatched_at_once(now_s, request_id, identity, model, replica,
-                                                prompt_tokens, prompt_tokens + max_tokens)
+                try:
+                    return self._dispatched_at_once(now_s, request_id, identity, model, replica,
+                                                    prompt_tokens, prompt_tokens + max_tokens)
+                except BaseException:
+                    pool.release(replica, now_s)  # the slot is the caller's only once the ticket is
+                    raise
         facts = RequestFacts(request_id, identity.tenant, identity.tier, model, prompt_tokens, max_tokens,
                              timeout_s=timeout_s)
         arrival = self.control.arrive(now_s, facts)
@@ -397,7 +412,11 @@ class OverloadRuntime:
             if future.done() and not future.cancelled() and future.exception() is None:
                 pool.release(future.result(), self.clock())  # handed a slot just as the client left
             raise
-        self._took_slot(ticket, replica, self.clock())
+        try:
+            self._took_slot(ticket, replica, self.clock())
+        except BaseException:
+            self.pools[replica.pool_name].release(replica, self.clock())  # the caller never got the slot
+            raise
         return replica
 
     def _took_slot(self, ticket: Ticket, replica: Replica, now_s: float) -> None:

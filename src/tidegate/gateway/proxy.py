@@ -32,8 +32,9 @@ from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection, HttpRequest
 from tidegate.gateway.overload import OverloadRuntime, Ticket, extra_headers
 from tidegate.gateway.upstream import Exchange, UpstreamFailure, UpstreamConnection
-from tidegate.gateway.validation import Endpoint, check_body
+from tidegate.gateway.validation import Endpoint, check_body, check_nesting
 from tidegate.policy.health import is_routable
+from tidegate.policy.routing import any_routable
 from tidegate.policy.identity import Identity
 from tidegate.telemetry.logs import AccessLog
 from tidegate.telemetry.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -59,12 +60,18 @@ _FIRST_TOKEN = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"(?!")|"
 
 
 class ProxySettings:
-    __slots__ = ("max_tokens_cap", "first_byte_timeout_s", "request_timeout_s", "api_keys")
+    __slots__ = ("max_tokens_cap", "first_byte_timeout_s", "whole_answer_timeout_s", "stream_idle_timeout_s",
+                 "request_timeout_s", "api_keys")
 
     def __init__(self, max_tokens_cap: int, first_byte_timeout_s: float, request_timeout_s: float,
-                 api_keys: frozenset[bytes]) -> None:
+                 api_keys: frozenset[bytes], *, whole_answer_timeout_s: float | None = None,
+                 stream_idle_timeout_s: float | None = None) -> None:
         self.max_tokens_cap = max_tokens_cap
-        self.first_byte_timeout_s = first_byte_timeout_s
+        self.first_byte_timeout_s = first_byte_timeout_s  # stream: dispatch -> first event with output
+        # not streamed: dispatch -> the answer's head (engines send it when the answer is complete)
+        self.whole_answer_timeout_s = min(whole_answer_timeout_s or request_timeout_s, request_timeout_s)
+        # stream: the longest silence of the upstream between reads, once output has begun
+        self.stream_idle_timeout_s = min(stream_idle_timeout_s or request_timeout_s, request_timeout_s)
         self.request_timeout_s = request_timeout_s
         self.api_keys = api_keys  # b"Bearer <key>" values; empty: no authentication
 
@@ -106,6 +113,7 @@ class Proxy:
                 body = orjson.loads(request.body)
             except orjson.JSONDecodeError:
                 raise InvalidRequestError("request body is not valid JSON") from None
+            check_nesting(request.body, body)
             model, stream = check_body(endpoint, body, self.settings.max_tokens_cap)
             pool = self.pools.get(model)
             if pool is None:
@@ -198,31 +206,46 @@ class Proxy:
             # raises the answer for a refusal (429, or 503 with the preset reply) at once
             ticket = overload.admit(started, str(self._ticket_ids), identity, pool.name, body, timeout_s)
             pool = self.pools[ticket.pool]  # the fallback pool when degraded to it
+        # Whoever holds a replica slot gives it back in the `finally` below, on every way out:
+        # an exception anywhere between acquiring and releasing must not leak it (eight leaked
+        # slots once disabled a pool until restart)
+        held: Replica | None = ticket.replica if ticket is not None else None  # the fast path's slot
         metrics = self.pool_metrics[pool.name]
         metrics.in_flight.inc()
         usage = _Usage(ticket)
         try:
-            replica = await (overload.acquire(ticket) if ticket is not None else self._acquire(pool, started, ()))
+            held = await (overload.acquire(ticket) if ticket is not None else self._acquire(pool, started, ()))
             if ticket is not None:
                 pool = self.pools[ticket.pool]  # a request displaced while it waited may move to the fallback
+            pool.retry_budget.on_attempt()
             try:
-                status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
+                status = await self._exchange_on(conn, pool, held, endpoint, body, raw_body, stream,
                                                  request_id, started, metrics, usage=usage)
             except _RetryElsewhere as retry:
-                # a connection failure before the first byte: one more try, on another replica
+                # nothing reached the client and the replica failed: one more try, on another
+                # replica, if the pool's retry budget allows (retries must not amplify an outage)
+                tried = held.replica_id
+                self._release(held)
+                held = None
                 try:
-                    replica = await self._acquire(pool, self.clock(), (replica.replica_id,))
+                    held = await self._acquire(pool, self.clock(), (tried,))
                 except OverloadedError:
                     raise retry.error from None
-                status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
+                self.metrics.upstream_retries.labels(pool.name, retry.reason).inc()
+                status = await self._exchange_on(conn, pool, held, endpoint, body, raw_body, stream,
                                                  request_id, started, metrics, retried=True, usage=usage)
             metrics.count(status)
             metrics.e2e.observe(self.clock() - started)
-            return status, replica.replica_id
+            return status, held.replica_id
         finally:
+            if held is not None:
+                self._release(held)
             metrics.in_flight.dec()
             if ticket is not None:
                 overload.settle(ticket, None, usage.completion_tokens())
+
+    def _release(self, replica: Replica) -> None:
+        self.pools[replica.pool_name].release(replica, self.clock())
 
     async def _acquire(self, pool: ModelPool, now_s: float, exclude: tuple[str, ...]) -> Replica:
         replica = pool.try_acquire(now_s, exclude)
@@ -231,6 +254,7 @@ class Proxy:
     async def _exchange_on(self, conn: HttpConnection, pool: ModelPool, replica: Replica, endpoint: Endpoint,
                            body: dict, raw_body: bytes, stream: bool, request_id: bytes, started: float,
                            metrics: PoolMetrics, retried: bool = False, usage: _Usage | None = None) -> int:
+        """One attempt on `replica`, whose slot the caller holds and gives back."""
         rewrites: dict = {}
         if replica.upstream_model != body["model"]:
             rewrites["model"] = replica.upstream_model
@@ -240,34 +264,40 @@ class Proxy:
         payload = orjson.dumps({**body, **rewrites}) if rewrites else raw_body
         data = b"".join((replica.request_head(endpoint.value), b"x-request-id: ", request_id,
                          b"\r\ncontent-length: ", str(len(payload)).encode(), b"\r\n\r\n", payload))
+        sent_s = self.clock()
         if usage is not None and usage.ticket is not None:
-            usage.dispatched(replica, self.clock())
+            usage.dispatched(replica, sent_s)
         try:
-            try:
-                return await self._exchange(conn, replica, data, stream, request_id, started, metrics, usage)
-            except UpstreamFailure as failure:
-                if usage is not None and usage.ticket is not None:
-                    usage.failed(self.overload)
-                kind = "timeout" if failure.timed_out else ("connect" if failure.connect else "broken")
-                self.metrics.upstream_errors.labels(pool.name, replica.replica_id, kind).inc()
-                pool.record_failure(replica, self.clock())
-                if failure.timed_out:
-                    raise UpstreamTimeoutError("the upstream did not answer in time") from None
-                error = UpstreamError(f"upstream replica failed: {failure}")
-                if failure.before_first_byte and not retried:
-                    raise _RetryElsewhere(error) from None
-                raise error from None
-        finally:
-            pool.release(replica, self.clock())
+            return await self._exchange(conn, replica, data, stream, request_id, started, metrics, usage, sent_s,
+                                        may_retry=not retried)
+        except UpstreamFailure as failure:
+            if usage is not None and usage.ticket is not None:
+                usage.failed(self.overload)
+            kind = "timeout" if failure.timed_out else ("connect" if failure.connect else "broken")
+            self.metrics.upstream_errors.labels(pool.name, replica.replica_id, kind).inc()
+            pool.record_failure(replica, self.clock(), sent_s)
+            if failure.timed_out:
+                raise UpstreamTimeoutError("the upstream did not answer in time") from None
+            error = UpstreamError(f"upstream replica failed: {failure}")
+            if failure.before_first_byte and not retried and self._may_retry(pool, replica, self.clock()):
+                raise _RetryElsewhere(error, kind) from None
+            raise error from None
+
+    @staticmethod
+    def _may_retry(pool: ModelPool, failed: Replica, now_s: float) -> bool:
+        """Another replica could take the request, and the pool's retry budget allows one more."""
+        return any_routable(pool.replicas, now_s, (failed.replica_id,)) and pool.retry_budget.try_spend(now_s)
 
     async def _exchange(self, conn: HttpConnection, replica: Replica, data: bytes, stream: bool,
-                        request_id: bytes, started: float, metrics: PoolMetrics, usage: _Usage | None = None) -> int:
+                        request_id: bytes, started: float, metrics: PoolMetrics, usage: _Usage | None,
+                        sent_s: float, may_retry: bool) -> int:
         loop = asyncio.get_running_loop()
+        settings = self.settings
         connection, reused = await replica.connections.connection()
         relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage) if stream else None
         exchange = Exchange(loop, relay)
         connection.send(data, exchange)
-        timeout_s = self.settings.first_byte_timeout_s if stream else self.settings.request_timeout_s
+        timeout_s = settings.first_byte_timeout_s if stream else settings.whole_answer_timeout_s
         timer = loop.call_later(timeout_s, _time_out, connection, exchange)
         if relay is not None:
             relay.timer = timer
@@ -290,8 +320,8 @@ class Proxy:
             if relay is not None and not relay.streaming:
                 relay.flush(at_end=True)  # a stream that ended with no output event: pass on what it held
             if relay is None or not relay.streaming:
-                return self._answer_whole(conn, replica, exchange, request_id, usage)
-            self.pools[replica.pool_name].record_success(replica)
+                return self._answer_whole(conn, replica, exchange, request_id, usage, sent_s, may_retry)
+            self.pools[replica.pool_name].record_success(replica, self.clock(), sent_s)
             conn.end_stream()
             return 200
         except UpstreamFailure as failure:
@@ -299,7 +329,7 @@ class Proxy:
                 raise
             # headers are out: say what happened in the stream, then end it, so it cannot look complete
             pool = self.pools[replica.pool_name]
-            pool.record_failure(replica, self.clock())
+            pool.record_failure(replica, self.clock(), sent_s)
             self.metrics.upstream_errors.labels(pool.name, replica.replica_id,
                                                 "timeout" if failure.timed_out else "broken").inc()
             error = UpstreamTimeoutError("the upstream timed out mid-stream") if failure.timed_out \
@@ -315,17 +345,26 @@ class Proxy:
                 connection.close()  # client gone or timed out: stop the upstream's work
 
     def _answer_whole(self, conn: HttpConnection, replica: Replica, exchange: Exchange, request_id: bytes,
-                      usage: _Usage | None = None) -> int:
+                      usage: _Usage | None, sent_s: float, may_retry: bool) -> int:
         status = exchange.status
         body = exchange.body()
-        extra = b""
-        if usage is not None and usage.ticket is not None:
-            extra = usage.ticket.response_headers
-            usage.answered_whole(self.overload, self.clock(), body)
+        pool = self.pools[replica.pool_name]
+        now_s = self.clock()
+        overload_usage = usage if usage is not None and usage.ticket is not None else None
         if status >= 500:
-            self.pools[replica.pool_name].record_failure(replica, self.clock())
+            # the replica failed: it counts towards ejection and teaches the slot limit a drop
+            pool.record_failure(replica, now_s, sent_s)
+            self.metrics.upstream_errors.labels(pool.name, replica.replica_id, "status_5xx").inc()
+            if overload_usage is not None:
+                overload_usage.failed(self.overload)
+            if may_retry and self._may_retry(pool, replica, now_s):
+                # nothing has reached the client yet: another replica may answer it well
+                raise _RetryElsewhere(UpstreamError(f"upstream replica answered {status}"), "status_5xx")
         else:
-            self.pools[replica.pool_name].record_success(replica)
+            pool.record_success(replica, now_s, sent_s)
+            if overload_usage is not None:
+                overload_usage.answered_whole(self.overload, now_s, body)
+        extra = overload_usage.ticket.response_headers if overload_usage is not None else b""
         if status >= 400 and replica.secret:
             body = body.replace(replica.secret.encode(), b"***")
         conn.respond(status, b"content-type: " + exchange.content_type + b"\r\nx-request-id: " + request_id + b"\r\n"
@@ -333,12 +372,11 @@ class Proxy:
         return status
 
 
-
 class _StreamRelay:
     """Passes a 200 SSE response on as it arrives, from the upstream protocol's callbacks."""
 
     __slots__ = ("proxy", "conn", "connection", "request_id", "started", "metrics", "timer", "streaming",
-                 "pending", "exchange", "usage", "saw_token")
+                 "pending", "exchange", "usage", "saw_token", "last_read_s", "client_paused")
 
     def __init__(self, proxy: Proxy, conn: HttpConnection, connection: UpstreamConnection, request_id: bytes,
                  started: float, metrics: PoolMetrics, usage: _Usage | None = None) -> None:
@@ -354,6 +392,8 @@ class _StreamRelay:
         self.pending: list[bytes] = []
         self.exchange: Exchange | None = None
         self.usage = usage if usage is not None and usage.ticket is not None else None  # overload control only
+        self.last_read_s = started  # the upstream's last read, once streaming: its silence is timed
+        self.client_paused = False  # the client reads slower than the upstream writes: not the upstream's silence
 
     def on_head(self, exchange: Exchange) -> None:
         if exchange.status == 200:
@@ -368,6 +408,8 @@ class _StreamRelay:
         pending = self.pending
         if not pending:
             return
+        if self.streaming:
+            self.last_read_s = self.proxy.clock()
         conn = self.conn
         if not self.saw_token and any(_FIRST_TOKEN.search(piece) for piece in pending):
             self._first_token()
@@ -400,13 +442,40 @@ class _StreamRelay:
             extra = usage.ticket.response_headers
         conn.start_stream(200, b"content-type: " + exchange.content_type
                           + b"\r\ncache-control: no-cache\r\nx-request-id: " + self.request_id + b"\r\n" + extra)
-        conn.on_pause_writing = self.connection.pause_reading
-        conn.on_resume_writing = self.connection.resume_reading
-        # the first-byte timeout is over; the rest of the stream has what is left of the request's time
+        conn.on_pause_writing = self._client_paused
+        conn.on_resume_writing = self._client_resumed
+        # the first-byte timeout is over; from now on the upstream may be silent at most
+        # `stream_idle_timeout_s` at a time, within what is left of the request's time
         if self.timer is not None:
             self.timer.cancel()
-        remaining_s = max(0.0, proxy.settings.request_timeout_s - (now_s - self.started))
-        self.timer = asyncio.get_running_loop().call_later(remaining_s, _time_out, self.connection, exchange)
+        self.last_read_s = now_s
+        self._arm_silence_timer(now_s)
+
+    def _arm_silence_timer(self, now_s: float) -> None:
+        """One timer at a time, re-armed when it fires, not at every read: reads only note their time."""
+        settings = self.proxy.settings
+        due_s = min(self.started + settings.request_timeout_s, self.last_read_s + settings.stream_idle_timeout_s)
+        self.timer = asyncio.get_running_loop().call_later(max(0.0, due_s - now_s), self._check_silence)
+
+    def _check_silence(self) -> None:
+        now_s = self.proxy.clock()
+        settings = self.proxy.settings
+        if self.client_paused:
+            self.last_read_s = now_s  # the client's write timeout answers for a client that stopped reading
+        over = now_s >= self.started + settings.request_timeout_s
+        if over or now_s - self.last_read_s >= settings.stream_idle_timeout_s:
+            _time_out(self.connection, self.exchange)
+            return
+        self._arm_silence_timer(now_s)
+
+    def _client_paused(self) -> None:
+        self.client_paused = True
+        self.connection.pause_reading()
+
+    def _client_resumed(self) -> None:
+        self.client_paused = False
+        self.last_read_s = self.proxy.clock()
+        self.connection.resume_reading()
 
 
 class _Usage:
@@ -452,10 +521,12 @@ class _Usage:
 
 
 class _RetryElsewhere(Exception):
-    """Nothing reached the client and the replica never answered: another replica may take it."""
+    """Nothing reached the client and the replica failed (no answer, or a 5xx): another replica may
+    take it. `reason` labels the retry metric."""
 
-    def __init__(self, error: UpstreamError) -> None:
+    def __init__(self, error: UpstreamError, reason: str) -> None:
         self.error = error
+        self.reason = reason
 
 
 def _time_out(connection: UpstreamConnection, exchange: Exchange) -> None:

@@ -8,7 +8,12 @@ from typing import Any
 
 from tidegate.errors import InvalidRequestError
 
-__all__ = ["Endpoint", "check_body"]
+__all__ = ["Endpoint", "check_body", "check_nesting", "MAX_JSON_DEPTH"]
+
+# Deeper than any OpenAI request needs (a tool's JSON schema nests a few dozen levels at most), and
+# well inside what orjson re-encodes (255 levels): a body that parsed must also re-encode, or a
+# rewrite of it for a replica fails half-way through a request.
+MAX_JSON_DEPTH = 64
 
 
 class Endpoint(Enum):
@@ -53,3 +58,20 @@ def check_body(endpoint: Endpoint, body: Any, max_tokens_cap: int) -> tuple[str,
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= max_tokens_cap:
             raise InvalidRequestError(f"'{field}' must be an integer from 1 to {max_tokens_cap}", param=field)
     return model, stream
+
+
+def check_nesting(raw_body: bytes, body: Any) -> None:
+    """Refuses a body nested deeper than MAX_JSON_DEPTH (400), before any work is done for it.
+
+    Nearly free for ordinary bodies: a body with fewer opening brackets than the limit cannot be
+    that deep, and counting brackets is a C loop; only the rest are walked."""
+    if raw_body.count(b"[") + raw_body.count(b"{") <= MAX_JSON_DEPTH:
+        return
+    level: list[Any] = [body] if isinstance(body, (dict, list)) else []
+    for _depth in range(MAX_JSON_DEPTH):
+        level = [child for node in level
+                 for child in (node.values() if isinstance(node, dict) else node)
+                 if isinstance(child, (dict, list))]
+        if not level:
+            return
+    raise InvalidRequestError(f"request body is nested deeper than {MAX_JSON_DEPTH} levels")

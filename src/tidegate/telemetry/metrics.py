@@ -47,6 +47,8 @@ class GatewayMetrics:
         self.queue_depth = Gauge("tidegate_queue_depth", "Requests waiting for a replica slot", ["pool"], registry=r)
         self.upstream_errors = Counter("tidegate_upstream_errors", "Failed upstream exchanges",
                                        ["pool", "replica", "kind"], registry=r)
+        self.upstream_retries = Counter("tidegate_upstream_retries", "Requests retried on another replica "
+                                        "before anything reached the client", ["pool", "reason"], registry=r)
         self.replica_healthy = Gauge("tidegate_replica_healthy", "1 when the replica takes traffic",
                                      ["pool", "replica"], registry=r)
         self.replica_outstanding = Gauge("tidegate_replica_outstanding", "Requests sent and not finished",
