@@ -93,7 +93,7 @@ class Gateway:
                     workers.append(spec)
             self.pools[pool_config.name] = ModelPool(
                 pool_config.name, replicas, breaker_policy, server.max_queued_requests,
-                server.queue_timeout_s, server.retry_after_s, retry_budget=retry_budget)
+                server.queue_timeout_s, server.retry_after_s, retry_budget=retry_budget, created_s=time.monotonic())
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(server.access_log)
         api_keys = frozenset(b"Bearer " + key.get_secret_value().encode() for key in server.api_keys)

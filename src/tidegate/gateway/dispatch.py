@@ -131,6 +131,7 @@ class ModelPool:
         retry_after_s: int,
         queue: WaitQueue | None = None,
         retry_budget: RetryBudgetPolicy = RetryBudgetPolicy(),
+        created_s: float = 0.0,
     ) -> None:
         self.name = name
         self.replicas = replicas
@@ -141,7 +142,7 @@ class ModelPool:
         self._retry_after_s = retry_after_s
         self._cursor = 0
         self.retry_budget = RetryBudget(retry_budget)  # retries on another replica, per pool
-        self._released_s = 0.0  # when a slot was last given back: a queue with no release is stuck
+        self._released_s = created_s  # when a slot was last given back: a queue with no release is stuck
 
     def ready(self, now_s: float) -> bool:
         """Can take work: some replica is routable, and waiting requests are not stuck behind slots

@@ -2,7 +2,8 @@
 benchmark measures the gateway, with latency models and error injection for load-generator tests.
 
 Per-request overrides, for tests: `x-mock-status: 503` answers that status with an OpenAI error
-body; `x-mock-ttft-ms: 250` replaces the sampled time to first token.
+body; `x-mock-ttft-ms: 250` replaces the sampled time to first token; `x-mock-stall-after: 8`
+stalls after 8 tokens (a stream goes silent, a whole answer never comes) with the connection open.
 """
 
 from __future__ import annotations
@@ -221,8 +222,13 @@ class MockProtocol(asyncio.Protocol):
         else:
             offsets_s.extend([ttft_s] * (n_tokens - 1))
 
+        stall_after = self.headers.get(b"x-mock-stall-after")
+        stall_at = int(stall_after) if stall_after is not None else None
         if not request.get("stream"):
             await self.state.timer.sleep_until(start_s + offsets_s[-1])
+            if stall_at is not None:
+                await self._stall()
+                return
             text = "".join(_WORDS[i % len(_WORDS)] for i in range(n_tokens))
             choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
                       if is_chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
@@ -253,6 +259,9 @@ class MockProtocol(asyncio.Protocol):
         # as vLLM and OpenAI do, a chat stream opens with a role-only event at once, before any token
         transport.write(_head(200, b"text/event-stream", None, keep_alive) + (chunk(None, None, role=True) if is_chat else b""))
         for index, offset_s in enumerate(offsets_s):
+            if index == stall_at:
+                await self._stall()
+                return
             await self.state.timer.sleep_until(start_s + offset_s)
             if self.transport is None:
                 return  # client went away: stop generating, as an engine would
@@ -267,6 +276,12 @@ class MockProtocol(asyncio.Protocol):
         self.transport.write(b"".join(tail))
         if not keep_alive:
             self.transport.close()
+
+
+    async def _stall(self) -> None:
+        """A replica hung mid-answer: silent, the connection open, until the client goes."""
+        while self.transport is not None:
+            await asyncio.sleep(0.5)
 
 
 class MillisecondTimer:
