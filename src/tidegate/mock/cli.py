@@ -21,6 +21,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sigma", type=float, default=0.5,
                         help="lognormal: log-space std dev; uniform: half-width as a fraction of the mean")
     parser.add_argument("--error-rate", type=float, default=0.0, help="fraction of requests answered 500")
+    parser.add_argument("--stall-after", type=int, default=None,
+                        help="stall every answer after this many tokens, the connection left open (a hung replica)")
     parser.add_argument("--embedding-dim", type=int, default=384)
     parser.add_argument("--model", default="mock-model", help="model name in /v1/models")
     parser.add_argument("--seed", type=int, default=None)
@@ -44,6 +46,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         seed=args.seed,
         precise_timing=args.precise_timing,
+        stall_after=args.stall_after,
     )
     if args.loop == "uvloop":
         import uvloop

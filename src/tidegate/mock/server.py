@@ -38,6 +38,7 @@ class MockConfig:
     model: str = "mock-model"
     seed: int | None = None
     precise_timing: bool = False  # sub-millisecond pacing at the cost of a busy core
+    stall_after: int | None = None  # tokens after which every answer stalls (x-mock-stall-after per request)
 
 
 class MockState:
@@ -223,7 +224,7 @@ class MockProtocol(asyncio.Protocol):
             offsets_s.extend([ttft_s] * (n_tokens - 1))
 
         stall_after = self.headers.get(b"x-mock-stall-after")
-        stall_at = int(stall_after) if stall_after is not None else None
+        stall_at = int(stall_after) if stall_after is not None else config.stall_after
         if not request.get("stream"):
             await self.state.timer.sleep_until(start_s + offsets_s[-1])
             if stall_at is not None:
