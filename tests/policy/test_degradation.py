@@ -63,7 +63,7 @@ def test_no_fallback_configured_skips_the_rung() -> None:
 
 
 def test_default_preset_reply() -> None:
-    assert DegradationLadder("big").decide(TIERS["sheddable"], 2.0).message == "系统繁忙，请稍后重试"
+    assert DegradationLadder("big").decide(TIERS["sheddable"], 2.0).message == "The service is busy; please retry later."
 
 
 def test_header_names_the_rung_only_when_degraded() -> None:

@@ -36,10 +36,14 @@ def _remaining_tokens(control: OverloadControl, now_s: float) -> int:
     return control.limiter.headers(now_s, "t", "big").remaining_tokens
 
 
-def _saturate(control: OverloadControl, pool: str = "big", rate_per_s: float = 10.0, backlog: int = 100) -> float:
-    """Queues `backlog` standard requests and dispatches a few at `rate_per_s`, so the pool's rate is known."""
-    for _ in range(backlog):
-        control.arrive(0.0, _facts(model=pool))
+def _saturate(control: OverloadControl, pool: str = "big", rate_per_s: float = 10.0, backlog: int = 100,
+              one_tenant: bool = False) -> float:
+    """Queues `backlog` standard requests and dispatches a few at `rate_per_s`, so the pool's rate is known.
+
+    From as many tenants, each of whose request could still start in time if served first (fair
+    queueing may), unless `one_tenant`: then the tenant's requests past its deadline's reach are refused."""
+    for index in range(backlog):
+        control.arrive(0.0, _facts(model=pool, tenant="t" if one_tenant else f"t{index}"))
     now_s = 0.0
     for _ in range(5):
         now_s += 1.0 / rate_per_s
@@ -226,9 +230,10 @@ def test_a_request_id_in_flight_cannot_arrive_again() -> None:
 
 def test_a_flooding_tenant_does_not_get_a_quiet_tenant_refused() -> None:
     control = _control()
-    now_s = _saturate(control)  # tenant "t" floods the standard tier: 9.5 s of work queued
-    assert control.arrive(now_s, _facts(tenant="t")).outcome is ArrivalOutcome.PRESET_REPLY
+    now_s = _saturate(control, one_tenant=True)  # tenant "t" floods the standard tier: 9.5 s of work queued
     assert control.arrive(now_s, _facts(tenant="quiet")).outcome is ArrivalOutcome.QUEUED
+    # what was refused is the flood's own requests that its own backlog kept from starting in time
+    assert len(control.pools["big"].queue) < 95 / 2
 
 
 @pytest.mark.parametrize("emptied_by", ["expiry", "cancel"])
@@ -289,3 +294,32 @@ def test_a_request_waits_no_longer_than_its_ttft_target_leaves_after_the_replica
     shed = control.expire(wait_budget_s + 0.01, "big")
     assert [notice.request.request_id for notice in shed] == ["waits"]
     assert shed[0].reason is ShedReason.DEADLINE
+
+
+def _impatient_sheddable(request_id: str) -> RequestFacts:
+    return RequestFacts(request_id, "s", "sheddable", "big", prompt_tokens=10, max_tokens=90, timeout_s=3.0)
+
+
+def test_request_displaced_behind_better_work_is_refused_at_once() -> None:
+    control = _control(max_queued=1000)
+    now_s = _saturate(control, backlog=5)  # 10 requests/s measured, nothing left queued
+    waiting = control.arrive(now_s, _impatient_sheddable("displaced"))
+    assert waiting.outcome is ArrivalOutcome.QUEUED  # nothing ahead, 3 s to start
+    # a burst of better traffic, 3.5 s of work, all served before it
+    for index in range(35):
+        tier = "critical" if index < 25 else "standard"
+        arrival = control.arrive(now_s + 0.2, _facts(tier=tier, tenant=f"c{index}"))
+        assert arrival.outcome is ArrivalOutcome.QUEUED and arrival.shed == ()
+    shed = control.dispatch(now_s + 0.35, "big").shed  # the next time the queue moves, not in 3 s
+    assert [(n.request.request_id, n.reason) for n in shed] == [("displaced", ShedReason.HOPELESS)]
+    assert shed[0].reply.status == 503
+    assert control.open_requests == 5 + 35  # its reservation refunded; the dispatched ones are still open
+
+
+def test_request_that_can_still_start_in_time_is_kept() -> None:
+    control = _control(max_queued=1000)
+    now_s = _saturate(control, backlog=5)
+    control.arrive(now_s, _impatient_sheddable("patient"))
+    for index in range(20):  # 2 s of work ahead of it, 2.65 s left to start
+        control.arrive(now_s + 0.2, _facts(tier="critical", tenant=f"c{index}"))
+    assert control.dispatch(now_s + 0.35, "big").shed == ()

@@ -213,7 +213,7 @@ class PoolLadderConfig(_Strict):
 
 
 class DegradationConfig(_Strict):
-    preset_reply: str = LadderConfig().preset_reply  # "system busy, please retry later"
+    preset_reply: str = LadderConfig().preset_reply  # the message of the 503; any language
     min_retry_after_s: float = Field(1.0, ge=0)
     pools: dict[str, PoolLadderConfig] = {}
 

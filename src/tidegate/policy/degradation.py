@@ -32,7 +32,7 @@ class Rung(Enum):
 class LadderConfig:
     fallback_pool: str | None = None  # a lighter model pool to send degraded requests to
     use_cached_answers: bool = True  # take a cached answer when the caller has one
-    preset_reply: str = "系统繁忙，请稍后重试"  # "system busy, please retry later"
+    preset_reply: str = "The service is busy; please retry later."  # configurable, e.g. "系统繁忙，请稍后重试"
     min_retry_after_s: float = 1.0  # Retry-After of the preset reply when no prediction gives one
 
 

@@ -10,6 +10,7 @@ Adaptive slots stay per replica (`concurrency.ReplicaSlots`), next to routing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
@@ -91,6 +92,7 @@ class PoolPolicies:
     predictor: WaitPredictor
     ladder: DegradationLadder
     shares: TenantShares | None = None
+    hopeless_checked_s: float = -math.inf  # when the queue was last searched for requests that cannot start in time
 
     @classmethod
     def create(cls, pool: str, tiers: TierTable, *, max_queued: int, ladder: LadderConfig = LadderConfig(),
@@ -103,6 +105,7 @@ class PoolPolicies:
 class OverloadControl:
     FIRST_TOKEN_WEIGHT = 0.05  # of each sample in the smoothed replica time to first token
     MIN_WAIT_SHARE = 0.25  # the queue wait budget never falls below this share of the tier's maximum
+    HOPELESS_CHECK_S = 0.1  # how often a pool's queue is searched for requests that cannot start in time
 
     def __init__(self, tiers: TierTable, limiter: RateLimiter, pools: Mapping[str, PoolPolicies]) -> None:
         for name, policies in pools.items():
@@ -247,9 +250,14 @@ class OverloadControl:
 
     # ---- internals ----------------------------------------------------------------------------
 
-    @staticmethod
-    def _expire(now_s: float, policies: PoolPolicies) -> tuple[ShedRequest, ...]:
+    def _expire(self, now_s: float, policies: PoolPolicies) -> tuple[ShedRequest, ...]:
+        """Requests past their deadline, and, every `HOPELESS_CHECK_S`, those that can no longer start
+        by it (`FairPriorityQueue.shed_hopeless`): a refusal known now is answered now."""
         expired = policies.queue.expire(now_s)
+        rate_per_s = policies.predictor.service_rate_per_s
+        if rate_per_s and len(policies.queue) and now_s - policies.hopeless_checked_s >= self.HOPELESS_CHECK_S:
+            policies.hopeless_checked_s = now_s
+            expired += policies.queue.shed_hopeless(now_s, rate_per_s, policies.predictor.unit is WorkUnit.TOKENS)
         if expired and not len(policies.queue):
             policies.predictor.on_queue_emptied()
         return expired

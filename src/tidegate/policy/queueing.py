@@ -71,6 +71,7 @@ class EnqueueOutcome(Enum):
 class ShedReason(Enum):
     DISPLACED = "displaced"  # a request of a better tier took its place
     DEADLINE = "deadline"  # it waited until its deadline
+    HOPELESS = "hopeless"  # the work certainly ahead of it cannot drain before its deadline
 
 
 @dataclass(frozen=True, slots=True)
@@ -297,6 +298,36 @@ class FairPriorityQueue:
                 request = self._remove(self._queues[self._by_id[item[2]][1].tier], item[1])
                 expired.append(ShedRequest(request, ShedReason.DEADLINE))
         return tuple(expired)
+
+    def shed_hopeless(self, now_s: float, rate_per_s: float, in_tokens: bool) -> tuple[ShedRequest, ...]:
+        """Removes and returns the requests that cannot start by their deadline even if served as soon
+        as the work certainly ahead of them allows, drained at `rate_per_s` (tokens, or requests
+        when not `in_tokens`, per second): their own tenant's earlier requests of their tier, and the
+        better tiers' queued work, unless aging could let them overtake some of it.
+
+        A lower bound on the wait, so nothing that could still start in time is refused; a request
+        displaced behind a burst of better traffic is answered when that becomes certain, not after
+        waiting out its whole deadline (`test_request_displaced_behind_better_work_is_refused_at_once`).
+        """
+        shed: list[ShedRequest] = []
+        better_work = 0.0
+        better_offset_s = 0.0  # the largest aging offset among better tiers with queued work
+        for queue in self._queues.values():  # best rank first
+            offset_s = queue.spec.aging_offset_s
+            own_before: dict[str, float] = {}
+            for seq, request in list(queue.arrivals.items()):
+                work = float(request.tokens) if in_tokens else 1.0
+                before = own_before.get(request.tenant, 0.0)
+                overtakes = offset_s is not None and request.enqueued_at_s + offset_s < now_s + better_offset_s
+                ahead_s = (before + (0.0 if overtakes else better_work)) / rate_per_s
+                if ahead_s > request.deadline_s - now_s:
+                    shed.append(ShedRequest(self._remove(queue, seq), ShedReason.HOPELESS))
+                else:
+                    own_before[request.tenant] = before + work
+            if queue.arrivals:
+                better_work += float(queue.tokens) if in_tokens else float(len(queue.arrivals))
+                better_offset_s = max(better_offset_s, offset_s or 0.0)
+        return tuple(shed)
 
     # ---- internals ----------------------------------------------------------------------------
 
