@@ -31,6 +31,7 @@ from tidegate.errors import (
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection, HttpRequest
 from tidegate.gateway.overload import OverloadRuntime, Ticket, extra_headers
+from tidegate.gateway.scrub import SecretScrubber, StreamScrubber, safe_content_type
 from tidegate.gateway.upstream import Exchange, UpstreamFailure, UpstreamConnection
 from tidegate.gateway.validation import Endpoint, check_body
 from tidegate.policy.health import is_routable
@@ -264,7 +265,8 @@ class Proxy:
                         request_id: bytes, started: float, metrics: PoolMetrics, usage: _Usage | None = None) -> int:
         loop = asyncio.get_running_loop()
         connection, reused = await replica.connections.connection()
-        relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage) if stream else None
+        relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage,
+                             replica.scrubber) if stream else None
         exchange = Exchange(loop, relay)
         connection.send(data, exchange)
         timeout_s = self.settings.first_byte_timeout_s if stream else self.settings.request_timeout_s
@@ -280,15 +282,17 @@ class Proxy:
                 # the server closed this pooled connection while it sat idle: resend on a new one
                 timer.cancel()
                 connection, _ = await replica.connections.connection(fresh=True)
-                relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage) if stream else None
+                relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage,
+                                     replica.scrubber) if stream else None
                 exchange = Exchange(loop, relay)
                 connection.send(data, exchange)
                 timer = loop.call_later(timeout_s, _time_out, connection, exchange)
                 if relay is not None:
                     relay.timer = timer
                 await exchange.done
-            if relay is not None and not relay.streaming:
-                relay.flush(at_end=True)  # a stream that ended with no output event: pass on what it held
+            if relay is not None:
+                # what it held: a stream that ended with no output event, or a last line without its newline
+                relay.flush(at_end=True)
             if relay is None or not relay.streaming:
                 return self._answer_whole(conn, replica, exchange, request_id, usage)
             self.pools[replica.pool_name].record_success(replica)
@@ -326,9 +330,11 @@ class Proxy:
             self.pools[replica.pool_name].record_failure(replica, self.clock())
         else:
             self.pools[replica.pool_name].record_success(replica)
-        if status >= 400 and replica.secret:
-            body = body.replace(replica.secret.encode(), b"***")
-        conn.respond(status, b"content-type: " + exchange.content_type + b"\r\nx-request-id: " + request_id + b"\r\n"
+        scrubber = replica.scrubber
+        if scrubber is not None:
+            body = scrubber.scrub_answer(status, body)
+        content_type = safe_content_type(exchange.content_type, b"application/json", scrubber)
+        conn.respond(status, b"content-type: " + content_type + b"\r\nx-request-id: " + request_id + b"\r\n"
                      + extra, body)
         return status
 
@@ -338,10 +344,11 @@ class _StreamRelay:
     """Passes a 200 SSE response on as it arrives, from the upstream protocol's callbacks."""
 
     __slots__ = ("proxy", "conn", "connection", "request_id", "started", "metrics", "timer", "streaming",
-                 "pending", "exchange", "usage", "saw_token")
+                 "pending", "exchange", "usage", "saw_token", "scrub")
 
     def __init__(self, proxy: Proxy, conn: HttpConnection, connection: UpstreamConnection, request_id: bytes,
-                 started: float, metrics: PoolMetrics, usage: _Usage | None = None) -> None:
+                 started: float, metrics: PoolMetrics, usage: _Usage | None = None,
+                 scrubber: SecretScrubber | None = None) -> None:
         self.proxy = proxy
         self.conn = conn
         self.connection = connection
@@ -354,6 +361,8 @@ class _StreamRelay:
         self.pending: list[bytes] = []
         self.exchange: Exchange | None = None
         self.usage = usage if usage is not None and usage.ticket is not None else None  # overload control only
+        # the replica's key kept out of the stream: body pieces go through it, whole lines come out
+        self.scrub = StreamScrubber(scrubber) if scrubber is not None else None
 
     def on_head(self, exchange: Exchange) -> None:
         if exchange.status == 200:
@@ -361,11 +370,13 @@ class _StreamRelay:
             # waits for the first event with output, so that an upstream silent past the first-byte
             # timeout is still a clean 504, not a broken stream
             self.exchange = exchange
-            exchange.sink = self.pending.append
+            exchange.sink = self.pending.append if self.scrub is None else self.scrub.pieces.append
         # otherwise an error answer: the handler sends it whole, with its status
 
     def flush(self, at_end: bool = False) -> None:
         pending = self.pending
+        if self.scrub is not None:
+            self.scrub.drain(pending, at_end)
         if not pending:
             return
         conn = self.conn
@@ -398,7 +409,9 @@ class _StreamRelay:
         extra = b""
         if usage is not None:
             extra = usage.ticket.response_headers
-        conn.start_stream(200, b"content-type: " + exchange.content_type
+        scrubber = self.scrub.scrubber if self.scrub is not None else None
+        content_type = safe_content_type(exchange.content_type, b"text/event-stream", scrubber)
+        conn.start_stream(200, b"content-type: " + content_type
                           + b"\r\ncache-control: no-cache\r\nx-request-id: " + self.request_id + b"\r\n" + extra)
         conn.on_pause_writing = self.connection.pause_reading
         conn.on_resume_writing = self.connection.resume_reading
