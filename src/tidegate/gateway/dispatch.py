@@ -15,6 +15,7 @@ from collections.abc import Collection
 from typing import Any, Protocol
 
 from tidegate.errors import OverloadedError
+from tidegate.gateway.scrub import SecretScrubber
 from tidegate.gateway.upstream import ConnectionPool
 from tidegate.policy.health import CLOSED_BREAKER, Breaker, BreakerPolicy, BreakerState
 from tidegate.policy.retry import RetryBudget, RetryBudgetPolicy
@@ -30,7 +31,7 @@ class Replica:
     """One backend replica as the runtime sees it; satisfies policy.routing.RoutableReplica."""
 
     __slots__ = ("replica_id", "pool_name", "health", "breaker", "outstanding", "slot_limit", "load",
-                 "connections", "upstream_model", "auth_header", "secret", "health_url", "scrape_url",
+                 "connections", "upstream_model", "auth_header", "scrubber", "health_url", "scrape_url",
                  "request_heads", "forward_priority")
 
     def __init__(
@@ -56,7 +57,8 @@ class Replica:
         self.connections = connections
         self.upstream_model = upstream_model
         self.auth_header = f"authorization: Bearer {api_key}\r\n".encode() if api_key else b""
-        self.secret = api_key  # only to scrub it from upstream error bodies
+        # the key's forms, found once here, to keep it out of what the upstream's answers carry back
+        self.scrubber = SecretScrubber(api_key) if api_key else None
         self.health_url = health_url
         self.scrape_url = scrape_url  # engine /metrics with running/waiting/KV gauges, if any
         self.request_heads: dict[str, bytes] = {}  # API path -> request line and fixed headers

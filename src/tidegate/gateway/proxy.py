@@ -31,6 +31,7 @@ from tidegate.errors import (
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection, HttpRequest
 from tidegate.gateway.overload import OverloadRuntime, Ticket, extra_headers
+from tidegate.gateway.scrub import SecretScrubber, StreamScrubber, safe_content_type
 from tidegate.gateway.upstream import Exchange, UpstreamFailure, UpstreamConnection
 from tidegate.gateway.validation import Endpoint, check_body, check_nesting
 from tidegate.policy.health import is_routable
@@ -294,7 +295,8 @@ class Proxy:
         loop = asyncio.get_running_loop()
         settings = self.settings
         connection, reused = await replica.connections.connection()
-        relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage) if stream else None
+        relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage,
+                             replica.scrubber) if stream else None
         exchange = Exchange(loop, relay)
         connection.send(data, exchange)
         timeout_s = settings.first_byte_timeout_s if stream else settings.whole_answer_timeout_s
@@ -310,15 +312,17 @@ class Proxy:
                 # the server closed this pooled connection while it sat idle: resend on a new one
                 timer.cancel()
                 connection, _ = await replica.connections.connection(fresh=True)
-                relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage) if stream else None
+                relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage,
+                                     replica.scrubber) if stream else None
                 exchange = Exchange(loop, relay)
                 connection.send(data, exchange)
                 timer = loop.call_later(timeout_s, _time_out, connection, exchange)
                 if relay is not None:
                     relay.timer = timer
                 await exchange.done
-            if relay is not None and not relay.streaming:
-                relay.flush(at_end=True)  # a stream that ended with no output event: pass on what it held
+            if relay is not None:
+                # what it held: a stream that ended with no output event, or a last line without its newline
+                relay.flush(at_end=True)
             if relay is None or not relay.streaming:
                 return self._answer_whole(conn, replica, exchange, request_id, usage, sent_s, may_retry)
             self.pools[replica.pool_name].record_success(replica, self.clock(), sent_s)
@@ -365,9 +369,11 @@ class Proxy:
             if overload_usage is not None:
                 overload_usage.answered_whole(self.overload, now_s, body)
         extra = overload_usage.ticket.response_headers if overload_usage is not None else b""
-        if status >= 400 and replica.secret:
-            body = body.replace(replica.secret.encode(), b"***")
-        conn.respond(status, b"content-type: " + exchange.content_type + b"\r\nx-request-id: " + request_id + b"\r\n"
+        scrubber = replica.scrubber
+        if scrubber is not None:
+            body = scrubber.scrub_answer(status, body)
+        content_type = safe_content_type(exchange.content_type, b"application/json", scrubber)
+        conn.respond(status, b"content-type: " + content_type + b"\r\nx-request-id: " + request_id + b"\r\n"
                      + extra, body)
         return status
 
@@ -376,10 +382,11 @@ class _StreamRelay:
     """Passes a 200 SSE response on as it arrives, from the upstream protocol's callbacks."""
 
     __slots__ = ("proxy", "conn", "connection", "request_id", "started", "metrics", "timer", "streaming",
-                 "pending", "exchange", "usage", "saw_token", "last_read_s", "client_paused")
+                 "pending", "exchange", "usage", "saw_token", "last_read_s", "client_paused", "scrub")
 
     def __init__(self, proxy: Proxy, conn: HttpConnection, connection: UpstreamConnection, request_id: bytes,
-                 started: float, metrics: PoolMetrics, usage: _Usage | None = None) -> None:
+                 started: float, metrics: PoolMetrics, usage: _Usage | None = None,
+                 scrubber: SecretScrubber | None = None) -> None:
         self.proxy = proxy
         self.conn = conn
         self.connection = connection
@@ -394,6 +401,8 @@ class _StreamRelay:
         self.usage = usage if usage is not None and usage.ticket is not None else None  # overload control only
         self.last_read_s = started  # the upstream's last read, once streaming: its silence is timed
         self.client_paused = False  # the client reads slower than the upstream writes: not the upstream's silence
+        # the replica's key kept out of the stream: body pieces go through it, whole lines come out
+        self.scrub = StreamScrubber(scrubber) if scrubber is not None else None
 
     def on_head(self, exchange: Exchange) -> None:
         if exchange.status == 200:
@@ -401,15 +410,17 @@ class _StreamRelay:
             # waits for the first event with output, so that an upstream silent past the first-byte
             # timeout is still a clean 504, not a broken stream
             self.exchange = exchange
-            exchange.sink = self.pending.append
+            exchange.sink = self.pending.append if self.scrub is None else self.scrub.pieces.append
         # otherwise an error answer: the handler sends it whole, with its status
 
     def flush(self, at_end: bool = False) -> None:
+        if self.streaming:
+            self.last_read_s = self.proxy.clock()  # the upstream is not silent, whatever it sent
         pending = self.pending
+        if self.scrub is not None:
+            self.scrub.drain(pending, at_end)
         if not pending:
             return
-        if self.streaming:
-            self.last_read_s = self.proxy.clock()
         conn = self.conn
         if not self.saw_token and any(_FIRST_TOKEN.search(piece) for piece in pending):
             self._first_token()
@@ -440,7 +451,9 @@ class _StreamRelay:
         extra = b""
         if usage is not None:
             extra = usage.ticket.response_headers
-        conn.start_stream(200, b"content-type: " + exchange.content_type
+        scrubber = self.scrub.scrubber if self.scrub is not None else None
+        content_type = safe_content_type(exchange.content_type, b"text/event-stream", scrubber)
+        conn.start_stream(200, b"content-type: " + content_type
                           + b"\r\ncache-control: no-cache\r\nx-request-id: " + self.request_id + b"\r\n" + extra)
         conn.on_pause_writing = self._client_paused
         conn.on_resume_writing = self._client_resumed
