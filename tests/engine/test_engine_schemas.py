@@ -50,3 +50,33 @@ def test_param_names_the_field_not_the_union_member_that_failed() -> None:
     assert error.param == "messages.0.content.0.type" and "'text'" in error.message
     assert _refusal({**COMPLETION, "prompt": 5}, CompletionRequest).param == "prompt"
     assert _refusal({**CHAT, "stop": 5}).param == "stop"
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "required"),
+    ("response_format", {"type": "json_object"}),
+    ("functions", [{"name": "f", "parameters": {}}]),
+    ("logit_bias", {"50256": -100}),
+    ("n", 2),
+    ("n", True),
+    ("logprobs", True),
+    ("presence_penalty", 0.5),
+    ("reasoning_effort", "low"),
+])
+def test_unimplemented_features_are_refused_by_name(field: str, value: object) -> None:
+    error = _refusal({**CHAT, field: value})
+    assert (error.status, error.param, error.code) == (400, field, "unsupported_parameter")
+    assert f"'{field}'" in error.message
+
+
+def test_completion_only_features_are_refused_by_name() -> None:
+    assert _refusal({**COMPLETION, "echo": True}, CompletionRequest).param == "echo"
+    assert _refusal({**COMPLETION, "best_of": 3}, CompletionRequest).param == "best_of"
+
+
+def test_the_off_values_of_unimplemented_features_and_harmless_fields_are_accepted() -> None:
+    _parse({**CHAT, "n": 1, "response_format": {"type": "text"}, "tool_choice": "none", "tools": [],
+            "logit_bias": {}, "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "user": "u-1", "metadata": {"k": "v"}, "store": False, "service_tier": "auto", "seed": 7,
+            "parallel_tool_calls": True, "stream_options": {"include_usage": True}})

@@ -6,13 +6,15 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tidegate.engine.unsupported import refuse_unsupported
 from tidegate.errors import InvalidRequestError
 
 __all__ = ["ChatRequest", "CompletionRequest", "parse_request"]
 
 
 class _Body(BaseModel):
-    # unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored, as vLLM does
+    # fields not typed here are kept in `model_extra`: those of features the engine lacks are
+    # refused by `refuse_unsupported`, the rest (user, metadata, ...) ignored, as vLLM does
     model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="before")
@@ -39,7 +41,6 @@ class _SamplingFields(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
     priority: int = 0  # lower is served first; the gateway maps tiers onto it
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
 
@@ -98,6 +99,7 @@ def parse_request(raw: bytes, kind: type[_SamplingFields]) -> _SamplingFields:
         deepest = max(errors, key=lambda item: len(item["loc"]))
         param = _field_path(deepest["loc"])
         raise InvalidRequestError(f"{param or 'body'}: {deepest['msg']}", param=param) from None
+    refuse_unsupported(body.model_extra or {})
     return body
 
 
