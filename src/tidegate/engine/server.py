@@ -239,7 +239,9 @@ class EngineServer:
         assert last is not None
         text = "".join(parts)
         if isinstance(body, ChatRequest):
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            # `refusal` is in OpenAI's message schema (nullable): this engine never refuses
+            message = {"role": "assistant", "content": text, "refusal": None}
+            choice = {"index": 0, "message": message, "logprobs": None}
             payload = _envelope("chat.completion", "chatcmpl", self.served_model_name)
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
@@ -269,7 +271,8 @@ class EngineServer:
         last: Delta | None = None
         try:
             if is_chat:
-                await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                opening = {"role": "assistant", "content": "", "refusal": None}  # as OpenAI's first delta
+                await send([{"index": 0, "delta": opening, "finish_reason": None}])
             async with contextlib.aclosing(self._service.stream(prepared)) as deltas:
                 async for last in deltas:
                     if is_chat:
