@@ -1,4 +1,4 @@
-"""OpenAI API and HTTP details a client relies on: nulls, HTTP/1.0 streams."""
+"""OpenAI API and HTTP details a client relies on: nulls, models.retrieve, 405s, HTTP/1.0 streams."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import socket
 import time
 
+import openai
 import pytest
 
 from gateway_harness import Gateway, upstream_pool
@@ -19,6 +20,11 @@ def gateway(start_mock, start_gateway) -> Gateway:
     upstream = start_mock(tokens=8)
     return start_gateway([upstream_pool("mock", upstream, model="mock-model"),
                           upstream_pool("org/model-1", upstream, model="mock-model")])
+
+
+@pytest.fixture(scope="module")
+def client(gateway: Gateway) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gateway.api, api_key="unused", max_retries=0, timeout=10)
 
 
 def _request(gateway: Gateway, method: str, path: str, body: dict | None = None) -> tuple[int, dict[str, str], bytes]:
@@ -41,6 +47,41 @@ def test_null_options_mean_not_set(gateway: Gateway, path: str, body: dict) -> N
     nulls = {"stream": None, "temperature": None, "top_p": None, "n": None, "max_tokens": None, "user": None}
     status, _, answer = _request(gateway, "POST", path, {**body, **nulls})
     assert status == 200, answer
+
+
+def test_models_retrieve_gives_the_model_object(client: openai.OpenAI) -> None:
+    model = client.models.retrieve("mock")
+    assert (model.id, model.object, model.owned_by) == ("mock", "model", "tidegate")
+    assert client.models.retrieve("org/model-1").id == "org/model-1"  # a name with a slash, as HF's
+
+
+def test_models_retrieve_of_an_unknown_model_is_404_model_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("no-such-model")
+    assert caught.value.body["code"] == "model_not_found" and caught.value.body["param"] == "model"
+
+
+@pytest.mark.parametrize(("method", "path", "allow"), [
+    ("POST", "/health", "GET, HEAD"),
+    ("POST", "/ready", "GET, HEAD"),
+    ("DELETE", "/metrics", "GET, HEAD"),
+    ("POST", "/v1/models", "GET, HEAD"),
+    ("DELETE", "/v1/models/mock", "GET, HEAD"),
+    ("GET", "/v1/chat/completions", "POST"),
+    ("PUT", "/v1/completions", "POST"),
+    ("HEAD", "/v1/embeddings", "POST"),
+])
+def test_a_wrong_method_on_a_known_path_is_405_with_allow(gateway: Gateway, method: str, path: str,
+                                                           allow: str) -> None:
+    status, headers, body = _request(gateway, method, path)
+    assert (status, headers.get("allow")) == (405, allow)
+    if method != "HEAD":
+        assert json.loads(body)["error"]["code"] == "method_not_allowed"
+
+
+def test_an_unknown_path_is_404_whatever_the_method(gateway: Gateway) -> None:
+    assert _request(gateway, "POST", "/v2/nothing")[0] == 404
+    assert _request(gateway, "GET", "/v1/nothing")[0] == 404
 
 
 @pytest.mark.parametrize("connection_header", [b"", b"connection: keep-alive\r\n"])

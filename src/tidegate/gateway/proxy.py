@@ -13,6 +13,7 @@ import os
 import re
 import time
 from collections.abc import Callable
+from urllib.parse import unquote_to_bytes
 
 import orjson
 
@@ -48,6 +49,8 @@ _API_ROUTES = {
     b"/v1/completions": Endpoint.COMPLETIONS,
     b"/v1/embeddings": Endpoint.EMBEDDINGS,
 }
+_GET_ROUTES = frozenset((b"/health", b"/ready", b"/metrics", b"/v1/models"))
+_MODEL_PATH = b"/v1/models/"  # + a pool's name: one model object, as the SDK's models.retrieve asks
 _JSON = b"content-type: application/json\r\n"
 _STATUS_CLIENT_CLOSED = 499  # nginx's convention for "the client left first"
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -83,8 +86,9 @@ class Proxy:
         self.clock = clock
         self._id_prefix = os.urandom(4).hex().encode()
         self._id_counter = 0
-        self._models_body = orjson.dumps({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "tidegate"} for name in pools]})
+        cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "tidegate"} for name in pools}
+        self._models_body = orjson.dumps({"object": "list", "data": list(cards.values())})
+        self._model_bodies = {name: orjson.dumps(card) for name, card in cards.items()}
 
     # -- entry point (an HttpConnection's handler)
     async def handle(self, conn: HttpConnection, request: HttpRequest) -> None:
@@ -155,9 +159,11 @@ class Proxy:
         if request.too_large:
             raise PayloadTooLargeError("request body too large")
         if path in _API_ROUTES:
-            raise MethodNotAllowedError(f"{path.decode()} takes POST")
-        if method not in (b"GET", b"HEAD"):
+            raise MethodNotAllowedError(f"{path.decode()} takes POST", allow="POST")
+        if path not in _GET_ROUTES and not path.startswith(_MODEL_PATH):
             raise NotFoundError(f"no route {method.decode('latin-1')} {path.decode('latin-1')}", code="not_found")
+        if method not in (b"GET", b"HEAD"):
+            raise MethodNotAllowedError(f"{path.decode('latin-1')} takes GET", allow="GET, HEAD")
         headers = _JSON + b"x-request-id: " + request_id + b"\r\n"
         if path == b"/health":
             conn.respond(200, headers, b'{"status":"ok"}')
@@ -172,11 +178,16 @@ class Proxy:
             self._refresh_replica_gauges()
             conn.respond(200, b"content-type: " + METRICS_CONTENT_TYPE + b"\r\n", self.metrics.render())
             return 200
+        self._authenticate(request)
         if path == b"/v1/models":
-            self._authenticate(request)
             conn.respond(200, headers, self._models_body)
             return 200
-        raise NotFoundError(f"no route {path.decode('latin-1')}", code="not_found")
+        name = unquote_to_bytes(path[len(_MODEL_PATH):]).decode("utf-8", "replace")
+        body = self._model_bodies.get(name)
+        if body is None:
+            raise NotFoundError(f"model {name!r} does not exist; see /v1/models", param="model")
+        conn.respond(200, headers, body)
+        return 200
 
     def _refresh_replica_gauges(self) -> None:
         now_s = self.clock()
