@@ -39,6 +39,11 @@ __all__ = ["EngineOptions", "EngineServer", "ServerState"]
 log = logging.getLogger(__name__)
 
 
+# the gateway's default `server.max_body_bytes`: aiohttp's own default (1 MiB) refused prompts the
+# gateway had let through
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
 class ServerState(Enum):
     LOADING = "loading"
     READY = "ready"
@@ -56,6 +61,8 @@ class EngineOptions:
     kv_cache_tokens: int = 32768
     chunked_prefill: bool = True
     fault_injection: bool = False  # serve POST /admin/slow (testing only)
+    # larger bodies get 413; a gateway that spawns the worker sets it above its own limit
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def error_response(error: TidegateError) -> web.Response:
@@ -88,7 +95,7 @@ class EngineServer:
         self.engine_loop: Any = None
         self._batcher: Any = None
         self._embeddings_handler: Any = None
-        self.app = web.Application()
+        self.app = web.Application(client_max_size=options.max_body_bytes)
         self.app.add_routes(
             [
                 web.get("/health", self._health),

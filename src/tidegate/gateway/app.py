@@ -53,7 +53,7 @@ def _upstream_replica(pool: str, index: int, backend: UpstreamBackend, connect_t
 
 
 def _embedded_replica(pool: str, index: int, backend: EmbeddedBackend, connect_timeout_s: float,
-                      ) -> tuple[Replica, WorkerSpec]:
+                      max_body_bytes: int) -> tuple[Replica, WorkerSpec]:
     port = _free_port()
     endpoint = Endpoint(host="127.0.0.1", port=port, use_tls=False, base_path=b"/v1",
                         host_header=f"127.0.0.1:{port}".encode())
@@ -63,8 +63,12 @@ def _embedded_replica(pool: str, index: int, backend: EmbeddedBackend, connect_t
         slot_limit=backend.slot_limit, upstream_model=backend.model, api_key=None,
         health_url=f"http://127.0.0.1:{port}/health", scrape_url=f"http://127.0.0.1:{port}/metrics",
         forward_priority=True)
+    # the gateway's limit is the one clients see: the worker takes whatever got past it, with room
+    # for the gateway's rewrites of the body (`model`, `priority`, numbers re-serialized)
+    worker_max_body_bytes = 2 * max_body_bytes + 64 * 1024
     argv = (sys.executable, "-m", "tidegate", "engine", "--model", backend.model, "--port", str(port),
-            "--threads", str(backend.threads), *backend.engine_args)
+            "--threads", str(backend.threads), "--max-body-bytes", str(worker_max_body_bytes),
+            *backend.engine_args)
     return replica, WorkerSpec(name=replica_id, argv=argv)
 
 
@@ -84,7 +88,7 @@ class Gateway:
                     continue
                 for _ in range(backend.count):
                     replica, spec = _embedded_replica(pool_config.name, len(replicas), backend,
-                                                      server.connect_timeout_s)
+                                                      server.connect_timeout_s, server.max_body_bytes)
                     replicas.append(replica)
                     workers.append(spec)
             self.pools[pool_config.name] = ModelPool(
