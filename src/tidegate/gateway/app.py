@@ -97,13 +97,16 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(server.access_log)
         api_keys = frozenset(b"Bearer " + key.get_secret_value().encode() for key in server.api_keys)
+        metrics_key = b"Bearer " + server.metrics_api_key.get_secret_value().encode() \
+            if server.metrics_api_key is not None else None
         # overload control drives the pools' queues and slot limits; off: FIFO and static limits
         self.overload: OverloadRuntime | None = None
         if config.overload_control:
             self.overload = OverloadRuntime(build_policies(config.overload, self.pools), self.pools,
                                             OverloadMetrics(self.metrics.registry))
         self.proxy = Proxy(self.pools, ProxySettings(server.max_tokens_cap, server.first_byte_timeout_s,
-                                                     server.request_timeout_s, api_keys),
+                                                     server.request_timeout_s, api_keys, metrics_key,
+                                                     metrics_on_main_port=server.metrics_port is None),
                            self.metrics, self.access_log, overload=self.overload)
         self.supervisor = WorkerSupervisor(workers)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
@@ -112,7 +115,9 @@ class Gateway:
         self.startup_timeout_s = max((b.startup_timeout_s for p in config.pools for b in p.backends
                                       if isinstance(b, EmbeddedBackend)), default=60.0)
         self._server: asyncio.base_events.Server | None = None
+        self._metrics_server: asyncio.base_events.Server | None = None
         self.port = server.port
+        self.metrics_port = server.metrics_port
 
     def _wake_pools(self) -> None:
         now_s = time.monotonic()
@@ -136,6 +141,14 @@ class Gateway:
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("listening", extra={"fields": {"host": server.host, "port": self.port,
                                                 "pools": {n: len(p.replicas) for n, p in self.pools.items()}}})
+        if server.metrics_port is not None:
+            metrics_host = server.metrics_host or server.host
+            handle_metrics = self.proxy.handle_metrics_listener
+            # a scrape has no body: anything over 1 KiB is no scrape
+            self._metrics_server = await loop.create_server(lambda: HttpConnection(handle_metrics, 1024),
+                                                            metrics_host, server.metrics_port, reuse_address=True)
+            self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
+            log.info("metrics listening", extra={"fields": {"host": metrics_host, "port": self.metrics_port}})
 
     async def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -146,8 +159,9 @@ class Gateway:
         return self.ready()
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        for listener in (self._server, self._metrics_server):
+            if listener is not None:
+                listener.close()
         await self.health_checker.stop()
         await self.supervisor.stop()
         for pool in self.pools.values():
