@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from overload_measure import METRICS_KEY
 from overload_measure import (EMBEDDED_MODEL, PROMPT_TOKENS, TENANTS, TOKENS, Phase, Processes, best_limit, drain,
                               engine_sequences, free_port, goodput_rps, histogram_p99, http_text, p99_ttft, refusals,
                               replica_gauge, run_closed, run_open, run_open_beside_flood, served, slot_limits, slowest,
@@ -76,7 +77,7 @@ WARMUP_S = 15.0  # before the noisy bar's fair phase, at its load
 def gateway_config(port: int, upstreams: list[str], overload: bool, slot_target_s: float = SLOT_TARGET_S,
                    best_tier_target_s: float = BEST_TIER_SLOT_TARGET_S, upstream_model: str | None = None) -> dict:
     config: dict = {
-        "server": {"port": port, "access_log": False, "queue_timeout_s": 30.0},
+        "server": {"port": port, "access_log": False, "queue_timeout_s": 30.0, "metrics_api_key": METRICS_KEY},
         # forward_priority: the embedded engine schedules by the tier's rank (the knee mock ignores
         # it, so it is not told: the gateway would count on a demotion the mock never makes); the
         # embedded replicas are the ones named by a model

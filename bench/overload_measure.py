@@ -67,8 +67,14 @@ def wait_ok(url: str, timeout_s: float = 60.0) -> None:
     raise TimeoutError(url)
 
 
+# the gateways here give tenants keys, which closes /metrics to anonymous callers: they are
+# configured with this key for it (server.metrics_api_key); other servers ignore the header
+METRICS_KEY = "bench-metrics"
+
+
 def http_text(url: str, data: bytes | None = None) -> str:
-    with urllib.request.urlopen(urllib.request.Request(url, data=data), timeout=5) as response:
+    request = urllib.request.Request(url, data=data, headers={"Authorization": f"Bearer {METRICS_KEY}"})
+    with urllib.request.urlopen(request, timeout=5) as response:
         return response.read().decode()
 
 

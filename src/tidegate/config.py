@@ -69,6 +69,20 @@ class ServerConfig(_Strict):
     retry_after_s: int = Field(1, ge=0)  # Retry-After sent with 503
     access_log: bool = True  # one compact JSON line per request on stderr
     api_keys: tuple[SecretStr, ...] = ()  # when set, clients must send one as a Bearer token
+    # who reads /metrics, whose labels name every replica's host:port (docs/configuration.md,
+    # "Metrics access"); with none of these, /metrics takes the same keys as the API
+    metrics_api_key: SecretStr | None = None  # then /metrics needs this Bearer token, and no other
+    metrics_port: int | None = Field(None, ge=0, le=65535)  # then /metrics is served there only
+    metrics_host: str | None = None  # the metrics listener's address; default: `host`
+
+    @model_validator(mode="after")
+    def _metrics_listener_of_its_own(self) -> ServerConfig:
+        if self.metrics_port is None:
+            if self.metrics_host is not None:
+                raise ValueError("metrics_host needs metrics_port")
+        elif self.metrics_port == self.port and self.port != 0:
+            raise ValueError(f"metrics_port must differ from port ({self.port})")
+        return self
 
 
 class HealthConfig(_Strict):

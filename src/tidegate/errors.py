@@ -73,6 +73,11 @@ class MethodNotAllowedError(TidegateError):
     error_type = "invalid_request_error"
     default_code = "method_not_allowed"
 
+    def __init__(self, message: str, *, allow: str, **kwargs: Any) -> None:
+        super().__init__(message, **kwargs)
+        # header lines the answer carries (HTTP requires Allow with a 405): the methods the path takes
+        self.headers = f"allow: {allow}\r\n".encode()
+
 
 class PayloadTooLargeError(TidegateError):
     status = 413

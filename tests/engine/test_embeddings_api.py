@@ -79,6 +79,13 @@ async def test_user_is_ignored(client) -> None:
     assert status == 200
 
 
+async def test_null_options_are_not_set(client) -> None:
+    # OpenAI's spec makes them nullable, and clients send the options they leave unset so
+    status, body = await post(client, {"model": SERVED, "input": "x", "encoding_format": None, "dimensions": None,
+                                       "user": None})
+    assert status == 200 and isinstance(body["data"][0]["embedding"], list)
+
+
 @pytest.mark.parametrize(
     ("body", "param"),
     [

@@ -35,6 +35,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fault-injection", action="store_true",
                         help="serve POST /admin/slow (body: a factor >= 1) that makes every step that many times "
                              "slower; for testing how a gateway's limits follow a slow replica, never in production")
+    parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                        help="larger request bodies get 413 (default 4 MiB, the gateway's default limit; "
+                             "`tidegate serve` sets it above its server.max_body_bytes)")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for in-flight requests before exiting")
 
@@ -43,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from tidegate.engine.server import EngineOptions
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for name in ("max_num_seqs", "max_batch_tokens", "kv_cache_tokens"):
+    for name in ("max_num_seqs", "max_batch_tokens", "kv_cache_tokens", "max_body_bytes"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     options = EngineOptions(
@@ -56,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_tokens=args.kv_cache_tokens,
         chunked_prefill=args.chunked_prefill,
         fault_injection=args.fault_injection,
+        max_body_bytes=args.max_body_bytes,
     )
     # The engine thread re-takes the GIL after every torch op; with the default 5 ms switch
     # interval it can wait that long behind the HTTP thread, many times per step

@@ -2,18 +2,30 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tidegate.engine.unsupported import refuse_unsupported
 from tidegate.errors import InvalidRequestError
 
 __all__ = ["ChatRequest", "CompletionRequest", "parse_request"]
 
 
 class _Body(BaseModel):
-    # unknown OpenAI fields (user, logit_bias, ...) are accepted and ignored, as vLLM does
+    # fields not typed here are kept in `model_extra`: those of features the engine lacks are
+    # refused by `refuse_unsupported`, the rest (user, metadata, ...) ignored, as vLLM does
     model_config = ConfigDict(extra="allow", strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_unset(cls, data: Any) -> Any:
+        """OpenAI's spec makes optional fields nullable, and clients send options they leave unset
+        as null: such a field takes its default. A required field stays null, and is refused."""
+        if not isinstance(data, dict):
+            return data
+        optional = {name for name, field in cls.model_fields.items() if not field.is_required()}
+        return {key: value for key, value in data.items() if value is not None or key not in optional}
 
 
 class StreamOptions(_Body):
@@ -29,7 +41,6 @@ class _SamplingFields(_Body):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
     priority: int = 0  # lower is served first; the gateway maps tiers onto it
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (benchmarks)
 
@@ -78,10 +89,25 @@ class CompletionRequest(_SamplingFields):
 def parse_request(raw: bytes, kind: type[_SamplingFields]) -> _SamplingFields:
     """Validates a JSON body; any problem becomes a 400 naming the offending field."""
     try:
-        return kind.model_validate_json(raw)
+        body = kind.model_validate_json(raw)
     except ValidationError as error:
-        first = error.errors(include_url=False)[0]
-        if first["type"] == "json_invalid":
-            raise InvalidRequestError(f"request body is not valid JSON: {first['msg']}") from None
-        param = ".".join(str(part) for part in first["loc"]) or None
-        raise InvalidRequestError(f"{param or 'body'}: {first['msg']}", param=param) from None
+        errors = error.errors(include_url=False)
+        if errors[0]["type"] == "json_invalid":
+            raise InvalidRequestError(f"request body is not valid JSON: {errors[0]['msg']}") from None
+        # of a union's failed members, the one that got furthest says most ("Input should be
+        # 'text'" for an image part, not "Input should be a valid string")
+        deepest = max(errors, key=lambda item: len(item["loc"]))
+        param = _field_path(deepest["loc"])
+        raise InvalidRequestError(f"{param or 'body'}: {deepest['msg']}", param=param) from None
+    refuse_unsupported(body.model_extra or {})
+    return body
+
+
+def _field_path(loc: tuple[int | str, ...]) -> str | None:
+    """`messages.0.content` for pydantic's ('messages', 0, 'content', 'str'): a union adds the name
+    of the member that failed to the path, which is no field of the request."""
+    return ".".join(str(part) for part in loc if isinstance(part, int) or part in _FIELD_NAMES) or None
+
+
+_FIELD_NAMES = frozenset(name for model in (ChatRequest, CompletionRequest, ChatMessage, TextPart, StreamOptions)
+                         for name in model.model_fields)

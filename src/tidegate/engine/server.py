@@ -39,6 +39,11 @@ __all__ = ["EngineOptions", "EngineServer", "ServerState"]
 log = logging.getLogger(__name__)
 
 
+# the gateway's default `server.max_body_bytes`: aiohttp's own default (1 MiB) refused prompts the
+# gateway had let through
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
 class ServerState(Enum):
     LOADING = "loading"
     READY = "ready"
@@ -56,6 +61,8 @@ class EngineOptions:
     kv_cache_tokens: int = 32768
     chunked_prefill: bool = True
     fault_injection: bool = False  # serve POST /admin/slow (testing only)
+    # larger bodies get 413; a gateway that spawns the worker sets it above its own limit
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def error_response(error: TidegateError) -> web.Response:
@@ -88,7 +95,7 @@ class EngineServer:
         self.engine_loop: Any = None
         self._batcher: Any = None
         self._embeddings_handler: Any = None
-        self.app = web.Application()
+        self.app = web.Application(client_max_size=options.max_body_bytes)
         self.app.add_routes(
             [
                 web.get("/health", self._health),
@@ -239,7 +246,9 @@ class EngineServer:
         assert last is not None
         text = "".join(parts)
         if isinstance(body, ChatRequest):
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            # `refusal` is in OpenAI's message schema (nullable): this engine never refuses
+            message = {"role": "assistant", "content": text, "refusal": None}
+            choice = {"index": 0, "message": message, "logprobs": None}
             payload = _envelope("chat.completion", "chatcmpl", self.served_model_name)
         else:
             choice = {"index": 0, "text": text, "logprobs": None}
@@ -269,7 +278,8 @@ class EngineServer:
         last: Delta | None = None
         try:
             if is_chat:
-                await send([{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}])
+                opening = {"role": "assistant", "content": "", "refusal": None}  # as OpenAI's first delta
+                await send([{"index": 0, "delta": opening, "finish_reason": None}])
             async with contextlib.aclosing(self._service.stream(prepared)) as deltas:
                 async for last in deltas:
                     if is_chat:

@@ -54,7 +54,7 @@ def _upstream_replica(pool: str, index: int, backend: UpstreamBackend, connect_t
 
 
 def _embedded_replica(pool: str, index: int, backend: EmbeddedBackend, connect_timeout_s: float,
-                      ) -> tuple[Replica, WorkerSpec]:
+                      max_body_bytes: int) -> tuple[Replica, WorkerSpec]:
     port = _free_port()
     endpoint = Endpoint(host="127.0.0.1", port=port, use_tls=False, base_path=b"/v1",
                         host_header=f"127.0.0.1:{port}".encode())
@@ -64,8 +64,12 @@ def _embedded_replica(pool: str, index: int, backend: EmbeddedBackend, connect_t
         slot_limit=backend.slot_limit, upstream_model=backend.model, api_key=None,
         health_url=f"http://127.0.0.1:{port}/health", scrape_url=f"http://127.0.0.1:{port}/metrics",
         forward_priority=True)
+    # the gateway's limit is the one clients see: the worker takes whatever got past it, with room
+    # for the gateway's rewrites of the body (`model`, `priority`, numbers re-serialized)
+    worker_max_body_bytes = 2 * max_body_bytes + 64 * 1024
     argv = (sys.executable, "-m", "tidegate", "engine", "--model", backend.model, "--port", str(port),
-            "--threads", str(backend.threads), *backend.engine_args)
+            "--threads", str(backend.threads), "--max-body-bytes", str(worker_max_body_bytes),
+            *backend.engine_args)
     return replica, WorkerSpec(name=replica_id, argv=argv)
 
 
@@ -88,7 +92,7 @@ class Gateway:
                     continue
                 for _ in range(backend.count):
                     replica, spec = _embedded_replica(pool_config.name, len(replicas), backend,
-                                                      server.connect_timeout_s)
+                                                      server.connect_timeout_s, server.max_body_bytes)
                     replicas.append(replica)
                     workers.append(spec)
             self.pools[pool_config.name] = ModelPool(
@@ -97,13 +101,16 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(server.access_log)
         api_keys = frozenset(b"Bearer " + key.get_secret_value().encode() for key in server.api_keys)
+        metrics_key = b"Bearer " + server.metrics_api_key.get_secret_value().encode() \
+            if server.metrics_api_key is not None else None
         # overload control drives the pools' queues and slot limits; off: FIFO and static limits
         self.overload: OverloadRuntime | None = None
         if config.overload_control:
             self.overload = OverloadRuntime(build_policies(config.overload, self.pools), self.pools,
                                             OverloadMetrics(self.metrics.registry))
         settings = ProxySettings(server.max_tokens_cap, server.first_byte_timeout_s, server.request_timeout_s,
-                                 api_keys, whole_answer_timeout_s=server.whole_answer_timeout_s,
+                                 api_keys, metrics_key, metrics_on_main_port=server.metrics_port is None,
+                                 whole_answer_timeout_s=server.whole_answer_timeout_s,
                                  stream_idle_timeout_s=server.stream_idle_timeout_s)
         self.proxy = Proxy(self.pools, settings,
                            self.metrics, self.access_log, overload=self.overload)
@@ -114,7 +121,9 @@ class Gateway:
         self.startup_timeout_s = max((b.startup_timeout_s for p in config.pools for b in p.backends
                                       if isinstance(b, EmbeddedBackend)), default=60.0)
         self._server: asyncio.base_events.Server | None = None
+        self._metrics_server: asyncio.base_events.Server | None = None
         self.port = server.port
+        self.metrics_port = server.metrics_port
 
     def _wake_pools(self) -> None:
         now_s = time.monotonic()
@@ -140,6 +149,14 @@ class Gateway:
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("listening", extra={"fields": {"host": server.host, "port": self.port,
                                                 "pools": {n: len(p.replicas) for n, p in self.pools.items()}}})
+        if server.metrics_port is not None:
+            metrics_host = server.metrics_host or server.host
+            handle_metrics = self.proxy.handle_metrics_listener
+            # a scrape has no body: anything over 1 KiB is no scrape
+            self._metrics_server = await loop.create_server(lambda: HttpConnection(handle_metrics, 1024),
+                                                            metrics_host, server.metrics_port, reuse_address=True)
+            self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
+            log.info("metrics listening", extra={"fields": {"host": metrics_host, "port": self.metrics_port}})
 
     async def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -150,8 +167,9 @@ class Gateway:
         return self.ready()
 
     async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
+        for listener in (self._server, self._metrics_server):
+            if listener is not None:
+                listener.close()
         await self.health_checker.stop()
         await self.supervisor.stop()
         for pool in self.pools.values():

@@ -31,7 +31,7 @@ class HttpRequest:
     """One parsed request: only the headers the gateway reads are kept."""
 
     __slots__ = ("method", "path", "body", "authorization", "request_id", "request_timeout", "keep_alive",
-                 "too_large")
+                 "too_large", "takes_chunked")
 
     def __init__(self) -> None:
         self.method = b""
@@ -42,6 +42,7 @@ class HttpRequest:
         self.request_timeout: bytes | None = None  # the client's `x-request-timeout`, seconds, unparsed
         self.keep_alive = True
         self.too_large = False  # the body passed the size cap and was discarded: answer 413
+        self.takes_chunked = True  # False for HTTP/1.0, which has no chunked transfer encoding
 
 
 log = logging.getLogger("tidegate.gateway")
@@ -82,6 +83,7 @@ class HttpConnection(asyncio.Protocol):
         self._task: asyncio.Task[None] | None = None
         self._keep_alive = True
         self._answering_head = False  # a HEAD request: its answer has headers only
+        self._stream_chunked = True  # False: an HTTP/1.0 client's stream ends where the connection closes
         self.closed = False
         # set by a streaming handler so that a slow client pauses the upstream instead of buffering
         self.on_pause_writing: Callable[[], None] | None = None
@@ -208,6 +210,7 @@ class HttpConnection(asyncio.Protocol):
         query_at = self._url.find(b"?")
         request.path = self._url if query_at < 0 else self._url[:query_at]
         request.keep_alive = self._parser.should_keep_alive()
+        request.takes_chunked = self._parser.get_http_version() != "1.0"
         if self._too_large:
             request.too_large = True
         else:
@@ -222,6 +225,7 @@ class HttpConnection(asyncio.Protocol):
     def _start(self, request: HttpRequest) -> None:
         self._keep_alive = request.keep_alive
         self._answering_head = request.method == b"HEAD"
+        self._stream_chunked = request.takes_chunked
         self._task = asyncio.get_running_loop().create_task(self._run(request))
 
     async def _run(self, request: HttpRequest) -> None:
@@ -261,20 +265,29 @@ class HttpConnection(asyncio.Protocol):
     def start_stream(self, status: int, headers: bytes) -> None:
         if self.closed or self.transport is None:
             return
-        connection = b"" if self._keep_alive else b"connection: close\r\n"
-        self.transport.write(status_line(status) + headers + connection + b"transfer-encoding: chunked\r\n\r\n")
+        if self._stream_chunked:
+            framing = (b"" if self._keep_alive else b"connection: close\r\n") + b"transfer-encoding: chunked\r\n"
+        else:
+            # HTTP/1.0 has no chunked encoding: the body runs until the connection closes, which
+            # `_run` does once the handler is done
+            self._keep_alive = False
+            framing = b"connection: close\r\n"
+        self.transport.write(status_line(status) + headers + framing + b"\r\n")
 
     def stream_chunk(self, data: bytes) -> None:
         if data and not self.closed and self.transport is not None:
-            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            self.transport.write(b"%x\r\n%b\r\n" % (len(data), data) if self._stream_chunked else data)
 
     def stream_chunks(self, pieces: list[bytes]) -> None:
         """Everything one upstream read brought, in one write: one syscall instead of one a piece."""
         if not self.closed and self.transport is not None:
-            self.transport.write(b"".join([b"%x\r\n%b\r\n" % (len(data), data) for data in pieces if data]))
+            if self._stream_chunked:
+                self.transport.write(b"".join([b"%x\r\n%b\r\n" % (len(data), data) for data in pieces if data]))
+            else:
+                self.transport.write(b"".join(pieces))
 
     def end_stream(self) -> None:
-        if not self.closed and self.transport is not None:
+        if self._stream_chunked and not self.closed and self.transport is not None:
             self.transport.write(b"0\r\n\r\n")
 
     def abort(self) -> None:

@@ -7,12 +7,14 @@ another replica, then 502; silence past the timeout is 504; no replica is 503 wi
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import math
 import os
 import re
 import time
 from collections.abc import Callable
+from urllib.parse import unquote_to_bytes
 
 import orjson
 
@@ -50,6 +52,8 @@ _API_ROUTES = {
     b"/v1/completions": Endpoint.COMPLETIONS,
     b"/v1/embeddings": Endpoint.EMBEDDINGS,
 }
+_GET_ROUTES = frozenset((b"/health", b"/ready", b"/metrics", b"/v1/models"))
+_MODEL_PATH = b"/v1/models/"  # + a pool's name: one model object, as the SDK's models.retrieve asks
 _JSON = b"content-type: application/json\r\n"
 _STATUS_CLIENT_CLOSED = 499  # nginx's convention for "the client left first"
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
@@ -62,10 +66,11 @@ _FIRST_TOKEN = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"(?!")|"
 
 class ProxySettings:
     __slots__ = ("max_tokens_cap", "first_byte_timeout_s", "whole_answer_timeout_s", "stream_idle_timeout_s",
-                 "request_timeout_s", "api_keys")
+                 "request_timeout_s", "api_keys", "metrics_key", "metrics_on_main_port")
 
     def __init__(self, max_tokens_cap: int, first_byte_timeout_s: float, request_timeout_s: float,
-                 api_keys: frozenset[bytes], *, whole_answer_timeout_s: float | None = None,
+                 api_keys: frozenset[bytes], metrics_key: bytes | None = None,
+                 metrics_on_main_port: bool = True, *, whole_answer_timeout_s: float | None = None,
                  stream_idle_timeout_s: float | None = None) -> None:
         self.max_tokens_cap = max_tokens_cap
         self.first_byte_timeout_s = first_byte_timeout_s  # stream: dispatch -> first event with output
@@ -75,6 +80,9 @@ class ProxySettings:
         self.stream_idle_timeout_s = min(stream_idle_timeout_s or request_timeout_s, request_timeout_s)
         self.request_timeout_s = request_timeout_s
         self.api_keys = api_keys  # b"Bearer <key>" values; empty: no authentication
+        # b"Bearer <key>" that alone opens /metrics; None: /metrics takes the API's keys (open without)
+        self.metrics_key = metrics_key
+        self.metrics_on_main_port = metrics_on_main_port  # False: only the metrics listener serves it
 
 
 class Proxy:
@@ -91,8 +99,10 @@ class Proxy:
         self.clock = clock
         self._id_prefix = os.urandom(4).hex().encode()
         self._id_counter = 0
-        self._models_body = orjson.dumps({"object": "list", "data": [
-            {"id": name, "object": "model", "created": 0, "owned_by": "tidegate"} for name in pools]})
+        cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "tidegate"} for name in pools}
+        self._models_body = orjson.dumps({"object": "list", "data": list(cards.values())})
+        self._model_bodies = {name: orjson.dumps(card) for name, card in cards.items()}
+        self._get_routes = _GET_ROUTES if settings.metrics_on_main_port else _GET_ROUTES - {b"/metrics"}
 
     # -- entry point (an HttpConnection's handler)
     async def handle(self, conn: HttpConnection, request: HttpRequest) -> None:
@@ -164,9 +174,11 @@ class Proxy:
         if request.too_large:
             raise PayloadTooLargeError("request body too large")
         if path in _API_ROUTES:
-            raise MethodNotAllowedError(f"{path.decode()} takes POST")
-        if method not in (b"GET", b"HEAD"):
+            raise MethodNotAllowedError(f"{path.decode()} takes POST", allow="POST")
+        if path not in self._get_routes and not path.startswith(_MODEL_PATH):
             raise NotFoundError(f"no route {method.decode('latin-1')} {path.decode('latin-1')}", code="not_found")
+        if method not in (b"GET", b"HEAD"):
+            raise MethodNotAllowedError(f"{path.decode('latin-1')} takes GET", allow="GET, HEAD")
         headers = _JSON + b"x-request-id: " + request_id + b"\r\n"
         if path == b"/health":
             conn.respond(200, headers, b'{"status":"ok"}')
@@ -178,14 +190,43 @@ class Proxy:
             conn.respond(status, headers, orjson.dumps({"ready": status == 200, "pools": ready}))
             return status
         if path == b"/metrics":
-            self._refresh_replica_gauges()
-            conn.respond(200, b"content-type: " + METRICS_CONTENT_TYPE + b"\r\n", self.metrics.render())
-            return 200
+            return self._serve_metrics(conn, request, on_main_port=True)
+        self._authenticate(request)
         if path == b"/v1/models":
-            self._authenticate(request)
             conn.respond(200, headers, self._models_body)
             return 200
-        raise NotFoundError(f"no route {path.decode('latin-1')}", code="not_found")
+        name = unquote_to_bytes(path[len(_MODEL_PATH):]).decode("utf-8", "replace")
+        body = self._model_bodies.get(name)
+        if body is None:
+            raise NotFoundError(f"model {name!r} does not exist; see /v1/models", param="model")
+        conn.respond(200, headers, body)
+        return 200
+
+    def _serve_metrics(self, conn: HttpConnection, request: HttpRequest, on_main_port: bool) -> int:
+        """Its labels name replicas' host:port: with `metrics_api_key` only that key reads it; else,
+        on the main port, whatever key the API takes (open when the API is), on its own port anyone."""
+        key = self.settings.metrics_key
+        if key is not None:
+            if not hmac.compare_digest(request.authorization or b"", key):
+                raise AuthenticationError("/metrics needs the metrics key (send 'Authorization: Bearer <key>')")
+        elif on_main_port:
+            self._authenticate(request)
+        self._refresh_replica_gauges()
+        conn.respond(200, b"content-type: " + METRICS_CONTENT_TYPE + b"\r\n", self.metrics.render())
+        return 200
+
+    async def handle_metrics_listener(self, conn: HttpConnection, request: HttpRequest) -> None:
+        """The handler of the separate metrics listener (`server.metrics_port`): /metrics only."""
+        self._id_counter += 1
+        request_id = request.request_id or b"%b-%x" % (self._id_prefix, self._id_counter)
+        try:
+            if request.path != b"/metrics":
+                raise NotFoundError(f"no route {request.path.decode('latin-1')}", code="not_found")
+            if request.method not in (b"GET", b"HEAD"):
+                raise MethodNotAllowedError("/metrics takes GET", allow="GET, HEAD")
+            self._serve_metrics(conn, request, on_main_port=False)
+        except TidegateError as error:
+            self._send_error(conn, error, request_id)
 
     def _refresh_replica_gauges(self) -> None:
         now_s = self.clock()

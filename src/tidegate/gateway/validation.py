@@ -32,8 +32,10 @@ def check_body(endpoint: Endpoint, body: Any, max_tokens_cap: int) -> tuple[str,
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise InvalidRequestError("'model' is required and must be a non-empty string", param="model")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
+    stream = body.get("stream")
+    if stream is None:  # OpenAI's spec allows null for "not set", and clients send it so
+        stream = False
+    elif not isinstance(stream, bool):
         raise InvalidRequestError("'stream' must be a boolean", param="stream")
     if endpoint is Endpoint.CHAT:
         messages = body.get("messages")

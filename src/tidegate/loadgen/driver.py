@@ -209,11 +209,15 @@ class Driver:
 
     async def _scrape(self, stop: asyncio.Event) -> None:
         scrapers = [HttpClient(t, timeout_s=2.0) for t in self.config.targets]
+        # a gateway with API keys opens /metrics to them: the first planned tenant's, as for /v1/models
+        key = self.plan[0].tenant.api_key if self.plan else ""
+        auth = f"Authorization: Bearer {key}\r\n".encode() if key else b""
         try:
             while not stop.is_set():
                 tick = time.perf_counter()
                 for target, client in enumerate(scrapers):
-                    response = await client.request(client.render("GET", "/metrics", under_base=False))
+                    response = await client.request(client.render("GET", "/metrics", headers=auth,
+                                                                  under_base=False))
                     if response.status == 200:
                         t_s = tick - self._start
                         for series, value in parse_prometheus(response.body().decode("utf-8", "replace"),
