@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from tidegate.config import EmbeddedBackend, GatewayConfig, UpstreamBackend
 from tidegate.control.health_checks import HealthChecker
 from tidegate.control.supervisor import WorkerSpec, WorkerSupervisor
+from tidegate.gateway.connections import ConnectionLimits, ConnectionRegistry, connection_cap, raise_open_file_limit
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection
 from tidegate.gateway.overload import OverloadRuntime
@@ -103,6 +104,13 @@ class Gateway:
                            self.metrics, self.access_log, overload=self.overload)
         self.supervisor = WorkerSupervisor(workers)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
+        # each request in flight holds an upstream connection: their descriptors are kept out of the cap
+        open_file_limit = raise_open_file_limit()
+        max_connections = connection_cap(server.max_connections, sum(r.slot_limit for r in all_replicas),
+                                         open_file_limit)
+        self.connections = ConnectionRegistry(
+            ConnectionLimits(server.keepalive_timeout_s, server.head_timeout_s, server.body_timeout_s,
+                             max_connections), self.metrics)
         self.health_checker = HealthChecker(all_replicas, health.interval_s, health.timeout_s, self._wake_pools)
         # how long `serve` waits for every pool to turn ready before it warns
         self.startup_timeout_s = max((b.startup_timeout_s for p in config.pools for b in p.backends
@@ -127,11 +135,14 @@ class Gateway:
         server = self.config.server
         max_body = server.max_body_bytes
         handle = self.proxy.handle
-        self._server = await loop.create_server(lambda: HttpConnection(handle, max_body), server.host, server.port,
-                                                backlog=4096, reuse_address=True)
+        connections = self.connections
+        self._server = await loop.create_server(lambda: HttpConnection(handle, max_body, connections), server.host,
+                                                server.port, backlog=4096, reuse_address=True)
+        connections.start()
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("listening", extra={"fields": {"host": server.host, "port": self.port,
-                                                "pools": {n: len(p.replicas) for n, p in self.pools.items()}}})
+                                                "pools": {n: len(p.replicas) for n, p in self.pools.items()},
+                                                "max_connections": connections.limits.max_connections}})
 
     async def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
@@ -144,6 +155,7 @@ class Gateway:
     async def stop(self) -> None:
         if self._server is not None:
             self._server.close()
+        self.connections.stop()
         await self.health_checker.stop()
         await self.supervisor.stop()
         for pool in self.pools.values():
