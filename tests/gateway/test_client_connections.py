@@ -171,8 +171,9 @@ def test_timeouts_are_counted_and_logged(timeouts_gateway: Gateway) -> None:
     lines = [line for line in log.splitlines() if "client connections closed" in line]
     for reason in ("idle_timeout", "head_timeout", "body_timeout"):
         assert any(f'"reason":"{reason}"' in line for line in lines), lines
-    # rate-limited: a line per reason per 10 s, not one per connection
-    assert len(lines) <= 2 * 3, lines
+    # rate-limited: a line per reason per 10 s, not one per connection (this module runs for ~20 s)
+    for reason in ("idle_timeout", "head_timeout", "body_timeout"):
+        assert sum(f'"reason":"{reason}"' in line for line in lines) <= 3, lines
 
 
 CAP = 4
