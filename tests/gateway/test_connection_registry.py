@@ -137,5 +137,8 @@ def test_closes_are_logged_once_per_reason_per_window(clock: Clock, caplog: pyte
             registry.admit(FakeConnection())
         _sweep_at(registry, clock, 1001.0)  # within 10 s: not logged yet
         _sweep_at(registry, clock, 1010.0)
+        registry.admit(FakeConnection())
+        registry.stop()  # logs what the rate limit held back
     lines = [record for record in caplog.records if record.getMessage() == "client connections closed"]
-    assert [(r.fields["reason"], r.fields["count"]) for r in lines] == [("over_capacity", 50), ("over_capacity", 7)]
+    assert [(r.fields["reason"], r.fields["count"]) for r in lines] == [("over_capacity", 50), ("over_capacity", 7),
+                                                                        ("over_capacity", 1)]

@@ -144,6 +144,7 @@ class ConnectionRegistry:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._log_closes(float("inf"))  # what the rate limit still held back
 
     def _tick(self) -> None:
         try:
