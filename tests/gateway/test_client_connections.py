@@ -57,7 +57,8 @@ def _read_response(sock: socket.socket) -> bytes:
         assert chunk, f"closed mid-response: {data!r}"
         data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length")))
     while len(body) < length:
         chunk = sock.recv(65536)
         assert chunk
