@@ -69,6 +69,23 @@ class ServerConfig(_Strict):
     retry_after_s: int = Field(1, ge=0)  # Retry-After sent with 503
     access_log: bool = True  # one compact JSON line per request on stderr
     api_keys: tuple[SecretStr, ...] = ()  # when set, clients must send one as a Bearer token
+    # Client connections; a connection whose request is being handled is never timed out. Idle: no
+    # byte of a request yet, on a new connection or between keep-alive requests; closed silently.
+    # 75 s (nginx's default) outlasts the 60 s idle timeout of common load balancers and the pools of
+    # client libraries (httpx 5 s, aiohttp 15 s), so that the other side closes first and never sends
+    # a request into a connection being closed; an idle connection is cheap, and the first to go
+    # when the cap is reached.
+    keepalive_timeout_s: float = Field(75.0, gt=0)
+    # first byte of a request to the end of its headers -> 408 and close. A head is one packet from
+    # any real client; 20 s still survives four TCP retransmissions, and bounds how long a
+    # slowloris client trickling header lines holds its connection.
+    head_timeout_s: float = Field(20.0, gt=0)
+    # end of the headers to the end of the body -> 408 and close: 60 s (nginx's) takes a
+    # max_body_bytes body at 70 KB/s; raise it with max_body_bytes for slow links
+    body_timeout_s: float = Field(60.0, gt=0)
+    # open client connections; past it a new one gets 503 (after the longest-idle one is closed to make
+    # room, if any). Lowered at start to fit the open file limit, less one descriptor per upstream slot.
+    max_connections: int = Field(10_000, ge=1)
     # who reads /metrics, whose labels name every replica's host:port (docs/configuration.md,
     # "Metrics access"); with none of these, /metrics takes the same keys as the API
     metrics_api_key: SecretStr | None = None  # then /metrics needs this Bearer token, and no other

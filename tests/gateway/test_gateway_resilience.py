@@ -105,6 +105,7 @@ def test_client_that_stops_reading_is_dropped_and_its_slot_freed(start_mock, sta
         waited_s = time.monotonic() - started
         assert reply.choices[0].text
         assert waited_s < 20 / 2  # freed by the write timeout, long before the queue timeout
+        assert _sum(_metrics(gateway.base), "tidegate_client_connections_closed_total", 'reason="write_timeout"') == 1
     finally:
         stalled.close()
 

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from tidegate.config import EmbeddedBackend, GatewayConfig, UpstreamBackend
 from tidegate.control.health_checks import HealthChecker
 from tidegate.control.supervisor import WorkerSpec, WorkerSupervisor
+from tidegate.gateway.connections import ConnectionLimits, ConnectionRegistry, connection_cap, raise_open_file_limit
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection
 from tidegate.gateway.overload import OverloadRuntime
@@ -116,6 +117,13 @@ class Gateway:
                            self.metrics, self.access_log, overload=self.overload)
         self.supervisor = WorkerSupervisor(workers)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
+        # each request in flight holds an upstream connection: their descriptors are kept out of the cap
+        open_file_limit = raise_open_file_limit()
+        max_connections = connection_cap(server.max_connections, sum(r.slot_limit for r in all_replicas),
+                                         open_file_limit)
+        self.connections = ConnectionRegistry(
+            ConnectionLimits(server.keepalive_timeout_s, server.head_timeout_s, server.body_timeout_s,
+                             max_connections), self.metrics)
         self.health_checker = HealthChecker(all_replicas, health.interval_s, health.timeout_s, self._wake_pools)
         # how long `serve` waits for every pool to turn ready before it warns
         self.startup_timeout_s = max((b.startup_timeout_s for p in config.pools for b in p.backends
@@ -142,13 +150,15 @@ class Gateway:
         server = self.config.server
         max_body = server.max_body_bytes
         handle = self.proxy.handle
+        connections = self.connections
         write_timeout_s = server.client_write_timeout_s
-        self._server = await loop.create_server(lambda: HttpConnection(handle, max_body, write_timeout_s),
-                                                server.host, server.port,
-                                                backlog=4096, reuse_address=True)
+        self._server = await loop.create_server(lambda: HttpConnection(handle, max_body, connections, write_timeout_s),
+                                                server.host, server.port, backlog=4096, reuse_address=True)
+        connections.start()
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("listening", extra={"fields": {"host": server.host, "port": self.port,
-                                                "pools": {n: len(p.replicas) for n, p in self.pools.items()}}})
+                                                "pools": {n: len(p.replicas) for n, p in self.pools.items()},
+                                                "max_connections": connections.limits.max_connections}})
         if server.metrics_port is not None:
             metrics_host = server.metrics_host or server.host
             handle_metrics = self.proxy.handle_metrics_listener
@@ -170,6 +180,7 @@ class Gateway:
         for listener in (self._server, self._metrics_server):
             if listener is not None:
                 listener.close()
+        self.connections.stop()
         await self.health_checker.stop()
         await self.supervisor.stop()
         for pool in self.pools.values():

@@ -8,12 +8,17 @@ connection is handled at a time; pipelined requests wait their turn in arrival o
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections import deque
 from collections.abc import Awaitable, Callable
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
 import httptools
+
+from tidegate.gateway.connections import IDLE, READING_BODY, READING_HEAD
+
+if TYPE_CHECKING:
+    from tidegate.gateway.connections import ConnectionRegistry
 
 __all__ = ["HttpRequest", "HttpConnection", "RequestHandler", "MAX_HEAD_BYTES", "status_line"]
 
@@ -45,8 +50,6 @@ class HttpRequest:
         self.takes_chunked = True  # False for HTTP/1.0, which has no chunked transfer encoding
 
 
-log = logging.getLogger("tidegate.gateway")
-
 RequestHandler = Callable[["HttpConnection", HttpRequest], Awaitable[None]]
 
 # request line + headers; the parser would otherwise buffer a header of any length
@@ -57,11 +60,42 @@ class _HeadTooLarge(Exception):
     pass
 
 
+def _error_answer(status: int, message: bytes, code: bytes = b"null", error_type: bytes = b"invalid_request_error",
+                  headers: bytes = b"") -> bytes:
+    """A whole answer with an OpenAI error body, after which the connection closes."""
+    body = (b'{"error":{"message":"' + message + b'","type":"' + error_type + b'","param":null,"code":' + code
+            + b"}}")
+    return (status_line(status) + b"content-type: application/json\r\nconnection: close\r\n" + headers
+            + b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+
+
+_OVER_CAPACITY = _error_answer(503, b"too many open connections to the gateway; retry later",
+                               b'"too_many_connections"', b"server_error", b"retry-after: 1\r\n")
+_TIMED_OUT = {
+    READING_HEAD: _error_answer(408, b"request line and headers not received in time", b'"request_timeout"'),
+    READING_BODY: _error_answer(408, b"request body not received in time", b'"request_timeout"'),
+}
+
+
+class _DiscardInput:
+    """Stands in for the parser on a refused connection: what the client still sends is dropped."""
+
+    @staticmethod
+    def feed_data(data: bytes) -> None:
+        pass
+
+
 class HttpConnection(asyncio.Protocol):
     """One client connection. The handler answers through `respond` or `start_stream`/`stream_chunk`/`end_stream`."""
 
-    def __init__(self, handler: RequestHandler, max_body_bytes: int, write_timeout_s: float | None = None) -> None:
+    def __init__(self, handler: RequestHandler, max_body_bytes: int,
+                 registry: ConnectionRegistry | None = None, write_timeout_s: float | None = None) -> None:
         self._handler = handler
+        self._registry = registry  # None: no timeouts and no cap
+        # what the connection waits for while no request of it is handled, and since when: 0.0 until
+        # the registry's sweep stamps it, so that the request path reads no clock
+        self.phase = IDLE
+        self.phase_since = 0.0
         # a client that reads nothing of its answer for this long is dropped, which cancels its
         # request upstream and frees the replica slot (stalled readers once held slots for 600 s)
         self._write_timeout_s = write_timeout_s
@@ -92,6 +126,8 @@ class HttpConnection(asyncio.Protocol):
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        if self._registry is not None:
+            self._registry.admit(self)  # past the cap: refused with 503
 
     def data_received(self, data: bytes) -> None:
         if not self._head_done and self._head_read_bytes > MAX_HEAD_BYTES:
@@ -117,6 +153,8 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self._registry is not None:
+            self._registry.forget(self)
         self._pending.clear()
         if self._write_timer is not None:
             self._write_timer.cancel()
@@ -141,12 +179,14 @@ class HttpConnection(asyncio.Protocol):
     def _write_timed_out(self) -> None:
         """The client has read nothing for the write timeout: drop it (its handler is cancelled)."""
         self._write_timer = None
-        log.info("client stopped reading; connection dropped",
-                 extra={"fields": {"write_timeout_s": self._write_timeout_s}})
+        if self._registry is not None:
+            self._registry.record_close("write_timeout")
         self.abort()
 
     # -- httptools callbacks
     def on_message_begin(self) -> None:
+        self.phase = READING_HEAD
+        self.phase_since = 0.0
         self._current = HttpRequest()
         self._url = b""
         self._body_parts = []
@@ -182,6 +222,8 @@ class HttpConnection(asyncio.Protocol):
             self._expect_continue = True
 
     def on_headers_complete(self) -> None:
+        self.phase = READING_BODY
+        self.phase_since = 0.0
         self._head_done = True
         self._head_bytes = self._head_read_bytes = 0
         # curl and others wait for this before sending a body over 1 KiB; a body we will refuse is
@@ -200,6 +242,7 @@ class HttpConnection(asyncio.Protocol):
         self._body_parts.append(body)
 
     def on_message_complete(self) -> None:
+        self.phase = IDLE  # its clock starts when the answer is done (see _run)
         self._head_done = False
         self._completed_in_read = True
         request = self._current
@@ -222,6 +265,11 @@ class HttpConnection(asyncio.Protocol):
             self._pending.append(request)
 
     # -- request lifecycle
+    @property
+    def handling(self) -> bool:
+        """A request of this connection is being handled: no timeout of the registry applies."""
+        return self._task is not None
+
     def _start(self, request: HttpRequest) -> None:
         self._keep_alive = request.keep_alive
         self._answering_head = request.method == b"HEAD"
@@ -233,6 +281,7 @@ class HttpConnection(asyncio.Protocol):
             await self._handler(self, request)
         finally:
             self._task = None
+            self.phase_since = 0.0  # idle, or a next head already begun: timed from the end of this answer
             self.on_pause_writing = self.on_resume_writing = None
             if not self._keep_alive and self.transport is not None:
                 self.transport.close()
@@ -241,15 +290,48 @@ class HttpConnection(asyncio.Protocol):
 
     def _reject(self, status: int, message: bytes) -> None:
         if self.transport is not None and not self.closed:
-            body = b'{"error":{"message":"' + message + b'","type":"invalid_request_error","param":null,"code":null}}'
-            self.transport.write(
-                status_line(status)
-                + b"content-type: application/json\r\nconnection: close\r\ncontent-length: "
-                + str(len(body)).encode()
-                + b"\r\n\r\n"
-                + body
-            )
+            self.transport.write(_error_answer(status, message))
             self.transport.close()
+
+    # -- limits (called by the ConnectionRegistry)
+    def time_out(self, answer: bool, linger: bool) -> bool:
+        """Closes the connection: its phase outlasted its limit. answer: 408 first (a head or body that
+        came too slowly; nothing of that request was answered). False when it was closing already, its
+        last answer stuck unread: dropped, and not counted as a timeout."""
+        transport = self.transport
+        if transport is None or self.closed:
+            return False
+        if transport.is_closing():
+            transport.abort()
+            return False
+        if answer:
+            self._answer_and_close(_TIMED_OUT[self.phase], linger)
+        elif transport.get_write_buffer_size():
+            transport.abort()  # the client reads nothing: waiting to flush would keep the descriptor
+        else:
+            transport.close()
+        return True
+
+    def refuse(self, linger: bool) -> None:
+        """Past the connection cap: 503 at once, before any request arrives."""
+        self._answer_and_close(_OVER_CAPACITY, linger)
+
+    def _answer_and_close(self, answer: bytes, linger: bool) -> None:
+        """Lingering, the connection is half-closed and what the client still sends is dropped until it
+        closes (the registry aborts it after a while): closing with input unread sends a reset, which
+        can destroy the answer before the client reads it."""
+        transport = self.transport
+        if transport is None:
+            return
+        transport.write(answer)
+        if transport.get_write_buffer_size():
+            transport.abort()  # the client reads nothing
+        elif linger and transport.can_write_eof():
+            self._parser = _DiscardInput  # type: ignore[assignment]
+            self._head_done = True  # no head-size check on discarded input
+            transport.write_eof()
+        else:
+            transport.close()
 
     # -- writing answers
     def respond(self, status: int, headers: bytes, body: bytes) -> None:

@@ -55,6 +55,12 @@ class GatewayMetrics:
                                          ["pool", "replica"], registry=r)
         self.unrouted = Counter("tidegate_unrouted_requests", "Requests answered before any pool: bad path, "
                                 "bad body, unknown model, auth", ["status"], registry=r)
+        self.client_connections_open = Gauge("tidegate_client_connections_open", "Client connections open now",
+                                             registry=r)
+        self.client_connections_closed = Counter(
+            "tidegate_client_connections_closed", "Client connections the gateway closed or refused because a "
+            "limit bit: idle_timeout, head_timeout, body_timeout, idle_evicted (room under the cap), "
+            "over_capacity (refused with 503)", ["reason"], registry=r)
 
     def for_pool(self, pool: str) -> PoolMetrics:
         return PoolMetrics(self, pool)
