@@ -12,8 +12,9 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "tidegate"
 # package -> tidegate packages/modules it may import
 ALLOWED = {
     "policy": {"tidegate.policy", "tidegate.types", "tidegate.clock"},
+    # the engine's pure scheduling modules, so modelled replicas batch exactly as the engine does
     "sim": {"tidegate.sim", "tidegate.policy", "tidegate.types", "tidegate.clock", "tidegate.loadgen",
-            "tidegate.errors"},
+            "tidegate.errors", "tidegate.engine.scheduler", "tidegate.engine.kv_cache", "tidegate.engine.sequence"},
 }
 # modules no policy may import: policies get time and I/O results as arguments
 IMPURE_FOR_POLICY = {"asyncio", "time", "socket", "threading", "aiohttp", "httptools", "uvloop", "random"}
@@ -48,6 +49,30 @@ def test_policies_do_no_io_and_read_no_clock() -> None:
     for path in _modules("policy"):
         for name in _imports(path):
             assert name.split(".")[0] not in IMPURE_FOR_POLICY, f"{path.relative_to(SRC)} imports {name}"
+
+
+# the simulator runs on virtual time: no event loop of asyncio's, no HTTP, no clock reads
+IMPURE_FOR_SIM = {"asyncio", "aiohttp", "time"}
+# the engine modules the simulator borrows must stay free of I/O, threads, clocks and torch
+PURE_ENGINE_MODULES = ("scheduler", "kv_cache", "sequence")
+IMPURE_FOR_ENGINE_CORE = {"asyncio", "time", "socket", "threading", "aiohttp", "torch"}
+
+
+def test_simulator_reads_no_clock_and_runs_no_event_loop() -> None:
+    for path in _modules("sim"):
+        for name in _imports(path):
+            assert name.split(".")[0] not in IMPURE_FOR_SIM, f"{path.relative_to(SRC)} imports {name}"
+
+
+# importing them runs the engine package's __init__ first: it must stay as pure
+@pytest.mark.parametrize("module", ("__init__", *PURE_ENGINE_MODULES))
+def test_engine_modules_the_simulator_borrows_are_pure(module: str) -> None:
+    path = SRC / "engine" / f"{module}.py"
+    borrowed = {f"tidegate.engine.{m}" for m in PURE_ENGINE_MODULES}
+    for name in _imports(path):
+        assert name.split(".")[0] not in IMPURE_FOR_ENGINE_CORE, f"{path.relative_to(SRC)} imports {name}"
+        if name.startswith("tidegate."):
+            assert name in borrowed, f"{path.relative_to(SRC)} imports {name}"
 
 
 def test_cli_lists_every_command_module() -> None:
