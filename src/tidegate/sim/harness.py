@@ -1,0 +1,218 @@
+"""Scenario runner: seeded arrivals -> a dispatcher (the seam) -> modelled replicas, on virtual time.
+
+A run is a function of its inputs: the same requests, replicas, dispatcher and events give the
+same records, bit for bit. Requests come from the load generator's pure arrival processes and
+length distributions (`make_requests`) or from a trace (`requests_from_trace`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from tidegate.loadgen.arrivals import ArrivalProcess, sample_arrivals
+from tidegate.loadgen.mix import LengthDistribution
+from tidegate.loadgen.trace import Trace
+from tidegate.sim.loop import EventHandle, EventLoop
+from tidegate.sim.replica import ModelledReplica, ReplicaSpec
+from tidegate.sim.seam import ArrivalVerdict, Dispatch, Dispatcher, SimRequest
+
+__all__ = ["TrafficClass", "KillReplica", "SlowReplica", "ScenarioEvent", "RequestRecord", "ReplicaStats", "RunResult",
+           "Harness", "make_requests", "requests_from_trace"]
+
+
+@dataclass(frozen=True, slots=True)
+class TrafficClass:
+    tenant: str
+    tier: str
+    share: float  # relative weight among the classes of a scenario
+    prompt_tokens: LengthDistribution
+    output_tokens: LengthDistribution
+
+
+@dataclass(frozen=True, slots=True)
+class KillReplica:
+    at_s: float
+    replica_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class SlowReplica:
+    at_s: float
+    replica_id: str
+    factor: float  # step durations x factor from then on
+
+
+ScenarioEvent = KillReplica | SlowReplica
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    request_id: int
+    tenant: str
+    tier: str
+    prompt_tokens: int
+    output_tokens: int
+    arrival_s: float
+    dispatch_s: float | None = None
+    replica_id: str | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    refused_s: float | None = None
+    refused_reason: str | None = None  # refused by the dispatcher: never reached a replica
+    failed_s: float | None = None
+    failure_reason: str | None = None  # reached a replica and failed there
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_s is None else self.first_token_s - self.arrival_s
+
+    @property
+    def served(self) -> bool:
+        return self.finish_s is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaStats:
+    replica_id: str
+    busy_s: float  # time with at least one sequence running or waiting
+    steps: int
+    generated_tokens: int
+    preemptions: int
+    alive: bool
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    records: tuple[RequestRecord, ...]  # by request id
+    replicas: tuple[ReplicaStats, ...]  # in the order given
+    end_s: float  # virtual time when the run stopped
+
+
+def make_requests(arrivals: ArrivalProcess, duration_s: float, classes: Sequence[TrafficClass],
+                  seed: int) -> tuple[SimRequest, ...]:
+    """Arrivals over [0, duration_s), each drawn into a class by share; lengths from its class."""
+    rng = np.random.default_rng(seed)
+    offsets_s = sample_arrivals(arrivals, rng, duration_s=duration_s)
+    shares = np.asarray([c.share for c in classes], dtype=np.float64)
+    which = rng.choice(len(classes), size=len(offsets_s), p=shares / shares.sum())
+    prompts = np.zeros(len(offsets_s), dtype=np.int64)
+    outputs = np.zeros(len(offsets_s), dtype=np.int64)
+    for index, traffic in enumerate(classes):  # class by class, so a class's draws do not depend on others'
+        mask = which == index
+        prompts[mask] = traffic.prompt_tokens.sample(rng, int(mask.sum()))
+        outputs[mask] = traffic.output_tokens.sample(rng, int(mask.sum()))
+    return tuple(
+        SimRequest(i, float(offsets_s[i]), classes[which[i]].tenant, classes[which[i]].tier, int(prompts[i]),
+                   int(outputs[i]))
+        for i in range(len(offsets_s))
+    )
+
+
+def requests_from_trace(trace: Trace, tenant: str = "trace", tier: str = "standard") -> tuple[SimRequest, ...]:
+    """One request per trace row (scale the trace first with `Trace.scaled` for another rate)."""
+    return tuple(
+        SimRequest(i, float(trace.offsets_s[i]), tenant, tier, max(int(trace.context_tokens[i]), 1),
+                   max(int(trace.generated_tokens[i]), 1))
+        for i in range(len(trace))
+    )
+
+
+class Harness:
+    """Drives one dispatcher and its replicas through one run; implements `ReplicaListener`."""
+
+    def __init__(self, replicas: Sequence[ReplicaSpec], dispatcher: Dispatcher) -> None:
+        self.loop = EventLoop()
+        self.dispatcher = dispatcher
+        self.replicas = {spec.replica_id: ModelledReplica(spec, self.loop, self) for spec in replicas}
+        if len(self.replicas) != len(replicas):
+            raise ValueError("replica ids must be unique")
+        self._records: dict[int, RequestRecord] = {}
+        self._requests: dict[int, SimRequest] = {}
+        self._capacity_pending = False
+        self._wake: EventHandle | None = None
+
+    def run(self, requests: Iterable[SimRequest], events: Iterable[ScenarioEvent] = (),
+            until_s: float | None = None) -> RunResult:
+        """Until every request is settled (or until `until_s`, leaving the rest unsettled)."""
+        for request in requests:
+            if request.request_id in self._requests:
+                raise ValueError(f"duplicate request id {request.request_id}")
+            self._requests[request.request_id] = request
+            self.loop.call_at(request.arrival_s, self._arrive, request)
+        for event in events:
+            self.loop.call_at(event.at_s, self._apply, event)
+        if until_s is None:
+            self.loop.run()
+        else:
+            self.loop.run_until(until_s)
+        end_s = self.loop.now_s
+        stats = tuple(ReplicaStats(r.replica_id, r.busy_s_at(end_s), r.steps, r.generated_tokens, r.preemptions,
+                                   r.alive) for r in self.replicas.values())
+        return RunResult(tuple(self._records[i] for i in sorted(self._records)), stats, end_s)
+
+    # ReplicaListener: a replica reports; the dispatcher hears it, then may fill the freed slot
+    def on_first_token(self, now_s: float, replica_id: str, request_id: int) -> None:
+        self._update(request_id, first_token_s=now_s)
+        self.dispatcher.on_first_token(now_s, request_id)
+
+    def on_finish(self, now_s: float, replica_id: str, request_id: int) -> None:
+        self._update(request_id, finish_s=now_s)
+        self.dispatcher.on_finish(now_s, request_id)
+        self._need_capacity()
+
+    def on_failure(self, now_s: float, replica_id: str, request_id: int, reason: str) -> None:
+        self._update(request_id, failed_s=now_s, failure_reason=reason)
+        self.dispatcher.on_failure(now_s, request_id, reason)
+        self._need_capacity()
+
+    # internals
+    def _arrive(self, request: SimRequest) -> None:
+        now_s = self.loop.now_s
+        self._records[request.request_id] = RequestRecord(
+            request.request_id, request.tenant, request.tier, request.prompt_tokens, request.output_tokens, now_s)
+        decision = self.dispatcher.on_arrival(now_s, request)
+        if decision.verdict is ArrivalVerdict.REFUSED:
+            self._update(request.request_id, refused_s=now_s, refused_reason=decision.reason)
+            return
+        self._need_capacity()
+
+    def _apply(self, event: ScenarioEvent) -> None:
+        replica = self.replicas[event.replica_id]
+        if isinstance(event, KillReplica):
+            replica.kill()
+        else:
+            replica.slow_down(event.factor)
+
+    def _need_capacity(self) -> None:
+        # several events at one instant (a step's finishes, a burst) make one call, after them all
+        if not self._capacity_pending:
+            self._capacity_pending = True
+            self.loop.call_later(0.0, self._capacity)
+
+    def _capacity(self) -> None:
+        self._capacity_pending = False
+        now_s = self.loop.now_s
+        loads = {r.replica_id: r.load for r in self.replicas.values() if r.alive}
+        self._carry_out(now_s, self.dispatcher.on_capacity(now_s, loads))
+
+    def _carry_out(self, now_s: float, dispatch: Dispatch) -> None:
+        for refusal in dispatch.refusals:
+            self._update(refusal.request_id, refused_s=now_s, refused_reason=refusal.reason)
+        for assignment in dispatch.assignments:
+            request = self._requests[assignment.request_id]
+            self._update(request.request_id, dispatch_s=now_s, replica_id=assignment.replica_id)
+            self.replicas[assignment.replica_id].submit(request.request_id, request.prompt_tokens,
+                                                        request.output_tokens, assignment.priority)
+        if self._wake is not None:
+            self._wake.cancel()
+            self._wake = None
+        if dispatch.wake_at_s is not None:
+            if dispatch.wake_at_s <= now_s:
+                raise ValueError(f"wake_at_s {dispatch.wake_at_s} is not after now ({now_s}): it would spin")
+            self._wake = self.loop.call_at(dispatch.wake_at_s, self._need_capacity)
+
+    def _update(self, request_id: int, **changes: object) -> None:
+        self._records[request_id] = replace(self._records[request_id], **changes)

@@ -1,0 +1,186 @@
+"""A modelled replica: the embedded engine's own scheduler, with a cost model in place of the model.
+
+Batching, the token budget, chunked prefill, KV blocks, preemption and priority classes are the
+engine's (`tidegate.engine.scheduler`), so the simulator cannot drift from them. Only a step's
+duration is modelled. One step is one event: schedule it, hold the virtual clock for its cost,
+then apply its outputs (one generated token per sampling sequence) and report first tokens,
+finishes and failures to the listener.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from tidegate.engine.kv_cache import BlockManager
+from tidegate.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from tidegate.engine.sequence import SamplingParams, Sequence
+from tidegate.sim.loop import EventHandle, EventLoop
+from tidegate.types import ReplicaLoad
+
+__all__ = ["StepCostModel", "ReplicaSpec", "ReplicaListener", "ModelledReplica", "FAILURE_KILLED",
+           "FAILURE_TOO_LONG"]
+
+FAILURE_KILLED = "replica_killed"  # the replica died with the request in flight, or was dead
+FAILURE_TOO_LONG = "too_long"  # prompt + output cannot fit the replica's whole KV cache
+
+# Any token but an end-of-sequence one: a sequence ends by its output length alone.
+_SAMPLED_TOKEN = 1
+
+
+@dataclass(frozen=True, slots=True)
+class StepCostModel:
+    """step_s = base + prefill tokens + decode batch + context, each linear (DistServe's form).
+
+    Defaults fitted to tiny-random-llama (fp32, 1 torch thread, the engine's ModelRunner) from one
+    short measurement on a shared 2-core machine, so within perhaps 20 %:
+      decode batch 1 / 8 / 32 at ~10 tokens of context: 15 / 26 / 56 ms per step;
+      decode batch 8 at ~1,000 tokens of context: 73 ms;
+      one prefill of 32 / 96 / 256 tokens: 60 / 143 / 313 ms.
+    Refit for another model or machine; the form matters more than the figures here.
+    """
+
+    base_s: float = 0.014  # a step's fixed cost: weights read once per step, Python, sampling
+    prefill_s_per_token: float = 0.0012  # each prompt token computed in the step
+    decode_s_per_seq: float = 0.0013  # each sequence decoding one token in the step
+    context_s_per_token: float = 6e-6  # attention: each scheduled sequence's context length, summed
+
+    def step_s(self, prefill_tokens: int, decode_batch: int, sum_context_tokens: int) -> float:
+        return (self.base_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_batch
+                + self.context_s_per_token * sum_context_tokens)
+
+    def batch_step_s(self, batch: ScheduledBatch) -> float:
+        decodes = batch.num_decodes
+        prefill_tokens = sum(chunk.num_tokens for chunk in batch.chunks[decodes:])
+        # a chunk's last position attends to everything before it
+        sum_context_tokens = sum(chunk.start + chunk.num_tokens for chunk in batch.chunks)
+        return self.step_s(prefill_tokens, decodes, sum_context_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    replica_id: str
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_cache_tokens: int = 32768  # the embedded engine server's default
+    cost: StepCostModel = field(default_factory=StepCostModel)
+
+
+class ReplicaListener(Protocol):
+    def on_first_token(self, now_s: float, replica_id: str, request_id: int) -> None: ...
+    def on_finish(self, now_s: float, replica_id: str, request_id: int) -> None: ...
+    def on_failure(self, now_s: float, replica_id: str, request_id: int, reason: str) -> None: ...
+
+
+class ModelledReplica:
+    def __init__(self, spec: ReplicaSpec, loop: EventLoop, listener: ReplicaListener) -> None:
+        self.spec = spec
+        self.replica_id = spec.replica_id
+        self._loop = loop
+        self._listener = listener
+        self.scheduler = Scheduler(spec.scheduler, BlockManager(spec.kv_cache_tokens))
+        self.alive = True
+        self.slowdown = 1.0  # step durations are multiplied by this
+        self._next_step: EventHandle | None = None  # a step started or about to start
+        self._busy_since_s: float | None = None
+        # counters for the report
+        self.busy_s = 0.0  # time with at least one sequence running or waiting
+        self.steps = 0
+        self.generated_tokens = 0
+        self.preemptions = 0
+
+    @property
+    def load(self) -> ReplicaLoad:
+        """What a live engine's /metrics would say now."""
+        return ReplicaLoad(
+            running_sequences=len(self.scheduler.running),
+            waiting_sequences=len(self.scheduler.waiting),
+            kv_cache_usage=self.scheduler.blocks.usage,
+        )
+
+    def submit(self, request_id: int, prompt_tokens: int, output_tokens: int, priority: int = 0) -> None:
+        """Hands a request to the engine; it joins the next step (same-instant arrivals batch)."""
+        if not self.alive:
+            # a refused connection is reported after the caller returns, as it would be live
+            self._loop.call_later(0.0, self._listener.on_failure, self._loop.now_s, self.replica_id,
+                                  request_id, FAILURE_KILLED)
+            return
+        if prompt_tokens + output_tokens > self.scheduler.blocks.capacity_tokens:
+            # the scheduler would preempt it for itself forever; the engine refuses it up front
+            self._loop.call_later(0.0, self._listener.on_failure, self._loop.now_s, self.replica_id,
+                                  request_id, FAILURE_TOO_LONG)
+            return
+        params = SamplingParams(max_tokens=max(output_tokens, 1), ignore_eos=True)
+        self.scheduler.add(Sequence(seq_id=request_id, prompt_token_ids=[_SAMPLED_TOKEN + 6] * prompt_tokens,
+                                    params=params, priority=priority))
+        self._mark_busy()
+        self._wake()
+
+    def slow_down(self, factor: float) -> None:
+        """Every step from the next one takes `factor` times its modelled cost (1 restores)."""
+        if factor <= 0:
+            raise ValueError(f"slow-down factor must be > 0, got {factor}")
+        self.slowdown = factor
+
+    def kill(self) -> None:
+        """The replica dies: the step in flight is lost and every request it holds fails now."""
+        if not self.alive:
+            return
+        self.alive = False
+        if self._next_step is not None:
+            self._next_step.cancel()
+            self._next_step = None
+        lost = [seq.seq_id for seq in (*self.scheduler.running, *self.scheduler.waiting)]
+        for seq_id in lost:
+            self.scheduler.abort(seq_id)
+        self._mark_idle()
+        for seq_id in lost:
+            self._listener.on_failure(self._loop.now_s, self.replica_id, seq_id, FAILURE_KILLED)
+
+    def busy_s_at(self, now_s: float) -> float:
+        """Busy time up to now_s, counting a busy spell still open."""
+        open_s = now_s - self._busy_since_s if self._busy_since_s is not None else 0.0
+        return self.busy_s + open_s
+
+    def _wake(self) -> None:
+        if self._next_step is None and self.alive and self.scheduler.has_work:
+            self._next_step = self._loop.call_later(0.0, self._start_step)
+
+    def _start_step(self) -> None:
+        # the scheduler preempts inside `schedule` and keeps the victims waiting: count them there
+        preempted_before = self._preemptions_held()
+        batch = self.scheduler.schedule()
+        self.preemptions += self._preemptions_held() - preempted_before
+        if batch.is_empty:
+            # nothing can run (cannot happen with prompts that fit the cache): idle till a submit
+            self._next_step = None
+            return
+        step_s = self.spec.cost.batch_step_s(batch) * self.slowdown
+        self._next_step = self._loop.call_later(step_s, self._end_step, batch)
+
+    def _end_step(self, batch: ScheduledBatch) -> None:
+        self._next_step = None
+        self.steps += 1
+        sampled = [_SAMPLED_TOKEN for chunk in batch.chunks if chunk.samples]
+        outputs = self.scheduler.update(batch, sampled)
+        self.generated_tokens += len(sampled)
+        now_s = self._loop.now_s
+        for output in outputs:
+            if output.num_output_tokens == 1:
+                self._listener.on_first_token(now_s, self.replica_id, output.seq_id)
+            if output.finish_reason is not None:
+                self._listener.on_finish(now_s, self.replica_id, output.seq_id)
+        if not self.scheduler.has_work:
+            self._mark_idle()
+        self._wake()
+
+    def _preemptions_held(self) -> int:
+        return sum(seq.num_preemptions for seq in (*self.scheduler.running, *self.scheduler.waiting))
+
+    def _mark_busy(self) -> None:
+        if self._busy_since_s is None:
+            self._busy_since_s = self._loop.now_s
+
+    def _mark_idle(self) -> None:
+        if self._busy_since_s is not None:
+            self.busy_s += self._loop.now_s - self._busy_since_s
+            self._busy_since_s = None

@@ -1,0 +1,89 @@
+"""The modelled replica: the engine's own scheduler, timed by the cost model."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.sim.support import run_fifo
+from tidegate.engine.scheduler import SchedulerConfig
+from tidegate.policy.tiers import default_tiers
+from tidegate.sim.fifo import FifoDispatcher
+from tidegate.sim.harness import Harness, KillReplica, SlowReplica
+from tidegate.sim.replica import FAILURE_KILLED, FAILURE_TOO_LONG, ReplicaSpec, StepCostModel
+from tidegate.sim.seam import SimRequest
+
+LONG_PROMPT_TOKENS = 480
+
+
+def _probe_ttft_s(long_prompts_ahead: int, cost: StepCostModel = StepCostModel()) -> float:
+    """TTFT of a short prompt that arrives with `long_prompts_ahead` long prompts just before it."""
+    ahead = [SimRequest(i, 0.0, "t", "standard", LONG_PROMPT_TOKENS, 1) for i in range(long_prompts_ahead)]
+    probe = SimRequest(long_prompts_ahead, 0.0, "t", "standard", 16, 4)
+    result, _ = run_fifo([*ahead, probe], specs=[ReplicaSpec("r0", cost=cost)], slot_limit=64)
+    ttft_s = result.records[-1].ttft_s
+    assert ttft_s is not None
+    return ttft_s
+
+
+def test_step_cost_is_linear_in_prefill_decode_and_context() -> None:
+    cost = StepCostModel(base_s=0.01, prefill_s_per_token=0.001, decode_s_per_seq=0.002, context_s_per_token=1e-5)
+    assert cost.step_s(100, 4, 1000) == pytest.approx(0.01 + 0.1 + 0.008 + 0.01)
+
+
+def test_ttft_grows_with_the_prefill_tokens_queued_ahead() -> None:
+    ttfts_s = [_probe_ttft_s(k) for k in (0, 2, 4)]
+    assert ttfts_s == sorted(ttfts_s) and ttfts_s[0] < 0.1
+    # the wait is the prompts' prefill, at the modelled cost per token, plus each step's base cost
+    prefill_ahead_s = 4 * LONG_PROMPT_TOKENS * StepCostModel().prefill_s_per_token
+    assert prefill_ahead_s <= ttfts_s[2] - ttfts_s[0] <= 1.3 * prefill_ahead_s
+
+
+def test_a_dearer_prefill_in_the_cost_model_delays_the_first_token_in_proportion() -> None:
+    cheap = _probe_ttft_s(4) - _probe_ttft_s(0)
+    dear_cost = StepCostModel(prefill_s_per_token=2 * StepCostModel().prefill_s_per_token)
+    dear = _probe_ttft_s(4, dear_cost) - _probe_ttft_s(0, dear_cost)
+    assert 1.7 < dear / cheap < 2.0
+
+
+def test_a_small_kv_cache_preempts_and_still_finishes_every_request() -> None:
+    # 16 blocks of 16 tokens; each request grows to 100 tokens (7 blocks) while 8 may be held
+    requests = [SimRequest(i, 0.0, "t", "standard", 40, 60) for i in range(16)]
+    tight, _ = run_fifo(requests, specs=[ReplicaSpec("r0", kv_cache_tokens=256)])
+    roomy, _ = run_fifo(requests, specs=[ReplicaSpec("r0")])
+    assert tight.replicas[0].preemptions > 0 and roomy.replicas[0].preemptions == 0
+    assert all(r.served for r in tight.records)
+    # every token generated once (a recomputed sequence resumes where it was), but later: recomputing
+    # costs prefill, and fewer sequences fit in a step
+    assert tight.replicas[0].generated_tokens == roomy.replicas[0].generated_tokens == 16 * 60
+    assert tight.end_s > roomy.end_s
+
+
+def test_a_request_larger_than_the_whole_cache_fails_instead_of_looping() -> None:
+    result, _ = run_fifo([SimRequest(0, 0.0, "t", "standard", 300, 10)], specs=[ReplicaSpec("r0", kv_cache_tokens=256)])
+    assert result.records[0].failure_reason == FAILURE_TOO_LONG
+
+
+def test_killed_replica_fails_what_it_holds_at_the_kill() -> None:
+    requests = [SimRequest(i, 0.0, "t", "standard", 64, 200) for i in range(4)]
+    result, _ = run_fifo(requests, events=[KillReplica(1.0, "r0")])
+    assert [(r.failure_reason, r.failed_s) for r in result.records] == [(FAILURE_KILLED, 1.0)] * 4
+    assert not result.replicas[0].alive
+
+
+def test_slow_down_two_halves_a_saturated_replica_throughput() -> None:
+    # both replicas kept full by a backlog; the slowed one frees its slots half as often
+    backlog = [SimRequest(i, 0.0, "t", "standard", 64, 32) for i in range(400)]
+    result, _ = run_fifo(backlog, ("r0", "r1"), events=[SlowReplica(0.0, "r1", 2.0)], until_s=20.0)
+    normal, slowed = result.replicas
+    assert 0.45 < slowed.generated_tokens / normal.generated_tokens < 0.55
+    assert normal.busy_s == slowed.busy_s == 20.0
+
+
+def test_priority_from_the_dispatcher_reaches_the_engine_scheduler() -> None:
+    spec = ReplicaSpec("r0", scheduler=SchedulerConfig(max_num_seqs=1))
+    # both reach the engine at once (slot limit 2) but it runs one at a time: the better tier first
+    dispatcher = FifoDispatcher(["r0"], default_tiers(), slot_limit=2, forward_priority=True)
+    requests = [SimRequest(0, 0.0, "t", "sheddable", 16, 8), SimRequest(1, 0.0, "t", "critical", 16, 8)]
+    result = Harness([spec], dispatcher).run(requests)
+    sheddable, critical = result.records
+    assert critical.first_token_s < sheddable.first_token_s
