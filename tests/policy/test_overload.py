@@ -32,18 +32,21 @@ def _facts(tier: str = "standard", tenant: str = "t", model: str = "big", reques
     return RequestFacts(request_id or f"r{next(_ids)}", tenant, tier, model, prompt_tokens=10, max_tokens=90)
 
 
+def _impatient_sheddable(request_id: str) -> RequestFacts:
+    return RequestFacts(request_id, "s", "sheddable", "big", prompt_tokens=10, max_tokens=90, timeout_s=3.0)
+
+
 def _remaining_tokens(control: OverloadControl, now_s: float) -> int:
     return control.limiter.headers(now_s, "t", "big").remaining_tokens
 
 
 def _saturate(control: OverloadControl, pool: str = "big", rate_per_s: float = 10.0, backlog: int = 100,
-              one_tenant: bool = False) -> float:
-    """Queues `backlog` standard requests and dispatches a few at `rate_per_s`, so the pool's rate is known.
-
-    From as many tenants, each of whose request could still start in time if served first (fair
-    queueing may), unless `one_tenant`: then the tenant's requests past its deadline's reach are refused."""
+              one_tenant: bool = False, tier: str = "standard") -> float:
+    """Queues `backlog` requests of `tier` and dispatches a few at `rate_per_s`, so the pool's rate is
+    known. From as many tenants, or all from tenant "t" (`one_tenant`). What the queue cannot start
+    by its deadline at that rate is refused as soon as the rate is known."""
     for index in range(backlog):
-        control.arrive(0.0, _facts(model=pool, tenant="t" if one_tenant else f"t{index}"))
+        control.arrive(0.0, _facts(model=pool, tier=tier, tenant="t" if one_tenant else f"t{index}"))
     now_s = 0.0
     for _ in range(5):
         now_s += 1.0 / rate_per_s
@@ -73,9 +76,9 @@ def test_rate_limited_request_is_not_queued() -> None:
 
 def test_predicted_miss_is_answered_at_once_and_refunded() -> None:
     control = _control(tpm=1_000_000)
-    now_s = _saturate(control)  # 95 still queued at 10 requests/s: 9.5 s ahead
+    now_s = _saturate(control, tier="sheddable")  # ~75 still queued at 10 requests/s: 7.5 s ahead
     before = _remaining_tokens(control, now_s)
-    arrival = control.arrive(now_s, _facts(tier="sheddable"))  # may wait 8 s
+    arrival = control.arrive(now_s, _impatient_sheddable("impatient"))  # may wait 3 s
     assert arrival.outcome is ArrivalOutcome.PRESET_REPLY
     assert arrival.reply.status == 503 and arrival.reply.retry_after_s >= 1.0
     assert _remaining_tokens(control, now_s) == before
@@ -83,21 +86,22 @@ def test_predicted_miss_is_answered_at_once_and_refunded() -> None:
 
 def test_critical_still_queues_when_sheddable_is_refused() -> None:
     control = _control()
-    now_s = _saturate(control)
+    now_s = _saturate(control, tier="sheddable")
+    assert control.arrive(now_s, _impatient_sheddable("refused")).outcome is not ArrivalOutcome.QUEUED
     assert control.arrive(now_s, _facts(tier="critical")).outcome is ArrivalOutcome.QUEUED
 
 
 def test_pressed_sheddable_request_goes_to_the_fallback_pool() -> None:
     control = _control(fallback=True)
-    now_s = _saturate(control)
-    arrival = control.arrive(now_s, _facts(tier="sheddable"))
+    now_s = _saturate(control, tier="sheddable")
+    arrival = control.arrive(now_s, _impatient_sheddable("pressed"))
     assert (arrival.outcome, arrival.pool, arrival.rung) == (ArrivalOutcome.QUEUED, "small", Rung.FALLBACK_POOL)
 
 
 def test_cached_answer_is_used_before_the_preset_reply() -> None:
     control = _control()
-    now_s = _saturate(control)
-    arrival = control.arrive(now_s, _facts(tier="sheddable"), cached_answer_available=True)
+    now_s = _saturate(control, tier="sheddable")
+    arrival = control.arrive(now_s, _impatient_sheddable("cached"), cached_answer_available=True)
     assert arrival.outcome is ArrivalOutcome.CACHED_ANSWER
 
 
@@ -296,18 +300,14 @@ def test_a_request_waits_no_longer_than_its_ttft_target_leaves_after_the_replica
     assert shed[0].reason is ShedReason.DEADLINE
 
 
-def _impatient_sheddable(request_id: str) -> RequestFacts:
-    return RequestFacts(request_id, "s", "sheddable", "big", prompt_tokens=10, max_tokens=90, timeout_s=3.0)
-
-
 def test_request_displaced_behind_better_work_is_refused_at_once() -> None:
     control = _control(max_queued=1000)
     now_s = _saturate(control, backlog=5)  # 10 requests/s measured, nothing left queued
     waiting = control.arrive(now_s, _impatient_sheddable("displaced"))
     assert waiting.outcome is ArrivalOutcome.QUEUED  # nothing ahead, 3 s to start
-    # a burst of better traffic, 3.5 s of work, all served before it
+    # a burst of better traffic, 3.5 s of work, all served before it (and each of which can start in time)
     for index in range(35):
-        tier = "critical" if index < 25 else "standard"
+        tier = "critical" if index < 24 else "standard"
         arrival = control.arrive(now_s + 0.2, _facts(tier=tier, tenant=f"c{index}"))
         assert arrival.outcome is ArrivalOutcome.QUEUED and arrival.shed == ()
     shed = control.dispatch(now_s + 0.35, "big").shed  # the next time the queue moves, not in 3 s
@@ -323,3 +323,25 @@ def test_request_that_can_still_start_in_time_is_kept() -> None:
     for index in range(20):  # 2 s of work ahead of it, 2.65 s left to start
         control.arrive(now_s + 0.2, _facts(tier="critical", tenant=f"c{index}"))
     assert control.dispatch(now_s + 0.35, "big").shed == ()
+
+
+def test_request_behind_its_tiers_backlog_is_refused_before_its_deadline() -> None:
+    # a burst lands before any service rate is known: all of it queues. Once the rate is measured,
+    # what cannot start by its deadline is refused then, not after waiting its 4 s out
+    control = _control(max_queued=1000)
+    for index in range(60):  # 3 tenants, 20 standard requests each, interleaved
+        assert control.arrive(0.0, _facts(tenant=f"t{index % 3}")).outcome is ArrivalOutcome.QUEUED
+    refused: list[tuple[float, ShedReason]] = []
+    dispatched = 0
+    now_s = 0.0
+    while now_s < 6.0:  # the replicas take one request every 0.1 s
+        now_s = round(now_s + 0.1, 6)
+        dispatch = control.dispatch(now_s, "big")
+        refused += [(now_s, notice.reason) for notice in dispatch.shed]
+        dispatched += dispatch.request is not None
+    early = [at_s for at_s, reason in refused if reason is ShedReason.HOPELESS]
+    at_deadline = [at_s for at_s, reason in refused if reason is ShedReason.DEADLINE]
+    assert dispatched + len(refused) == 60
+    assert dispatched >= 38  # 4 s of service at 10 requests/s, less what was in flight
+    assert len([at_s for at_s in early if at_s < 1.0]) >= 15  # most are known within the first second
+    assert len(at_deadline) + len([at_s for at_s in early if at_s >= 1.0]) <= 2  # the odd one at the margin

@@ -24,6 +24,7 @@ Every method that depends on time takes `now_s`; nothing here reads a clock.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
 import math
@@ -123,6 +124,23 @@ class _TierQueue:
         self.heap_token: dict[str, int] = {}
         self.idle_floor = 0.0  # counter of the last tenant served: the lift when no one is backlogged
         self.tokens = 0
+
+
+class _TenantTotals:
+    """The work each backlogged tenant of a tier has queued, sorted, to sum min(total, cap) over
+    tenants in O(log tenants)."""
+
+    __slots__ = ("_sorted", "_prefix")
+
+    def __init__(self, queue: _TierQueue, in_tokens: bool) -> None:
+        self._sorted = sorted(float(queue.tenant_tokens[tenant]) if in_tokens else float(len(waiting))
+                              for tenant, waiting in queue.by_tenant.items())
+        self._prefix = list(itertools.accumulate(self._sorted, initial=0.0))
+
+    def capped_sum(self, cap: float) -> float:
+        """Sum over tenants of min(their queued work, cap)."""
+        below = bisect.bisect_right(self._sorted, cap)
+        return self._prefix[below] + cap * (len(self._sorted) - below)
 
 
 class FairPriorityQueue:
@@ -300,30 +318,44 @@ class FairPriorityQueue:
         return tuple(expired)
 
     def shed_hopeless(self, now_s: float, rate_per_s: float, in_tokens: bool) -> tuple[ShedRequest, ...]:
-        """Removes and returns the requests that cannot start by their deadline even if served as soon
-        as the work certainly ahead of them allows, drained at `rate_per_s` (tokens, or requests
-        when not `in_tokens`, per second): their own tenant's earlier requests of their tier, and the
-        better tiers' queued work, unless aging could let them overtake some of it.
+        """Removes and returns the requests predicted to start only after their deadline, the queue
+        drained at `rate_per_s` (tokens, or requests when not `in_tokens`, per second).
 
-        A lower bound on the wait, so nothing that could still start in time is refused; a request
-        displaced behind a burst of better traffic is answered when that becomes certain, not after
-        waiting out its whole deadline (`test_request_displaced_behind_better_work_is_refused_at_once`).
+        The work predicted ahead of a queued request is what VTC would serve first if every tenant's
+        service counter started level: its own tenant's earlier requests of its tier; from every
+        other tenant as much as that (so another tenant's flood does not count in full), and, of
+        their requests at its own turn, those that arrived before it; and the better tiers' queued
+        work, unless aging lets it overtake some of it. Future arrivals are not counted. A request
+        displaced behind a burst of better traffic, or behind its tier's backlog once a service
+        rate is known, is answered when that becomes known, not after waiting out its deadline
+        (`test_request_displaced_behind_better_work_is_refused_at_once`,
+        `test_request_behind_its_tiers_backlog_is_refused_before_its_deadline`).
         """
         shed: list[ShedRequest] = []
         better_work = 0.0
         better_offset_s = 0.0  # the largest aging offset among better tiers with queued work
         for queue in self._queues.values():  # best rank first
             offset_s = queue.spec.aging_offset_s
-            own_before: dict[str, float] = {}
+            totals = _TenantTotals(queue, in_tokens)
+            own_before: dict[str, tuple[int, float]] = {}  # tenant -> (its requests, their work) so far
+            turn_work: list[float] = []  # turn k -> work of the k-th requests of tenants seen so far
             for seq, request in list(queue.arrivals.items()):
                 work = float(request.tokens) if in_tokens else 1.0
-                before = own_before.get(request.tenant, 0.0)
+                turn, before = own_before.get(request.tenant, (0, 0.0))
+                # every tenant's work up to `before` (its own included, all of it earlier), and the
+                # requests of its own turn that came first
+                same_turn = turn_work[turn] if turn < len(turn_work) else 0.0
+                ahead = totals.capped_sum(before) + same_turn
                 overtakes = offset_s is not None and request.enqueued_at_s + offset_s < now_s + better_offset_s
-                ahead_s = (before + (0.0 if overtakes else better_work)) / rate_per_s
+                ahead_s = (ahead + (0.0 if overtakes else better_work)) / rate_per_s
                 if ahead_s > request.deadline_s - now_s:
                     shed.append(ShedRequest(self._remove(queue, seq), ShedReason.HOPELESS))
-                else:
-                    own_before[request.tenant] = before + work
+                    totals = _TenantTotals(queue, in_tokens)  # rare: recount without it
+                    continue
+                own_before[request.tenant] = (turn + 1, before + work)
+                if turn == len(turn_work):
+                    turn_work.append(0.0)
+                turn_work[turn] += work
             if queue.arrivals:
                 better_work += float(queue.tokens) if in_tokens else float(len(queue.arrivals))
                 better_offset_s = max(better_offset_s, offset_s or 0.0)
