@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from tests.sim.support import OUTPUT_TOKENS, PROMPT_TOKENS, capacity_rps, poisson_requests, run_fifo
+from tidegate.loadgen.trace import Trace
 from tidegate.policy.health import BreakerState
 from tidegate.policy.tiers import TierSpec, TierTable
-from tidegate.sim.fifo import REFUSED_QUEUE_FULL, REFUSED_QUEUE_WAIT, REFUSED_UNKNOWN_TIER
 from tidegate.sim.capacity import patient_tiers
-from tidegate.sim.harness import KillReplica
+from tidegate.sim.fifo import REFUSED_QUEUE_FULL, REFUSED_QUEUE_WAIT, REFUSED_UNKNOWN_TIER
+from tidegate.sim.harness import KillReplica, requests_from_trace
 from tidegate.sim.replica import FAILURE_KILLED
 from tidegate.sim.report import summarize
 from tidegate.sim.seam import SimRequest
@@ -87,3 +90,12 @@ def test_a_killed_replica_breaker_is_open_right_after_the_kill() -> None:
     _, dispatcher = run_fifo(requests, ("r0", "r1", "r2"), events=[KillReplica(KILL_S, "r0")], until_s=KILL_S + 0.1)
     assert dispatcher.breaker("r0").state is BreakerState.OPEN
     assert dispatcher.breaker("r1").state is BreakerState.CLOSED and dispatcher.outstanding("r0") == 0
+
+
+def test_a_trace_replays_one_request_per_row_at_its_offset() -> None:
+    trace = Trace(np.array([0.0, 0.5, 1.25]), np.array([100, 0, 40]), np.array([5, 3, 0]))
+    requests = requests_from_trace(trace, tenant="azure", tier="standard")
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in requests] == [
+        (0.0, 100, 5), (0.5, 1, 3), (1.25, 40, 1)]  # a zero count still costs a token
+    result, _ = run_fifo(requests)
+    assert [r.arrival_s for r in result.records] == [0.0, 0.5, 1.25] and all(r.served for r in result.records)
