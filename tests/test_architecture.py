@@ -75,6 +75,28 @@ def test_engine_modules_the_simulator_borrows_are_pure(module: str) -> None:
             assert name in borrowed, f"{path.relative_to(SRC)} imports {name}"
 
 
+def test_no_relative_imports() -> None:
+    # absolute imports name the package a module leans on, which these checks read
+    for path in sorted(SRC.rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        relative = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level]
+        assert not relative, f"{path.relative_to(SRC)}: relative import on line(s) {relative}"
+
+
+# the live gateway is one body; these must not lean on it (the simulator is the other body)
+@pytest.mark.parametrize("package", ["engine", "loadgen", "mock", "sim", "policy", "control", "telemetry"])
+def test_package_stays_off_the_gateway(package: str) -> None:
+    for path in _modules(package):
+        for name in _imports(path):
+            assert not name.startswith("tidegate.gateway"), f"{path.relative_to(SRC)} imports {name}"
+
+
+def test_batcher_is_pure() -> None:
+    # the embeddings batcher decides batches from times passed in; its worker does the I/O
+    for name in _imports(SRC / "engine" / "batching.py"):
+        assert name.split(".")[0] not in IMPURE_FOR_ENGINE_CORE, f"engine/batching.py imports {name}"
+
+
 def test_cli_lists_every_command_module() -> None:
     from tidegate.cli import COMMANDS
 
