@@ -305,22 +305,22 @@ def test_request_displaced_behind_better_work_is_refused_at_once() -> None:
     now_s = _saturate(control, backlog=5)  # 10 requests/s measured, nothing left queued
     waiting = control.arrive(now_s, _impatient_sheddable("displaced"))
     assert waiting.outcome is ArrivalOutcome.QUEUED  # nothing ahead, 3 s to start
-    # a burst of better traffic, 3.5 s of work, all served before it (and each of which can start in time)
-    for index in range(35):
+    # a burst of better traffic, 28 requests all served before it (each of which can start in time)
+    for index in range(28):
         tier = "critical" if index < 24 else "standard"
         arrival = control.arrive(now_s + 0.2, _facts(tier=tier, tenant=f"c{index}"))
         assert arrival.outcome is ArrivalOutcome.QUEUED and arrival.shed == ()
     shed = control.dispatch(now_s + 0.35, "big").shed  # the next time the queue moves, not in 3 s
     assert [(n.request.request_id, n.reason) for n in shed] == [("displaced", ShedReason.HOPELESS)]
     assert shed[0].reply.status == 503
-    assert control.open_requests == 5 + 35  # its reservation refunded; the dispatched ones are still open
+    assert control.open_requests == 5 + 28  # its reservation refunded; the dispatched ones are still open
 
 
 def test_request_that_can_still_start_in_time_is_kept() -> None:
     control = _control(max_queued=1000)
     now_s = _saturate(control, backlog=5)
     control.arrive(now_s, _impatient_sheddable("patient"))
-    for index in range(20):  # 2 s of work ahead of it, 2.65 s left to start
+    for index in range(15):  # 1.5 s of work ahead of it at 10/s (1.8 s at what they leave), 2.65 s left
         control.arrive(now_s + 0.2, _facts(tier="critical", tenant=f"c{index}"))
     assert control.dispatch(now_s + 0.35, "big").shed == ()
 
@@ -345,3 +345,22 @@ def test_request_behind_its_tiers_backlog_is_refused_before_its_deadline() -> No
     assert dispatched >= 38  # 4 s of service at 10 requests/s, less what was in flight
     assert len([at_s for at_s in early if at_s < 1.0]) >= 15  # most are known within the first second
     assert len(at_deadline) + len([at_s for at_s in early if at_s >= 1.0]) <= 2  # the odd one at the margin
+
+
+def test_lower_tier_is_refused_at_once_when_better_tiers_take_the_capacity() -> None:
+    # critical traffic keeps queueing at nearly the whole service rate: a standard request with
+    # only a little work ahead still cannot start in time, and is told so now, not at its deadline
+    control = _control(max_queued=1000)
+    now_s = _saturate(control, backlog=5)  # 10 requests/s measured, nothing left queued
+    served_s = now_s
+    for step in range(1, 301):  # 30 s of critical arrivals at 9.5/s (3 time constants), each served in turn
+        now_s = round(now_s + 1 / 9.5, 6)
+        assert control.arrive(now_s, _facts(tier="critical", tenant=f"c{step}")).outcome is ArrivalOutcome.QUEUED
+        if now_s - served_s >= 0.1:
+            control.dispatch(now_s, "big")
+            served_s = now_s
+    for index in range(5):  # a little standard work queued: 0.5 s at the whole rate
+        control.arrive(now_s, _facts(tier="standard", tenant=f"s{index}"))
+    arrival = control.arrive(now_s, _facts(tier="standard", tenant="late"))
+    assert arrival.outcome is ArrivalOutcome.PRESET_REPLY
+    assert arrival.prediction.misses_deadline

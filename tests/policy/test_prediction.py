@@ -82,3 +82,16 @@ def test_a_queue_emptied_without_a_dispatch_ends_the_backlogged_interval() -> No
     predictor.on_queue_emptied()  # they expired or were cancelled
     predictor.on_dispatch(200 / 4.0 + 30.0, 10, queued_after=5)  # the next burst, 30 s later
     assert predictor.service_rate_per_s == pytest.approx(4.0)
+
+
+def test_better_tiers_arrivals_slow_a_lower_tiers_queue() -> None:
+    predictor = WaitPredictor(WorkUnit.REQUESTS, time_constant_s=5.0)
+    for step in range(1, 200):  # a backlog served at 10 requests/s
+        predictor.on_dispatch(step * 0.1, 100, queued_after=5)
+    for step in range(160):  # the best tier queues 8 requests/s meanwhile (4 time constants)
+        predictor.on_queued(step / 8, 0, 100)
+    now_s = 159 / 8
+    assert predictor.predict(now_s, QueueAhead(10, 1000), now_s + 4.0, rank=0).predicted_wait_s < 1.5
+    slowed = predictor.predict(now_s, QueueAhead(10, 1000), now_s + 4.0, rank=1)
+    assert slowed.misses_deadline  # 10 requests at the ~2/s the best tier leaves: about 5 s
+    assert 3.0 < slowed.predicted_wait_s < 8.0

@@ -254,10 +254,12 @@ class OverloadControl:
         """Requests past their deadline, and, every `HOPELESS_CHECK_S`, those that can no longer start
         by it (`FairPriorityQueue.shed_hopeless`): a refusal known now is answered now."""
         expired = policies.queue.expire(now_s)
-        rate_per_s = policies.predictor.service_rate_per_s
-        if rate_per_s and len(policies.queue) and now_s - policies.hopeless_checked_s >= self.HOPELESS_CHECK_S:
+        predictor = policies.predictor
+        if (predictor.service_rate_per_s and len(policies.queue)
+                and now_s - policies.hopeless_checked_s >= self.HOPELESS_CHECK_S):
             policies.hopeless_checked_s = now_s
-            expired += policies.queue.shed_hopeless(now_s, rate_per_s, policies.predictor.unit is WorkUnit.TOKENS)
+            expired += policies.queue.shed_hopeless(now_s, lambda rank: predictor.rate_left_per_s(now_s, rank),
+                                                    predictor.unit is WorkUnit.TOKENS)
         if expired and not len(policies.queue):
             policies.predictor.on_queue_emptied()
         return expired
@@ -287,7 +289,7 @@ class OverloadControl:
                  facts: RequestFacts | None = None) -> WaitPrediction:
         ahead = (policies.queue.work_ahead(tier.name) if facts is None else
                  policies.queue.work_ahead(tier.name, facts.tenant, facts.prompt_tokens + facts.max_tokens))
-        return policies.predictor.predict(now_s, ahead, deadline_s)
+        return policies.predictor.predict(now_s, ahead, deadline_s, tier.rank)
 
     def _fallback(self, policies: PoolPolicies) -> PoolPolicies | None:
         name = policies.ladder.config.fallback_pool
@@ -299,6 +301,8 @@ class OverloadControl:
         decision = policies.queue.enqueue(now_s, request_id=facts.request_id, tenant=facts.tenant, tier=tier.name,
                                           prompt_tokens=facts.prompt_tokens, expected_output_tokens=expected,
                                           timeout_s=wait_budget_s)
+        if decision.queued:
+            policies.predictor.on_queued(now_s, tier.rank, facts.prompt_tokens + expected)
         for item in decision.shed:
             moved_to = self._move_to_fallback(now_s, policies, item, shed)
             if moved_to is None:

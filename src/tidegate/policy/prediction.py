@@ -9,6 +9,13 @@ The service rate is an exponentially weighted moving average over time (time con
 `time_constant_s`) of the work dispatched per second, sampled only over intervals when requests
 were waiting: when the queue is empty, dispatch follows arrivals and says nothing of capacity.
 Work is counted in requests or in tokens (prompt + expected output), as configured.
+
+Strict priority: a request of a lower tier is served only with what the better tiers leave, and
+their requests still to come go ahead of it too. So its queue drains at the service rate less the
+better tiers' arrival rate (queued work, averaged like the service rate), not at the whole service
+rate; with critical traffic taking nearly all capacity, a standard request's wait was predicted
+short, it queued, and it was refused only at its deadline
+(`test_lower_tier_is_refused_at_once_when_better_tiers_take_the_capacity`).
 """
 
 from __future__ import annotations
@@ -61,6 +68,9 @@ class WaitPredictor:
         self._last_dispatch_s: float | None = None
         self._backlogged = False  # requests were still waiting after the last dispatch
         self._same_instant_work = 0.0  # work dispatched at the last dispatch's instant, not yet sampled
+        # tier rank -> (queued work per second, decayed to `_arrivals_at_s`)
+        self._arrival_rate_per_s: dict[int, float] = {}
+        self._arrivals_at_s = 0.0
 
     @property
     def service_rate_per_s(self) -> float | None:
@@ -90,6 +100,24 @@ class WaitPredictor:
         self._last_dispatch_s = now_s
         self._backlogged = queued_after > 0
 
+    def on_queued(self, now_s: float, rank: int, request_tokens: int) -> None:
+        """Call when a request of the tier of `rank` joins the queue (its arrival rate ahead of worse tiers)."""
+        decay = self._decay(now_s)
+        for other in self._arrival_rate_per_s:
+            self._arrival_rate_per_s[other] *= decay
+        self._arrivals_at_s = max(self._arrivals_at_s, now_s)
+        work = 1.0 if self.unit is WorkUnit.REQUESTS else float(request_tokens)
+        # an impulse of `work` spread over the time constant: the average's units are work per second
+        self._arrival_rate_per_s[rank] = self._arrival_rate_per_s.get(rank, 0.0) + work / self._time_constant_s
+
+    def arrival_rate_above(self, now_s: float, rank: int) -> float:
+        """Work per second recently queued by tiers better than `rank` (a query: changes nothing)."""
+        total = sum(rate for other, rate in self._arrival_rate_per_s.items() if other < rank)
+        return total * self._decay(now_s)
+
+    def _decay(self, now_s: float) -> float:
+        return math.exp(-max(0.0, now_s - self._arrivals_at_s) / self._time_constant_s)
+
     def on_queue_emptied(self) -> None:
         """Call when the queue empties other than by a dispatch (expiry, cancellation, shedding).
 
@@ -100,8 +128,9 @@ class WaitPredictor:
         self._backlogged = False
         self._same_instant_work = 0.0
 
-    def predict(self, now_s: float, ahead: QueueAhead, deadline_s: float) -> WaitPrediction:
-        """The wait of a request that would queue behind `ahead` and must start by `deadline_s`."""
+    def predict(self, now_s: float, ahead: QueueAhead, deadline_s: float, rank: int = 0) -> WaitPrediction:
+        """The wait of a request of the tier of `rank` that would queue behind `ahead` and must start
+        by `deadline_s`."""
         budget_s = deadline_s - now_s
         work_ahead = float(ahead.requests if self.unit is WorkUnit.REQUESTS else ahead.tokens)
         if ahead.requests == 0:
@@ -109,10 +138,19 @@ class WaitPredictor:
         elif self._rate_per_s is None or self._rate_per_s <= 0:
             return WaitPrediction(PredictionOutcome.NO_ESTIMATE, None, 0.0, None)
         else:
-            wait_s = work_ahead / self._rate_per_s
+            left_per_s = self.rate_left_per_s(now_s, rank)
+            wait_s = work_ahead / left_per_s if left_per_s > 0 else math.inf
         pressure = wait_s / budget_s if budget_s > 0 else math.inf
         if wait_s < budget_s:
             return WaitPrediction(PredictionOutcome.MEETS_DEADLINE, wait_s, pressure, None)
         # Retrying is worth it once the queue ahead has drained by the excess (absent new arrivals).
-        retry_after_s = max(self._min_retry_after_s, wait_s - max(0.0, budget_s))
+        excess_s = wait_s - max(0.0, budget_s) if math.isfinite(wait_s) else work_ahead / (self._rate_per_s or 1.0)
+        retry_after_s = max(self._min_retry_after_s, excess_s)
         return WaitPrediction(PredictionOutcome.MISSES_DEADLINE, wait_s, pressure, retry_after_s)
+
+    def rate_left_per_s(self, now_s: float, rank: int) -> float:
+        """The service rate left to the tier of `rank` and worse tiers: the measured rate less what the
+        better tiers keep queueing; 0 when none is measured or nothing is left (a query)."""
+        if self._rate_per_s is None:
+            return 0.0
+        return max(0.0, self._rate_per_s - self.arrival_rate_above(now_s, rank))

@@ -29,7 +29,7 @@ import heapq
 import itertools
 import math
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -317,9 +317,11 @@ class FairPriorityQueue:
                 expired.append(ShedRequest(request, ShedReason.DEADLINE))
         return tuple(expired)
 
-    def shed_hopeless(self, now_s: float, rate_per_s: float, in_tokens: bool) -> tuple[ShedRequest, ...]:
-        """Removes and returns the requests predicted to start only after their deadline, the queue
-        drained at `rate_per_s` (tokens, or requests when not `in_tokens`, per second).
+    def shed_hopeless(self, now_s: float, rate_left_per_s: Callable[[int], float],
+                      in_tokens: bool) -> tuple[ShedRequest, ...]:
+        """Removes and returns the requests predicted to start only after their deadline, each tier's
+        queue drained at `rate_left_per_s(rank)` (tokens, or requests when not `in_tokens`, per
+        second: the service rate the better tiers leave it; see `prediction`).
 
         The work predicted ahead of a queued request is what VTC would serve first if every tenant's
         service counter started level: its own tenant's earlier requests of its tier; from every
@@ -336,6 +338,7 @@ class FairPriorityQueue:
         better_offset_s = 0.0  # the largest aging offset among better tiers with queued work
         for queue in self._queues.values():  # best rank first
             offset_s = queue.spec.aging_offset_s
+            rate_per_s = rate_left_per_s(queue.spec.rank) if queue.arrivals else 0.0
             totals = _TenantTotals(queue, in_tokens)
             own_before: dict[str, tuple[int, float]] = {}  # tenant -> (its requests, their work) so far
             turn_work: list[float] = []  # turn k -> work of the k-th requests of tenants seen so far
@@ -347,7 +350,8 @@ class FairPriorityQueue:
                 same_turn = turn_work[turn] if turn < len(turn_work) else 0.0
                 ahead = totals.capped_sum(before) + same_turn
                 overtakes = offset_s is not None and request.enqueued_at_s + offset_s < now_s + better_offset_s
-                ahead_s = (ahead + (0.0 if overtakes else better_work)) / rate_per_s
+                ahead += 0.0 if overtakes else better_work
+                ahead_s = 0.0 if ahead <= 0 else (ahead / rate_per_s if rate_per_s > 0 else math.inf)
                 if ahead_s > request.deadline_s - now_s:
                     shed.append(ShedRequest(self._remove(queue, seq), ShedReason.HOPELESS))
                     totals = _TenantTotals(queue, in_tokens)  # rare: recount without it
