@@ -95,3 +95,13 @@ def test_better_tiers_arrivals_slow_a_lower_tiers_queue() -> None:
     slowed = predictor.predict(now_s, QueueAhead(10, 1000), now_s + 4.0, rank=1)
     assert slowed.misses_deadline  # 10 requests at the ~2/s the best tier leaves: about 5 s
     assert 3.0 < slowed.predicted_wait_s < 8.0
+
+
+def test_first_rate_is_not_taken_from_one_short_interval() -> None:
+    predictor = WaitPredictor(WorkUnit.TOKENS, time_constant_s=10.0)
+    predictor.on_dispatch(0.0, 96, queued_after=3)
+    predictor.on_dispatch(0.0007, 96, queued_after=3)  # two slots freed a moment apart
+    assert predictor.service_rate_per_s is None  # not 137,000 tokens/s
+    for step in range(1, 12):  # then one 96-token request every 0.1 s
+        predictor.on_dispatch(0.0007 + step * 0.1, 96, queued_after=3)
+    assert 800 < predictor.service_rate_per_s < 1100

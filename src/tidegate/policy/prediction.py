@@ -65,6 +65,9 @@ class WaitPredictor:
         self._time_constant_s = time_constant_s
         self._min_retry_after_s = min_retry_after_s
         self._rate_per_s: float | None = None
+        self._first_window_s = time_constant_s / 10.0
+        self._first_work = 0.0  # backlogged work and time gathered for the first estimate
+        self._first_elapsed_s = 0.0
         self._last_dispatch_s: float | None = None
         self._backlogged = False  # requests were still waiting after the last dispatch
         self._same_instant_work = 0.0  # work dispatched at the last dispatch's instant, not yet sampled
@@ -91,7 +94,14 @@ class WaitPredictor:
             sample_per_s = (work + self._same_instant_work) / elapsed_s
             self._same_instant_work = 0.0
             if self._rate_per_s is None:
-                self._rate_per_s = sample_per_s
+                # the first estimate waits for `first_window_s` of backlogged dispatches: taken from one
+                # interval, two dispatches 0.7 ms apart read as 145,000 tokens/s, and every prediction
+                # said "no wait" for the next minute while requests queued to their deadlines
+                # (`test_first_rate_is_not_taken_from_one_short_interval`)
+                self._first_work += sample_per_s * elapsed_s
+                self._first_elapsed_s += elapsed_s
+                if self._first_elapsed_s >= self._first_window_s:
+                    self._rate_per_s = self._first_work / self._first_elapsed_s
             else:
                 # continuous-time EWMA of throughput: the interval's weight grows with its length
                 weight = 1.0 - math.exp(-elapsed_s / self._time_constant_s)
