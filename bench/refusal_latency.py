@@ -4,7 +4,7 @@
 
 Starts `tidegate serve` over an embedded pool of two `tiny-random-llama` workers (one thread each)
 with three tenants, one per tier (critical 20 %, standard 40 %, sheddable 40 % of requests),
-measures the pool's capacity with a closed loop, then offers `--overload` x that rate as a Poisson
+measures the pool's capacity with a closed loop (once, on the first code run), then offers `--overload` x that rate as a Poisson
 stream of non-streamed chat requests (64-token prompts, 16 tokens) for `--seconds`. Prints, per
 tier: requests, served, refused, the refusals' latency p50/p99, and how many refusals came only
 after 1 s or more (a refusal known early should come at once). With `--src-before DIR`, the same run
@@ -154,10 +154,12 @@ def main() -> int:
     variants = [("this code", None)]
     if args.src_before:
         variants.insert(0, ("before", str(Path(args.src_before) / "src")))
+    rate: float | None = None  # measured once, on the first variant, so that both get the same load
     for label, src in variants:
         process, port = start_gateway(workdir, src)
         try:
-            rate = asyncio.run(capacity(port))
+            if rate is None:
+                rate = asyncio.run(capacity(port))
             print(f"[{label}] capacity {rate:.1f} req/s; offering {args.overload:.0f}x = {args.overload * rate:.1f} "
                   f"req/s for {args.seconds:.0f} s")
             results = asyncio.run(overload(port, args.overload * rate, args.seconds, args.seed))
