@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,25 +23,10 @@ from pathlib import Path
 
 import aiohttp
 
+from gateway_overhead import free_port, wait_ok  # bench/ is the script's directory
+
 WINDOW_S = 5.0
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ok(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -17,36 +17,19 @@ import argparse
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
 
+from gateway_overhead import free_port, wait_ok  # bench/ is the script's directory
+
 TIERS = {"critical": 0.2, "standard": 0.4, "sheddable": 0.4}
 PROMPT = "word " * 60
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ok(url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(url)
 
 
 def start_gateway(workdir: Path, src: str | None) -> tuple[subprocess.Popen, int]:

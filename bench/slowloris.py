@@ -22,7 +22,6 @@ import json
 import os
 import resource
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -32,6 +31,8 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+
+from gateway_overhead import free_port, wait_ok  # bench/ is the script's directory
 
 ROOT = Path(__file__).resolve().parents[1]
 LATENCY_CLIENTS = 4
@@ -43,23 +44,6 @@ CHAT_REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nhost: bench\r\ncontent-t
                 b"content-length: %d\r\n\r\n%b" % (len(CHAT), CHAT))
 HEALTH_REQUEST = b"GET /health HTTP/1.1\r\nhost: bench\r\n\r\n"
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ok(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
 
 
 def open_fds(pid: int) -> int:
