@@ -41,8 +41,3 @@ class RetryBudget:
             return False
         self._tokens -= 1.0
         return True
-
-    def available(self, now_s: float) -> float:
-        """Retries the budget would allow now (a query: changes nothing)."""
-        elapsed_s = max(0.0, now_s - self._refilled_s)
-        return min(self.policy.burst, self._tokens + elapsed_s * self.policy.min_per_s)
