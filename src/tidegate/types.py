@@ -9,7 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-__all__ = ["ReplicaHealth", "ReplicaLoad"]
+__all__ = ["ReplicaHealth", "ReplicaLoad", "ArrivalVerdict", "PoolRequest", "Refusal", "ArrivalDecision", "QUEUED",
+           "Assignment", "Dispatch"]
 
 
 class ReplicaHealth(Enum):
@@ -25,3 +26,56 @@ class ReplicaLoad:
     running_sequences: int = 0
     waiting_sequences: int = 0
     kv_cache_usage: float = 0.0  # fraction 0-1 of KV-cache capacity in use
+
+
+# ---- the pool controller's contract (policy.pool): typed events in, typed decisions out ----------
+
+
+class ArrivalVerdict(Enum):
+    QUEUED = "queued"  # held by the controller until `on_capacity` assigns or refuses it
+    REFUSED = "refused"  # answered at once (429/503 in the live body)
+
+
+@dataclass(frozen=True, slots=True)
+class PoolRequest:
+    """What a pool's controller knows of one request."""
+
+    request_id: int | str
+    arrival_s: float
+    tenant: str
+    tier: str
+    prompt_tokens: int
+    max_output_tokens: int  # the client's max_tokens (or the default): a budget, not a prediction
+    timeout_s: float | None = None  # the client's own deadline, if shorter than its tier's wait
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    request_id: int | str
+    reason: str  # e.g. "queue_wait", "queue_full", "predicted_miss", "displaced", "no_replica"
+    retry_after_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalDecision:
+    verdict: ArrivalVerdict
+    reason: str | None = None  # why it was refused
+    retry_after_s: float | None = None
+    displaced: tuple[Refusal, ...] = ()  # queued requests of worse tiers it pushed out: answer them
+
+
+QUEUED = ArrivalDecision(ArrivalVerdict.QUEUED)
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    request_id: int | str
+    replica_id: str
+    priority: int = 0  # the engine's scheduling level (lower first), for engines that order by it
+
+
+@dataclass(frozen=True, slots=True)
+class Dispatch:
+    assignments: tuple[Assignment, ...] = ()
+    refusals: tuple[Refusal, ...] = ()  # queued requests given up now
+    wake_at_s: float | None = None  # later than now_s: call `on_capacity` then even if nothing happens

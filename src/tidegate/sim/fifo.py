@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState
 from tidegate.policy.routing import pick_replica
 from tidegate.policy.tiers import TierTable
-from tidegate.sim.seam import QUEUED, ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, Refusal, SimRequest
-from tidegate.types import ReplicaHealth, ReplicaLoad
+from tidegate.types import (QUEUED, ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, Refusal,
+                            ReplicaHealth, ReplicaLoad)
 
 __all__ = ["FifoDispatcher", "ReplicaView", "REFUSED_QUEUE_WAIT", "REFUSED_QUEUE_FULL", "REFUSED_UNKNOWN_TIER"]
 
@@ -57,7 +57,7 @@ class FifoDispatcher:
         self._views = [ReplicaView(replica_id, slot_limit) for replica_id in replica_ids]
         self._by_id = {view.replica_id: view for view in self._views}
         # one deque per tier: within a tier deadlines rise with arrival, so expiry looks at heads only
-        self._queues: dict[str, deque[SimRequest]] = {tier.name: deque() for tier in tiers}
+        self._queues: dict[str, deque[PoolRequest]] = {tier.name: deque() for tier in tiers}
         self._sent: dict[int, _Sent] = {}
         self._cursor = 0
 
@@ -73,7 +73,7 @@ class FifoDispatcher:
         return sum(len(queue) for queue in self._queues.values())
 
     # events
-    def on_arrival(self, now_s: float, request: SimRequest) -> ArrivalDecision:
+    def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision:
         if request.tier not in self.tiers:
             return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_UNKNOWN_TIER)
         queue = self._queues[request.tier]
@@ -120,7 +120,7 @@ class FifoDispatcher:
                                                may_eject=self._may_eject(now_s))
 
     # internals
-    def _oldest(self) -> SimRequest | None:
+    def _oldest(self) -> PoolRequest | None:
         heads = [queue[0] for queue in self._queues.values() if queue]
         return min(heads, key=lambda r: (r.arrival_s, r.request_id)) if heads else None
 

@@ -19,7 +19,7 @@ from tidegate.sim.loop import EventHandle, EventLoop
 from tidegate.sim.replica import ModelledReplica, ReplicaSpec
 from tidegate.sim.seam import ArrivalVerdict, Dispatch, Dispatcher, SimRequest
 
-__all__ = ["TrafficClass", "KillReplica", "SlowReplica", "ScenarioEvent", "RequestRecord", "ReplicaStats", "RunResult",
+__all__ = ["TrafficClass", "ClosedLoopClients", "KillReplica", "SlowReplica", "ScenarioEvent", "RequestRecord", "ReplicaStats", "RunResult",
            "Harness", "make_requests", "requests_from_trace"]
 
 
@@ -30,6 +30,21 @@ class TrafficClass:
     share: float  # relative weight among the classes of a scenario
     prompt_tokens: LengthDistribution
     output_tokens: LengthDistribution
+
+
+@dataclass(frozen=True, slots=True)
+class ClosedLoopClients:
+    """`clients` clients that each keep one request in flight from `start_s` until `stop_s`: a new
+    one `think_s` after an answer, or `resend_s` after a refusal or failure (a retry storm: clients
+    that resend at once, as benchmark tools and naive SDK loops do, whatever Retry-After says)."""
+
+    clients: int
+    traffic: TrafficClass
+    start_s: float
+    stop_s: float
+    resend_s: float = 0.02  # a refusal's round trip: the resend cannot come sooner
+    think_s: float = 0.0
+    seed: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,6 +104,15 @@ class RunResult:
     records: tuple[RequestRecord, ...]  # by request id
     replicas: tuple[ReplicaStats, ...]  # in the order given
     end_s: float  # virtual time when the run stopped
+    busy_probes: tuple[tuple[float, tuple[float, ...]], ...] = ()  # (time, each replica's busy_s so far)
+
+    def busy_fraction(self, start_s: float, end_s: float) -> float:
+        """Mean busy fraction of the replicas between two probe times (of those alive at `end_s`)."""
+        probes = dict(self.busy_probes)
+        alive = [i for i, stats in enumerate(self.replicas) if stats.alive]
+        if not alive or end_s <= start_s:
+            return 0.0
+        return sum(probes[end_s][i] - probes[start_s][i] for i in alive) / (len(alive) * (end_s - start_s))
 
 
 def make_requests(arrivals: ArrivalProcess, duration_s: float, classes: Sequence[TrafficClass],
@@ -133,17 +157,29 @@ class Harness:
         self._requests: dict[int, SimRequest] = {}
         self._capacity_pending = False
         self._wake: EventHandle | None = None
+        self._clients: ClosedLoopClients | None = None
+        self._client_rng = np.random.default_rng(0)
+        self._client_ids: set[int] = set()
+        self._next_id = 0
+        self._probes: list[tuple[float, tuple[float, ...]]] = []
 
     def run(self, requests: Iterable[SimRequest], events: Iterable[ScenarioEvent] = (),
-            until_s: float | None = None) -> RunResult:
-        """Until every request is settled (or until `until_s`, leaving the rest unsettled)."""
+            until_s: float | None = None, clients: ClosedLoopClients | None = None,
+            probes_s: Iterable[float] = ()) -> RunResult:
+        """Until every request is settled (or until `until_s`, leaving the rest unsettled).
+        `probes_s`: times at which each replica's busy time so far is recorded."""
         for request in requests:
-            if request.request_id in self._requests:
-                raise ValueError(f"duplicate request id {request.request_id}")
-            self._requests[request.request_id] = request
-            self.loop.call_at(request.arrival_s, self._arrive, request)
+            self._schedule(request)
         for event in events:
             self.loop.call_at(event.at_s, self._apply, event)
+        for probe_s in probes_s:
+            self.loop.call_at(probe_s, self._probe)
+        if clients is not None:
+            self._clients = clients
+            self._client_rng = np.random.default_rng(clients.seed)
+            self._next_id = max(self._requests, default=-1) + 1
+            for _ in range(clients.clients):
+                self.loop.call_at(clients.start_s, self._client_send)
         if until_s is None:
             self.loop.run()
         else:
@@ -151,7 +187,35 @@ class Harness:
         end_s = self.loop.now_s
         stats = tuple(ReplicaStats(r.replica_id, r.busy_s_at(end_s), r.steps, r.generated_tokens, r.preemptions,
                                    r.alive) for r in self.replicas.values())
-        return RunResult(tuple(self._records[i] for i in sorted(self._records)), stats, end_s)
+        return RunResult(tuple(self._records[i] for i in sorted(self._records)), stats, end_s, tuple(self._probes))
+
+    # closed-loop clients: each settled request of theirs sends the next
+    def _schedule(self, request: SimRequest) -> None:
+        if request.request_id in self._requests:
+            raise ValueError(f"duplicate request id {request.request_id}")
+        self._requests[request.request_id] = request
+        self.loop.call_at(request.arrival_s, self._arrive, request)
+
+    def _client_send(self) -> None:
+        clients, now_s = self._clients, self.loop.now_s
+        if clients is None or now_s >= clients.stop_s:
+            return
+        traffic, rng = clients.traffic, self._client_rng
+        request = SimRequest(self._next_id, now_s, traffic.tenant, traffic.tier,
+                             int(traffic.prompt_tokens.sample(rng, 1)[0]), int(traffic.output_tokens.sample(rng, 1)[0]))
+        self._next_id += 1
+        self._client_ids.add(request.request_id)
+        self._schedule(request)
+
+    def _settled(self, request_id: int, answered: bool) -> None:
+        if request_id in self._client_ids:
+            self._client_ids.discard(request_id)
+            assert self._clients is not None
+            self.loop.call_later(self._clients.think_s if answered else self._clients.resend_s, self._client_send)
+
+    def _probe(self) -> None:
+        now_s = self.loop.now_s
+        self._probes.append((now_s, tuple(r.busy_s_at(now_s) for r in self.replicas.values())))
 
     # ReplicaListener: a replica reports; the dispatcher hears it, then may fill the freed slot
     def on_first_token(self, now_s: float, replica_id: str, request_id: int) -> None:
@@ -161,11 +225,13 @@ class Harness:
     def on_finish(self, now_s: float, replica_id: str, request_id: int) -> None:
         self._update(request_id, finish_s=now_s)
         self.dispatcher.on_finish(now_s, request_id)
+        self._settled(request_id, answered=True)
         self._need_capacity()
 
     def on_failure(self, now_s: float, replica_id: str, request_id: int, reason: str) -> None:
         self._update(request_id, failed_s=now_s, failure_reason=reason)
         self.dispatcher.on_failure(now_s, request_id, reason)
+        self._settled(request_id, answered=False)
         self._need_capacity()
 
     # internals
@@ -173,9 +239,13 @@ class Harness:
         now_s = self.loop.now_s
         self._records[request.request_id] = RequestRecord(
             request.request_id, request.tenant, request.tier, request.prompt_tokens, request.output_tokens, now_s)
-        decision = self.dispatcher.on_arrival(now_s, request)
+        decision = self.dispatcher.on_arrival(now_s, request.as_pool_request())
+        for refusal in decision.displaced:
+            self._update(int(refusal.request_id), refused_s=now_s, refused_reason=refusal.reason)
+            self._settled(int(refusal.request_id), answered=False)
         if decision.verdict is ArrivalVerdict.REFUSED:
             self._update(request.request_id, refused_s=now_s, refused_reason=decision.reason)
+            self._settled(request.request_id, answered=False)
             return
         self._need_capacity()
 
@@ -200,9 +270,10 @@ class Harness:
 
     def _carry_out(self, now_s: float, dispatch: Dispatch) -> None:
         for refusal in dispatch.refusals:
-            self._update(refusal.request_id, refused_s=now_s, refused_reason=refusal.reason)
+            self._update(int(refusal.request_id), refused_s=now_s, refused_reason=refusal.reason)
+            self._settled(int(refusal.request_id), answered=False)
         for assignment in dispatch.assignments:
-            request = self._requests[assignment.request_id]
+            request = self._requests[int(assignment.request_id)]
             self._update(request.request_id, dispatch_s=now_s, replica_id=assignment.replica_id)
             self.replicas[assignment.replica_id].submit(request.request_id, request.prompt_tokens,
                                                         request.output_tokens, assignment.priority)

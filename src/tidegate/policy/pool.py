@@ -1,0 +1,433 @@
+"""One model pool's whole dispatch decision: queue, protection, work budget, routing, engine priority.
+
+Typed events in (`on_arrival`, `on_capacity`, `on_first_token`, `on_finish`, `on_failure`,
+`on_cancel`, `on_replica_health`), typed decisions out (`ArrivalDecision`, `Dispatch` of
+`Assignment`s and `Refusal`s); time comes in as an argument. Queries change nothing. The live
+gateway and the simulator are its two bodies.
+
+The mechanism, rule by rule (each names the scenario of `tidegate.sim.scenarios` that fails
+without it; a rule no scenario needs does not belong here):
+
+1. Late binding, strict priority between tiers, fair share within a tier (`FairPriorityQueue`): a
+   request leaves the queue only when a replica can take it. (`critical_burst`, `noisy_tenant`)
+2. Engine levels. A request is sent with `priority = 2 * tier rank + demoted`, where demoted means
+   its tenant floods its tier (`TenantShares`). Engines that order by priority serve a level's
+   prompts before a worse level's, so "protected" is one idea for the best tier and for a tenant
+   within its share during a flood: nothing of a worse level is ahead of it in the engine.
+   (`noisy_tenant`, `critical_burst`)
+3. Work budget, in the unit that sets TTFT. Each replica's prefill tokens sent and not yet
+   answered by a first token are counted by level; its engine time to first token is fitted as a
+   line over those tokens (`ttft_model`). A request may go to a replica only if the work its
+   engine will prefill before it (its level and better on an engine ordering by priority; all of
+   it otherwise), plus its own, is predicted to start within `engine_share` of its tier's TTFT
+   target. On an engine that ignores priority a request also delays every tier that arrives after
+   it, so the target is the tightest among tiers active lately. (`burst_after_idle`,
+   `slowed_replica`, `goodput_4x`)
+4. Work conservation: a replica with nothing of that level (or, on an engine ignoring priority,
+   nothing at all) waiting for prefill always takes the next request, whatever the budget. The
+   budget only shortens the engine's queue; it never idles the engine. (`cold_start`,
+   `retry_storm`)
+5. Slots by level: a replica holds at most `max_requests` requests of a level and better, and at
+   most `max_requests + headroom` in all (its engine's batch). Engines do not preempt a running
+   request for a better one, so without the headroom a critical request waits for a sheddable one
+   to finish; with it, it starts at once, and nothing is kept idle for it. (`critical_burst`,
+   `noisy_tenant`)
+6. Deadlines: a queued request waits at most its tier's `max_queue_wait_s`, its client's timeout,
+   or until its TTFT target less the replicas' fitted engine time for it; one the predicted
+   service rate cannot start by then is refused at once, on arrival. (`refusal_latency`) Searching
+   the queue for such requests while they wait (`FairPriorityQueue.shed_hopeless`) refused ones
+   that a burst's end let through: 20 fewer served in time than FIFO in `critical_burst`; removed.
+7. Routing among replicas that fit: the least predicted engine TTFT; routable (health, breaker);
+   a retried request never returns to the replica that failed it. (`replica_killed`)
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, is_routable
+from tidegate.policy.prediction import WaitPredictor, WorkUnit
+from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReason
+from tidegate.policy.shares import TenantShares
+from tidegate.policy.tiers import TierSpec, TierTable
+from tidegate.policy.ttft_model import TtftFit, TtftModel
+from tidegate.types import (QUEUED, ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, Refusal,
+                            ReplicaHealth, ReplicaLoad)
+
+__all__ = ["ServiceClass", "PoolReplica", "PoolSettings", "ReplicaSnapshot", "PoolSnapshot", "PoolController",
+           "REFUSED_UNKNOWN_TIER", "REFUSED_NO_REPLICA", "REFUSED_PREDICTED_MISS"]
+
+REFUSED_UNKNOWN_TIER = "unknown_tier"
+REFUSED_NO_REPLICA = "no_replica"
+REFUSED_PREDICTED_MISS = "predicted_miss"
+
+
+class ServiceClass(Enum):
+    REGULAR = "regular"  # its tier's level
+    DEMOTED = "demoted"  # its tenant floods its tier: one level below the tier's other tenants
+
+
+@dataclass(frozen=True, slots=True)
+class PoolReplica:
+    """A replica as the controller is configured with it."""
+
+    replica_id: str
+    max_requests: int = 64  # requests of one engine level and better it holds at once (the backend's slot_limit)
+    # more requests its engine can run at once: only a level's requests past `max_requests` of worse
+    # levels may take them (rule 5), so a better request never waits for a worse one to finish
+    headroom: int = 0
+    orders_by_priority: bool = True  # its engine schedules by the `priority` it is sent
+
+    def __post_init__(self) -> None:
+        if self.max_requests < 1 or self.headroom < 0:
+            raise ValueError("max_requests >= 1 and headroom >= 0 needed")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSettings:
+    # the share of a tier's TTFT target the engine's own queue may take; the rest is the gateway
+    # queue's, where priority, fairness and early refusal still apply (docs/overload-knobs.md)
+    engine_share: float = 0.5
+    max_queued: int = 10_000
+    min_wait_share: float = 0.25  # a request may always wait this share of its tier's max_queue_wait_s
+    ttft_memory_samples: float = 16.0  # first tokens the fitted TTFT line remembers
+    breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.engine_share <= 1 or self.max_queued < 1 or not 0 <= self.min_wait_share <= 1:
+            raise ValueError("engine_share in (0, 1], max_queued >= 1, min_wait_share in [0, 1]")
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSnapshot:
+    replica_id: str
+    routable: bool
+    breaker: BreakerState
+    requests: int  # held now
+    prefill_tokens: tuple[int, ...]  # by engine level: sent and not yet answered by a first token
+    fit: TtftFit | None
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    queued: int
+    retries_waiting: int
+    replicas: tuple[ReplicaSnapshot, ...]
+
+
+@dataclass(slots=True)
+class _Sent:
+    request: QueuedRequest
+    replica_id: str
+    level: int
+    sent_s: float
+    tokens_ahead: int  # prefill tokens its engine had to do before its first token, own included
+    prefilling: bool = True  # no first token yet
+
+
+@dataclass(slots=True)
+class _Replica:
+    config: PoolReplica
+    levels: int
+    model: TtftModel
+    health: ReplicaHealth = ReplicaHealth.HEALTHY
+    breaker: Breaker = field(default_factory=Breaker)
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    requests: int = 0
+    prefill: list[int] = field(default_factory=list)  # by level
+    held: list[int] = field(default_factory=list)  # requests by level
+
+    def __post_init__(self) -> None:
+        self.prefill = [0] * self.levels
+        self.held = [0] * self.levels
+
+    def has_slot(self, level: int) -> bool:
+        """Rule 5: under `max_requests` at this level and better, and under the engine's batch."""
+        config = self.config
+        return (self.requests < config.max_requests + config.headroom
+                and sum(self.held[: level + 1]) < config.max_requests)
+
+    def ahead(self, level: int) -> int:
+        """Prefill tokens the engine does before a newcomer of `level` (its level's included)."""
+        return sum(self.prefill[: level + 1]) if self.config.orders_by_priority else sum(self.prefill)
+
+
+class PoolController:
+    def __init__(self, replicas: Sequence[PoolReplica], tiers: TierTable, settings: PoolSettings = PoolSettings(),
+                 *, shares: TenantShares | None = None, tenant_weights: Mapping[str, float] | None = None) -> None:
+        if len({r.replica_id for r in replicas}) != len(replicas):
+            raise ValueError("replica ids must be unique")
+        self.tiers = tiers
+        self.settings = settings
+        self._levels = 2 * (max(t.rank for t in tiers) + 1)
+        self._replicas = {r.replica_id: _Replica(r, self._levels, TtftModel(settings.ttft_memory_samples))
+                          for r in replicas}
+        self._order = list(self._replicas.values())
+        self._queue = FairPriorityQueue(tiers, max_queued=settings.max_queued, tenant_weights=tenant_weights)
+        self._predictor = WaitPredictor(WorkUnit.TOKENS)
+        self._shares = shares
+        self._sent: dict[int | str, _Sent] = {}
+        self._retries: deque[tuple[QueuedRequest, frozenset[str]]] = deque()  # go first, in order
+        self._refusals: list[Refusal] = []  # decided by an event, handed out by the next `on_capacity`
+        self._last_arrival_s: dict[str, float] = {}
+        self._cursor = 0
+
+    # ---- queries: they change nothing ---------------------------------------------------------
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue) + len(self._retries)
+
+    def snapshot(self, now_s: float) -> PoolSnapshot:
+        return PoolSnapshot(len(self._queue), len(self._retries), tuple(
+            ReplicaSnapshot(r.config.replica_id, self._routable(r, now_s), r.breaker.current(now_s).state, r.requests,
+                            tuple(r.prefill), r.model.fit) for r in self._order))
+
+    def engine_level(self, tier: str, service: ServiceClass) -> int:
+        return 2 * self.tiers[tier].rank + (service is ServiceClass.DEMOTED)
+
+    def service_class(self, now_s: float, tier: str, tenant: str) -> ServiceClass:
+        if self._shares is not None and tenant in self._shares.over_share(now_s, tier):
+            return ServiceClass.DEMOTED
+        return ServiceClass.REGULAR
+
+    def engine_budget_s(self, now_s: float, tier: TierSpec, replica: PoolReplica) -> float:
+        """The engine time a newcomer of `tier` may be predicted to take on `replica` (rule 3)."""
+        if replica.orders_by_priority:
+            return self.settings.engine_share * tier.ttft_target_s
+        active = [t.ttft_target_s for t in self.tiers
+                  if now_s - self._last_arrival_s.get(t.name, -math.inf) <= t.ttft_target_s]
+        return self.settings.engine_share * min(active + [tier.ttft_target_s])
+
+    # ---- events -------------------------------------------------------------------------------
+
+    def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision:
+        if request.tier not in self.tiers:
+            return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_UNKNOWN_TIER)
+        if not any(self._routable(r, now_s) for r in self._order):
+            return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_NO_REPLICA)
+        tier = self.tiers[request.tier]
+        self._last_arrival_s[tier.name] = now_s
+        tokens = request.prompt_tokens + request.max_output_tokens
+        if self._shares is not None:  # demand counts whether or not it is served
+            self._shares.on_arrival(now_s, tier.name, request.tenant, tokens)
+        self._expire(now_s)
+        wait_s = self._wait_budget_s(tier, request)
+        ahead = self._queue.work_ahead(tier.name, request.tenant, tokens)
+        prediction = self._predictor.predict(now_s, ahead, now_s + wait_s, tier.rank)
+        if prediction.misses_deadline:
+            return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_PREDICTED_MISS, prediction.retry_after_s)
+        decision = self._queue.enqueue(now_s, request_id=request.request_id, tenant=request.tenant,  # type: ignore[arg-type]
+                                       tier=tier.name, prompt_tokens=request.prompt_tokens,
+                                       expected_output_tokens=request.max_output_tokens, timeout_s=wait_s)
+        displaced = tuple(self._refusal(now_s, item.request, item.reason.value) for item in decision.shed
+                          if item.reason is ShedReason.DISPLACED)
+        self._refusals += [self._refusal(now_s, item.request, item.reason.value) for item in decision.shed
+                           if item.reason is not ShedReason.DISPLACED]
+        if not decision.queued:
+            return ArrivalDecision(ArrivalVerdict.REFUSED, decision.outcome.value, self._retry_after_s(now_s, tier),
+                                   displaced)
+        self._predictor.on_queued(now_s, tier.rank, tokens)
+        return QUEUED if not displaced else ArrivalDecision(ArrivalVerdict.QUEUED, displaced=displaced)
+
+    def on_capacity(self, now_s: float, loads: Mapping[str, ReplicaLoad] = {}) -> Dispatch:
+        """Hand what can go to the replicas that can take it; refuse what can no longer be served."""
+        for replica in self._order:
+            replica.breaker = replica.breaker.current(now_s)
+            if replica.config.replica_id in loads:
+                replica.load = loads[replica.config.replica_id]
+        self._expire(now_s)
+        if self.queued and not any(self._routable(r, now_s) for r in self._order):
+            self._refuse_all(now_s)
+        assignments: list[Assignment] = []
+        while self._retries and (assignment := self._try_assign(now_s, *self._retries[0])) is not None:
+            self._retries.popleft()
+            assignments.append(assignment)
+        skip: frozenset[str] = frozenset()
+        while not self._retries and (head := self._queue.peek(skip)) is not None:
+            assignment = self._try_assign(now_s, head, frozenset(), dequeue_skip=skip)
+            if assignment is not None:
+                assignments.append(assignment)
+                continue
+            # a flooding tenant's turn must not hold back its tier's tenants within their share:
+            # they are a level better in the engine, so they may fit where it does not
+            flooding = self._shares.over_share(now_s, head.tier) if self._shares is not None else frozenset()
+            if skip or head.tenant not in flooding:
+                break
+            skip = flooding
+        refusals, self._refusals = tuple(self._refusals), []
+        return Dispatch(tuple(assignments), refusals, self._wake_at_s(now_s))
+
+    def on_first_token(self, now_s: float, request_id: int | str) -> None:
+        sent = self._sent.get(request_id)
+        if sent is None or not sent.prefilling:
+            return
+        replica = self._replicas[sent.replica_id]
+        self._prefilled(replica, sent)
+        replica.model.observe(sent.tokens_ahead, max(0.0, now_s - sent.sent_s))
+
+    def on_finish(self, now_s: float, request_id: int | str, output_tokens: int | None = None) -> None:
+        """A sent request ended well; `output_tokens`: what it really generated, if known."""
+        sent = self._end(request_id)
+        if sent is None:
+            return
+        replica = self._replicas[sent.replica_id]
+        replica.breaker = replica.breaker.on_success(now_s, sent.sent_s, self.settings.breaker)
+        self._settle(now_s, sent, output_tokens)
+
+    def on_failure(self, now_s: float, request_id: int | str, reason: str, retry: bool = False) -> None:
+        """A sent request failed at its replica. `retry`: the body will resend it if the controller
+        assigns it again (before any byte reached the client); it then goes first, to another replica."""
+        sent = self._end(request_id)
+        if sent is None:
+            return
+        replica = self._replicas[sent.replica_id]
+        replica.breaker = replica.breaker.on_failure(now_s, sent.sent_s, self.settings.breaker,
+                                                     may_eject=self._may_eject(now_s))
+        if retry:
+            self._retries.append((sent.request, frozenset({sent.replica_id})))
+        else:
+            self._settle(now_s, sent, 0)
+
+    def on_cancel(self, now_s: float, request_id: int | str) -> None:
+        """The client went away: forget a queued request, or end a sent one (its slot is free)."""
+        if self._queue.cancel(request_id) is not None:  # type: ignore[arg-type]
+            if not len(self._queue):
+                self._predictor.on_queue_emptied()
+            return
+        for index, (request, _) in enumerate(self._retries):
+            if request.request_id == request_id:
+                del self._retries[index]
+                return
+        sent = self._end(request_id)
+        if sent is not None:
+            self._settle(now_s, sent, 0)
+
+    def on_replica_health(self, now_s: float, replica_id: str, health: ReplicaHealth) -> None:
+        self._replicas[replica_id].health = health
+
+    # ---- internals ----------------------------------------------------------------------------
+
+    def _try_assign(self, now_s: float, request: QueuedRequest, exclude: frozenset[str],
+                    dequeue_skip: frozenset[str] | None = None) -> Assignment | None:
+        tier = self.tiers[request.tier]
+        level = self.engine_level(request.tier, self.service_class(now_s, request.tier, request.tenant))
+        replica = self._pick(now_s, tier, level, request.prompt_tokens, exclude)
+        if replica is None:
+            return None
+        if dequeue_skip is not None:
+            taken = self._queue.dequeue(now_s, dequeue_skip).request
+            assert taken is not None and taken.request_id == request.request_id
+            self._predictor.on_dispatch(now_s, request.tokens, queued_after=len(self._queue))
+            if self._shares is not None:
+                self._shares.on_dispatch(now_s, request.tier, request.tokens)
+        rid = replica.config.replica_id
+        ahead = replica.ahead(level) + request.prompt_tokens
+        replica.requests += 1
+        replica.held[level] += 1
+        replica.prefill[level] += request.prompt_tokens
+        replica.breaker = replica.breaker.on_dispatch(now_s)
+        self._sent[request.request_id] = _Sent(request, rid, level, now_s, ahead)
+        return Assignment(request.request_id, rid, level)
+
+    def _pick(self, now_s: float, tier: TierSpec, level: int, tokens: int, exclude: frozenset[str]) -> _Replica | None:
+        best: _Replica | None = None
+        best_key: tuple[float, int, float] | None = None
+        count = len(self._order)
+        for offset in range(count):
+            replica = self._order[(self._cursor + offset) % count]
+            if replica.config.replica_id in exclude or not self._routable(replica, now_s):
+                continue
+            if not replica.has_slot(level):
+                continue  # rule 5
+            ahead = replica.ahead(level)
+            fit = replica.model.fit
+            if ahead > 0:  # rule 4: an empty prefill queue takes anything
+                if fit is None or fit.predict_s(ahead + tokens) > self.engine_budget_s(now_s, tier, replica.config):
+                    continue  # rule 3
+            predicted_s = fit.predict_s(ahead + tokens) if fit is not None else float(ahead)
+            key = (predicted_s, replica.requests, replica.load.kv_cache_usage)
+            if best_key is None or key < best_key:
+                best, best_key = replica, key
+        if best is not None:
+            self._cursor = (self._order.index(best) + 1) % count
+        return best
+
+    def _routable(self, replica: _Replica, now_s: float) -> bool:
+        return is_routable(replica.health, replica.breaker, now_s)
+
+    def _may_eject(self, now_s: float) -> bool:
+        """Never more than `max_ejected_fraction` of the pool ejected at once (at least one)."""
+        ejected = sum(1 for r in self._order if not r.breaker.admits(now_s))
+        return ejected < max(1, int(len(self._order) * self.settings.breaker.max_ejected_fraction))
+
+    def _wait_budget_s(self, tier: TierSpec, request: PoolRequest) -> float:
+        """Rule 6: a request that waits past its TTFT target less the engine's time for it is
+        served too late to count, with capacity one still in time could have used."""
+        wait_s = tier.max_queue_wait_s if request.timeout_s is None else min(tier.max_queue_wait_s, request.timeout_s)
+        fits = [r.model.fit for r in self._order if r.model.fit is not None]
+        if fits:
+            engine_s = min(fit.predict_s(request.prompt_tokens) for fit in fits)
+            wait_s = min(wait_s, max(tier.ttft_target_s - engine_s, self.settings.min_wait_share * tier.max_queue_wait_s))
+        return wait_s
+
+    def _expire(self, now_s: float) -> None:
+        shed = self._queue.expire(now_s)
+        if shed and not len(self._queue):
+            self._predictor.on_queue_emptied()
+        self._refusals += [self._refusal(now_s, item.request, item.reason.value) for item in shed]
+
+    def _refuse_all(self, now_s: float) -> None:
+        while (request := self._queue.peek()) is not None:
+            self._queue.cancel(request.request_id)
+            self._refusals.append(Refusal(request.request_id, REFUSED_NO_REPLICA, self._retry_after_s(now_s, None)))
+        while self._retries:
+            request, _ = self._retries.popleft()
+            self._refusals.append(Refusal(request.request_id, REFUSED_NO_REPLICA, self._retry_after_s(now_s, None)))
+        self._predictor.on_queue_emptied()
+
+    def _refusal(self, now_s: float, request: QueuedRequest, reason: str) -> Refusal:
+        return Refusal(request.request_id, reason, self._retry_after_s(now_s, self.tiers[request.tier]))
+
+    def _retry_after_s(self, now_s: float, tier: TierSpec | None) -> float:
+        """When retrying is worth it: once the queue ahead has drained at the measured rate."""
+        rate = self._predictor.service_rate_per_s
+        if not rate or tier is None:
+            return 1.0
+        return max(1.0, self._queue.work_ahead(tier.name).tokens / rate)
+
+    def _prefilled(self, replica: _Replica, sent: _Sent) -> None:
+        sent.prefilling = False
+        replica.prefill[sent.level] -= sent.request.prompt_tokens
+
+    def _end(self, request_id: int | str) -> _Sent | None:
+        sent = self._sent.pop(request_id, None)
+        if sent is None:
+            return None
+        replica = self._replicas[sent.replica_id]
+        if sent.prefilling:
+            self._prefilled(replica, sent)
+        replica.requests -= 1
+        replica.held[sent.level] -= 1
+        return sent
+
+    def _settle(self, now_s: float, sent: _Sent, output_tokens: int | None) -> None:
+        request = sent.request
+        if output_tokens is not None:
+            self._queue.settle_service(request, output_tokens)
+        if self._shares is not None:
+            self._shares.on_finish(now_s, request.tier, request.tokens)
+
+    def _wake_at_s(self, now_s: float) -> float | None:
+        """The next deadline, hopeless check or breaker cool-down's end while requests wait."""
+        if not self.queued:
+            return None
+        times = [t for t in (self._queue.next_deadline_s(),) if t is not None]
+        times += [r.breaker.reopen_at_s for r in self._order
+                  if r.breaker.state is not BreakerState.CLOSED and r.breaker.reopen_at_s > now_s]
+        later = [t for t in times if t > now_s]
+        return min(later) if later else None

@@ -1,0 +1,243 @@
+"""The overload scenarios: each a seeded run of the pool controller beside FIFO, with its bar.
+
+Every scenario drives `policy.pool.PoolController` (the one brain) and, for reference, FIFO
+(overload control off: `sim.fifo.FifoDispatcher`, no engine priority) through the same requests on
+the same modelled replicas, and returns a `Verdict`: the bar, whether it holds, and the figures
+behind it, utilisation and work served printed beside every protection figure.
+`bench/overload_scenarios.py` prints them; `tests/sim/test_scenarios.py` asserts them.
+
+The replicas model a GPU engine (a 512-token step budget, 48 sequences, prefill ~10k tokens/s);
+the form matters more than the figures. Load is stated as a multiple of the capacity measured on
+the same model (`sim.capacity`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+
+import numpy as np
+
+from tidegate.engine.scheduler import SchedulerConfig
+from tidegate.loadgen.arrivals import Poisson
+from tidegate.loadgen.mix import LengthDistribution
+from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
+from tidegate.policy.shares import TenantShares
+from tidegate.policy.tiers import TierTable, default_tiers
+from tidegate.sim.capacity import saturated_rps
+from tidegate.sim.fifo import FifoDispatcher
+from tidegate.sim.harness import (ClosedLoopClients, Harness, KillReplica, RequestRecord, RunResult, ScenarioEvent,
+                                  SlowReplica, TrafficClass, make_requests)
+from tidegate.sim.replica import ReplicaSpec, StepCostModel
+from tidegate.sim.seam import Dispatcher, SimRequest
+
+__all__ = ["CEILING", "Verdict", "ScenarioRun", "replica_spec", "capacity_rps", "run", "SCENARIOS", "run_all"]
+
+CEILING = 32  # the backend's slot_limit: requests one replica holds, the same for FIFO
+HEADROOM = 16  # the engine runs up to CEILING + HEADROOM sequences; only the controller uses the rest
+CHAT_PROMPT = LengthDistribution("uniform", 64, 1024)
+CHAT_OUTPUT = LengthDistribution("uniform", 32, 256)
+LONG_PROMPT = LengthDistribution("uniform", 1000, 3000)
+
+
+def replica_spec(replica_id: str) -> ReplicaSpec:
+    # a 7-8B model on one data-centre GPU, roughly: a memory-bound step of ~20 ms that a bigger
+    # decode batch barely slows, ~10k prompt tokens a second
+    return ReplicaSpec(replica_id, scheduler=SchedulerConfig(max_num_seqs=CEILING + HEADROOM, max_batch_tokens=512),
+                       kv_cache_tokens=262144,
+                       cost=StepCostModel(base_s=0.020, prefill_s_per_token=0.0001, decode_s_per_seq=0.0002,
+                                          context_s_per_token=1.5e-7))
+
+
+@cache
+def capacity_rps(replicas: int, prompt_tokens: int = 544, output_tokens: int = 144) -> float:
+    """Requests a second `replicas` replicas serve at the mean chat shape, saturated."""
+    return replicas * saturated_rps(replica_spec("r0"), prompt_tokens, output_tokens, CEILING)
+
+
+def chat(tenant: str, tier: str, share: float = 1.0, prompt: LengthDistribution = CHAT_PROMPT) -> TrafficClass:
+    return TrafficClass(tenant, tier, share, prompt, CHAT_OUTPUT)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    scenario: str
+    bar: str
+    passed: bool
+    figures: tuple[str, ...]  # lines printed under the verdict
+    values: tuple[tuple[str, float], ...] = ()  # the bar's figures by name, for tests
+
+    def value(self, name: str) -> float:
+        return dict(self.values)[name]
+
+
+@dataclass(frozen=True, slots=True)
+class ScenarioRun:
+    result: RunResult
+    tiers: TierTable
+
+    def records(self, tier: str | None = None, start_s: float = 0.0, end_s: float = float("inf"),
+                tenant: str | None = None) -> list[RequestRecord]:
+        return [r for r in self.result.records if (tier is None or r.tier == tier) and start_s <= r.arrival_s < end_s
+                and (tenant is None or r.tenant == tenant)]
+
+    def good(self, records: Sequence[RequestRecord] | None = None) -> int:
+        """Requests served with a TTFT within their tier's target."""
+        records = self.result.records if records is None else records
+        return sum(1 for r in records if r.served and r.ttft_s is not None
+                   and r.ttft_s <= self.tiers[r.tier].ttft_target_s)
+
+    def served(self, records: Sequence[RequestRecord] | None = None) -> int:
+        return sum(1 for r in (self.result.records if records is None else records) if r.served)
+
+    def refused(self, records: Sequence[RequestRecord] | None = None) -> int:
+        return sum(1 for r in (self.result.records if records is None else records) if r.refused_reason is not None)
+
+    @staticmethod
+    def p99_ttft_s(records: Sequence[RequestRecord]) -> float:
+        ttfts = [r.ttft_s for r in records if r.ttft_s is not None]
+        return float(np.percentile(ttfts, 99)) if ttfts else float("nan")
+
+    def busy(self, start_s: float, end_s: float) -> float:
+        return self.result.busy_fraction(start_s, end_s)
+
+
+Kind = Callable[[Sequence[str], TierTable], Dispatcher]
+
+
+def controller(ids: Sequence[str], tiers: TierTable, settings: PoolSettings = PoolSettings()) -> PoolController:
+    return PoolController([PoolReplica(i, CEILING, HEADROOM) for i in ids], tiers, settings, shares=TenantShares())
+
+
+def fifo(ids: Sequence[str], tiers: TierTable) -> FifoDispatcher:
+    return FifoDispatcher(ids, tiers, slot_limit=CEILING)
+
+
+def run(kind: Kind, replicas: int, requests: Sequence[SimRequest], *, events: Sequence[ScenarioEvent] = (),
+        clients: ClosedLoopClients | None = None, probes_s: Sequence[float] = (),
+        tiers: TierTable | None = None) -> ScenarioRun:
+    tiers = tiers or default_tiers()
+    ids = [f"r{i}" for i in range(replicas)]
+    dispatcher = kind(ids, tiers)
+    result = Harness([replica_spec(i) for i in ids], dispatcher).run(requests, events, clients=clients,
+                                                                   probes_s=probes_s)
+    return ScenarioRun(result, tiers)
+
+
+def mixed(rate_rps: float, duration_s: float, shares: Sequence[tuple[str, str, float]], seed: int,
+          prompt: LengthDistribution = CHAT_PROMPT) -> tuple[SimRequest, ...]:
+    """Poisson arrivals of one chat shape, each then given a (tenant, tier) by share: the classes'
+    lengths come from one stream, so priority cannot look better or worse by a class's heavier draw."""
+    one = make_requests(Poisson(rate_rps), duration_s, [TrafficClass("-", "-", 1.0, prompt, CHAT_OUTPUT)], seed)
+    weights = np.asarray([share for _, _, share in shares], dtype=np.float64)
+    which = np.random.default_rng(seed + 1000).choice(len(shares), size=len(one), p=weights / weights.sum())
+    return tuple(SimRequest(r.request_id, r.arrival_s, shares[k][0], shares[k][1], r.prompt_tokens, r.output_tokens)
+                 for r, k in zip(one, which))
+
+
+def _merge(*streams: Sequence[SimRequest], offsets_s: Sequence[float] = ()) -> tuple[SimRequest, ...]:
+    """Several seeded streams as one, each shifted by its offset, ids renumbered by arrival."""
+    shifted = []
+    for index, stream in enumerate(streams):
+        offset_s = offsets_s[index] if index < len(offsets_s) else 0.0
+        shifted += [SimRequest(0, r.arrival_s + offset_s, r.tenant, r.tier, r.prompt_tokens, r.output_tokens)
+                    for r in stream]
+    shifted.sort(key=lambda r: r.arrival_s)
+    return tuple(SimRequest(i, r.arrival_s, r.tenant, r.tier, r.prompt_tokens, r.output_tokens)
+                 for i, r in enumerate(shifted))
+
+
+def _work_line(label: str, run_: ScenarioRun, start_s: float, end_s: float) -> str:
+    window = run_.records(start_s=start_s, end_s=end_s)
+    return (f"{label:<10} busy {run_.busy(start_s, end_s):6.1%}  served {run_.served(window):5d}  "
+            f"within target {run_.good(window):5d}  refused {run_.refused(window):5d}")
+
+
+def _conserves(ctl: ScenarioRun, ref: ScenarioRun, start_s: float, end_s: float) -> bool:
+    """Work conservation: replicas >= 80 % busy, and at least FIFO's requests within target."""
+    window_ctl, window_ref = ctl.records(start_s=start_s, end_s=end_s), ref.records(start_s=start_s, end_s=end_s)
+    return ctl.busy(start_s, end_s) >= 0.8 and ctl.good(window_ctl) >= ref.good(window_ref)
+
+
+# ---- scenarios ------------------------------------------------------------------------------------
+
+REPLICAS = 2
+DURATION_S = 60.0
+# requests arriving in this window are counted: past the first seconds, and before the end, where
+# a queue that holds more serves on while arrivals have stopped (a tail no endless overload has)
+WINDOW = (5.0, 45.0)
+
+
+def goodput() -> Verdict:
+    """Goodput at 2x and 4x capacity >= 90 % of goodput at 1x (no collapse past capacity)."""
+    cap = capacity_rps(REPLICAS)
+    rates, lines = {}, []
+    start_s, end_s = WINDOW
+    for load in (1.0, 2.0, 4.0):
+        requests = mixed(load * cap, DURATION_S, (("a", "standard", 0.8), ("b", "critical", 0.2)), seed=11)
+        ctl = run(controller, REPLICAS, requests, probes_s=WINDOW)
+        ref = run(fifo, REPLICAS, requests, probes_s=WINDOW)
+        rates[load] = ctl.good(ctl.records(start_s=start_s, end_s=end_s)) / (end_s - start_s)
+        fifo_rate = ref.good(ref.records(start_s=start_s, end_s=end_s)) / (end_s - start_s)
+        lines += [f"{load:.0f}x: goodput {rates[load]:.2f}/s (FIFO {fifo_rate:.2f}/s)",
+                  "  " + _work_line("control", ctl, *WINDOW), "  " + _work_line("FIFO", ref, *WINDOW)]
+        if load > 1 and not _conserves(ctl, ref, *WINDOW):
+            rates[load] = -1.0  # fails work conservation
+    passed = min(rates[2.0], rates[4.0]) >= 0.9 * rates[1.0]
+    return Verdict("goodput", "goodput at 2x and 4x >= 90 % of goodput at 1x; work conserved", passed, tuple(lines),
+                   tuple((f"goodput_{load:.0f}x", rate) for load, rate in rates.items()))
+
+
+def critical_burst() -> Verdict:
+    """Critical P99 TTFT during a sheddable burst at 3x capacity <= 1.2x its P99 unloaded."""
+    cap = capacity_rps(REPLICAS)
+    critical = mixed(0.15 * cap, DURATION_S, (("vip", "critical", 1.0),), seed=21)
+    burst = mixed(3.0 * cap, 30.0, (("bulk", "sheddable", 1.0),), seed=22)
+    requests = _merge(critical, burst, offsets_s=(0.0, 15.0))
+    window = (15.0, 45.0)
+    alone = run(controller, REPLICAS, critical)
+    ctl = run(controller, REPLICAS, requests, probes_s=window)
+    ref = run(fifo, REPLICAS, requests, probes_s=window)
+    unloaded = alone.p99_ttft_s(alone.records("critical", *window))
+    loaded = ctl.p99_ttft_s(ctl.records("critical", *window))
+    fifo_loaded = ref.p99_ttft_s(ref.records("critical", *window))
+    passed = loaded <= 1.2 * unloaded and _conserves(ctl, ref, *window)
+    return Verdict("critical_burst", "critical P99 TTFT in a 3x sheddable burst <= 1.2x unloaded; work conserved",
+                   passed, (f"critical P99 TTFT: unloaded {unloaded * 1000:.0f} ms, in the burst {loaded * 1000:.0f} ms "
+                            f"({loaded / unloaded:.2f}x); FIFO {fifo_loaded * 1000:.0f} ms ({fifo_loaded / unloaded:.2f}x)",
+                            _work_line("control", ctl, *window), _work_line("FIFO", ref, *window)),
+                   (("control_slowdown", loaded / unloaded), ("fifo_slowdown", fifo_loaded / unloaded),
+                    ("control_busy", ctl.busy(*window))))
+
+
+def noisy_tenant() -> Verdict:
+    """One tenant at 10x its fair share raises the other tenants' P99 TTFT by < 10 %."""
+    cap = capacity_rps(REPLICAS)
+    quiet = mixed(0.6 * cap, DURATION_S, tuple((f"t{i}", "standard", 1.0) for i in range(4)), seed=31)
+    noisy = mixed(1.5 * cap, 40.0, (("noisy", "standard", 1.0),), seed=32)  # 10x each quiet tenant's 0.15x
+    window = (15.0, 50.0)
+    requests = _merge(quiet, noisy, offsets_s=(0.0, 10.0))
+    alone = run(controller, REPLICAS, quiet)
+    ctl = run(controller, REPLICAS, requests, probes_s=window)
+    ref = run(fifo, REPLICAS, requests, probes_s=window)
+
+    def others(run_: ScenarioRun) -> list[RequestRecord]:
+        return [r for r in run_.records("standard", *window) if r.tenant != "noisy"]
+
+    base, loaded, fifo_loaded = (alone.p99_ttft_s(others(alone)), ctl.p99_ttft_s(others(ctl)),
+                                 ref.p99_ttft_s(others(ref)))
+    passed = loaded < 1.1 * base and _conserves(ctl, ref, *window)
+    return Verdict("noisy_tenant", "others' P99 TTFT with a tenant at 10x its share < 1.1x without it; work conserved",
+                   passed, (f"others' P99 TTFT: alone {base * 1000:.0f} ms, beside the flood {loaded * 1000:.0f} ms "
+                            f"({loaded / base:.2f}x); FIFO {fifo_loaded * 1000:.0f} ms ({fifo_loaded / base:.2f}x)",
+                            _work_line("control", ctl, *window), _work_line("FIFO", ref, *window)),
+                   (("control_slowdown", loaded / base), ("fifo_slowdown", fifo_loaded / base),
+                    ("control_busy", ctl.busy(*window))))
+
+
+SCENARIOS: tuple[Callable[[], Verdict], ...] = (goodput, critical_burst, noisy_tenant)
+
+
+def run_all() -> tuple[Verdict, ...]:
+    return tuple(scenario() for scenario in SCENARIOS)

@@ -1,0 +1,154 @@
+"""The pool controller's rules, one behaviour per test, on hand-made events (no event loop)."""
+
+from __future__ import annotations
+
+from tidegate.policy.pool import (REFUSED_NO_REPLICA, REFUSED_UNKNOWN_TIER, PoolController, PoolReplica,
+                                  ServiceClass)
+from tidegate.policy.shares import TenantShares
+from tidegate.policy.tiers import default_tiers
+from tidegate.types import ArrivalVerdict, PoolRequest, ReplicaHealth
+
+TIERS = default_tiers()
+
+
+def request(request_id: int, tier: str = "standard", prompt_tokens: int = 100, tenant: str = "t",
+            now_s: float = 0.0) -> PoolRequest:
+    return PoolRequest(request_id, now_s, tenant, tier, prompt_tokens, 50)
+
+
+def controller(*replicas: PoolReplica, shares: TenantShares | None = None) -> PoolController:
+    return PoolController(replicas or (PoolReplica("r0", max_requests=4),), TIERS, shares=shares)
+
+
+def arrive_all(ctl: PoolController, *requests: PoolRequest, now_s: float = 0.0) -> None:
+    for item in requests:
+        assert ctl.on_arrival(now_s, item).verdict is ArrivalVerdict.QUEUED
+
+
+def teach(ctl: PoolController, replica_id: str, fixed_s: float = 0.05, s_per_token: float = 0.001) -> None:
+    """Feeds the replica's TTFT line exact samples (sent and answered one at a time)."""
+    base = 1_000_000
+    for offset, tokens in enumerate((100, 400, 900, 200)):
+        now_s = 100.0 + offset
+        arrive_all(ctl, request(base + offset, prompt_tokens=tokens, now_s=now_s), now_s=now_s)
+        sent = ctl.on_capacity(now_s).assignments
+        assert [a.replica_id for a in sent] == [replica_id]
+        ctl.on_first_token(now_s + fixed_s + s_per_token * tokens, base + offset)
+        ctl.on_finish(now_s + 1.0, base + offset)
+
+
+def test_unknown_tier_is_refused() -> None:
+    decision = controller().on_arrival(0.0, request(1, tier="gold"))
+    assert decision.verdict is ArrivalVerdict.REFUSED and decision.reason == REFUSED_UNKNOWN_TIER
+
+
+def test_no_routable_replica_refuses_at_arrival() -> None:
+    ctl = controller()
+    ctl.on_replica_health(0.0, "r0", ReplicaHealth.UNHEALTHY)
+    assert ctl.on_arrival(0.0, request(1)).reason == REFUSED_NO_REPLICA
+
+
+def test_an_empty_prefill_queue_takes_one_request_before_anything_is_known() -> None:
+    """Rule 4 (work conservation): no fit yet, yet the idle replica is never left idle."""
+    ctl = controller()
+    arrive_all(ctl, request(1), request(2))
+    assert [a.request_id for a in ctl.on_capacity(0.0).assignments] == [1]
+
+
+def test_a_request_predicted_past_its_engine_budget_waits() -> None:
+    """Rule 3: standard's engine budget is 0.5 x 5 s = 2.5 s; at 1 ms a token, 2,450 tokens."""
+    ctl = controller(PoolReplica("r0", max_requests=16))
+    teach(ctl, "r0")
+    arrive_all(ctl, request(1, prompt_tokens=2000), request(2, prompt_tokens=600), request(3, prompt_tokens=100))
+    # 2 would start after 2,600 tokens (2.65 s); 3 waits behind it: strict order within the queue
+    assert [a.request_id for a in ctl.on_capacity(0.0).assignments] == [1]
+    ctl.on_first_token(2.05, 1)
+    assert [a.request_id for a in ctl.on_capacity(2.05).assignments] == [2, 3]
+
+
+def test_a_better_level_counts_only_its_own_work_ahead() -> None:
+    """Rules 2 and 3: a critical request is not held back by sheddable prefill in the engine."""
+    ctl = controller(PoolReplica("r0", max_requests=16))
+    teach(ctl, "r0")
+    arrive_all(ctl, request(1, "sheddable", prompt_tokens=3000))
+    assert [a.priority for a in ctl.on_capacity(0.0).assignments] == [4]
+    arrive_all(ctl, request(2, "critical", prompt_tokens=1000))
+    assert [(a.request_id, a.priority) for a in ctl.on_capacity(0.0).assignments] == [(2, 0)]
+
+
+def test_headroom_lets_a_better_request_past_a_full_replica() -> None:
+    """Rule 5: sheddable requests fill `max_requests`; a critical one still starts at once."""
+    ctl = controller(PoolReplica("r0", max_requests=2, headroom=1))
+    arrive_all(ctl, request(1, "sheddable"), request(2, "sheddable"), request(3, "sheddable"))
+    ctl.on_capacity(0.0)
+    ctl.on_first_token(0.1, 1)
+    assert [a.request_id for a in ctl.on_capacity(0.1).assignments] == [2]
+    arrive_all(ctl, request(4, "critical"), now_s=0.2)
+    ctl.on_first_token(0.2, 2)
+    assert [a.request_id for a in ctl.on_capacity(0.2).assignments] == [4]
+    assert ctl.queued == 1  # the third sheddable one waits: headroom is not for its level
+
+
+def test_a_flooding_tenant_is_demoted_one_level() -> None:
+    shares = TenantShares(half_life_s=1.0)
+    ctl = controller(PoolReplica("r0", max_requests=1), shares=shares)
+    held: list[int | str] = []
+    for step in range(200):  # one request served each 10 ms; the flood sends three, the quiet tenant one in 20
+        now_s = step * 0.01
+        for request_id in held:
+            ctl.on_first_token(now_s, request_id)
+            ctl.on_finish(now_s, request_id)
+        for k in range(3):
+            ctl.on_arrival(now_s, request(3 * step + k, tenant="flood", now_s=now_s))
+        if step % 20 == 0:
+            ctl.on_arrival(now_s, request(10_000 + step, tenant="quiet", now_s=now_s))
+        held = [a.request_id for a in ctl.on_capacity(now_s).assignments]
+    assert ctl.service_class(2.0, "standard", "flood") is ServiceClass.DEMOTED
+    assert ctl.service_class(2.0, "standard", "quiet") is ServiceClass.REGULAR
+    assert ctl.engine_level("standard", ServiceClass.DEMOTED) == 3
+
+
+def test_a_retry_goes_first_and_never_to_the_replica_that_failed_it() -> None:
+    ctl = controller(PoolReplica("r0", max_requests=4), PoolReplica("r1", max_requests=4))
+    arrive_all(ctl, request(1))
+    first = ctl.on_capacity(0.0).assignments[0]
+    arrive_all(ctl, request(2))
+    ctl.on_failure(0.1, 1, "connect", retry=True)
+    sent = ctl.on_capacity(0.1).assignments
+    assert sent[0].request_id == 1 and sent[0].replica_id != first.replica_id
+
+
+def test_cancel_frees_the_slot_and_the_prefill_count() -> None:
+    ctl = controller(PoolReplica("r0", max_requests=1))
+    arrive_all(ctl, request(1), request(2))
+    ctl.on_capacity(0.0)
+    ctl.on_cancel(0.1, 1)
+    snapshot = ctl.snapshot(0.1)
+    assert snapshot.replicas[0].requests == 0 and sum(snapshot.replicas[0].prefill_tokens) == 0
+    assert [a.request_id for a in ctl.on_capacity(0.1).assignments] == [2]
+
+
+def test_queued_requests_are_refused_at_their_deadline_and_the_controller_asks_to_wake_then() -> None:
+    ctl = controller(PoolReplica("r0", max_requests=1))
+    arrive_all(ctl, request(1, "critical"), request(2, "critical"))
+    dispatch = ctl.on_capacity(0.0)
+    assert dispatch.wake_at_s == TIERS["critical"].max_queue_wait_s
+    late = ctl.on_capacity(dispatch.wake_at_s)
+    assert [r.request_id for r in late.refusals] == [2]
+
+
+def test_every_replica_down_refuses_every_waiting_request() -> None:
+    ctl = controller(PoolReplica("r0", max_requests=1))
+    arrive_all(ctl, request(1), request(2))
+    ctl.on_capacity(0.0)
+    ctl.on_replica_health(0.1, "r0", ReplicaHealth.UNHEALTHY)
+    assert [(r.request_id, r.reason) for r in ctl.on_capacity(0.1).refusals] == [(2, REFUSED_NO_REPLICA)]
+
+
+def test_queries_change_nothing() -> None:
+    ctl = controller()
+    arrive_all(ctl, request(1), request(2))
+    before = ctl.snapshot(0.0)
+    ctl.service_class(0.0, "standard", "t")
+    ctl.engine_budget_s(0.0, TIERS["standard"], PoolReplica("r0"))
+    assert ctl.snapshot(0.0) == before and ctl.queued == 2
