@@ -32,3 +32,13 @@ def test_noisy_tenant_is_held_off_the_others_with_the_replicas_busy() -> None:
 
 def test_scenarios_are_deterministic() -> None:
     assert scenarios.critical_burst() == scenarios.critical_burst()
+
+
+def test_cold_start_at_70_percent_refuses_nothing() -> None:
+    verdict = scenarios.cold_start()
+    assert verdict.passed, verdict.figures
+
+
+def test_long_prompt_burst_after_idle_keeps_critical_within_target_from_the_first_second() -> None:
+    verdict = scenarios.burst_after_idle()
+    assert verdict.passed, verdict.figures

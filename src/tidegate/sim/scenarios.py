@@ -236,7 +236,56 @@ def noisy_tenant() -> Verdict:
                     ("control_busy", ctl.busy(*window))))
 
 
-SCENARIOS: tuple[Callable[[], Verdict], ...] = (goodput, critical_burst, noisy_tenant)
+def cold_start() -> Verdict:
+    """A gateway that has measured nothing yet, at 70 % of capacity from its first second, refuses nothing."""
+    requests = mixed(0.7 * capacity_rps(REPLICAS), 30.0, (("a", "standard", 0.8), ("b", "critical", 0.2)), seed=41)
+    window = (0.0, 30.0)
+    ctl = run(controller, REPLICAS, requests, probes_s=window)
+    ref = run(fifo, REPLICAS, requests, probes_s=window)
+    first_s = ctl.records(start_s=0.0, end_s=4.0)
+    passed = ctl.refused() == 0
+    return Verdict("cold_start", "a cold start at 70 % load refuses nothing", passed,
+                   (f"refused {ctl.refused()} of {len(requests)} (FIFO {ref.refused()}); first 4 s: "
+                    f"P99 TTFT {ctl.p99_ttft_s(first_s) * 1000:.0f} ms",
+                    _work_line("control", ctl, *window), _work_line("FIFO", ref, *window)),
+                   (("refused", float(ctl.refused())),))
+
+
+def burst_after_idle() -> Verdict:
+    """After a quiet start and a 60 s idle gap, a 3x burst of long prompts (1-3k tokens), 30 % critical:
+    critical P99 TTFT within its target from the burst's first second, and critical goodput >= 90 %
+    of min(critical offered load, capacity)."""
+    quiet = mixed(0.3 * capacity_rps(REPLICAS), 30.0, (("a", "standard", 0.7), ("b", "critical", 0.3)), seed=51)
+    long_cap = capacity_rps(REPLICAS, 2000, 144)
+    burst_s = 20.0
+    burst = mixed(3.0 * long_cap, burst_s, (("a", "standard", 0.7), ("b", "critical", 0.3)), seed=52,
+                  prompt=LONG_PROMPT)
+    start_s = 90.0
+    requests = _merge(quiet, burst, offsets_s=(0.0, start_s))
+    window = (start_s, start_s + burst_s)
+    ctl = run(controller, REPLICAS, requests, probes_s=window)
+    ref = run(fifo, REPLICAS, requests, probes_s=window)
+    tiers = default_tiers()
+    critical = ctl.records("critical", *window)
+    offered_rps = len(critical) / burst_s
+    critical_good_rps = ctl.good(critical) / burst_s
+    p99 = ctl.p99_ttft_s(critical)
+    first = ctl.p99_ttft_s(ctl.records("critical", start_s, start_s + 1.0))
+    needed_rps = 0.9 * min(offered_rps, long_cap)
+    passed = p99 <= tiers["critical"].ttft_target_s and first <= tiers["critical"].ttft_target_s \
+        and critical_good_rps >= needed_rps
+    fifo_critical = ref.records("critical", *window)
+    return Verdict("burst_after_idle", "long-prompt burst after 60 s idle: critical P99 TTFT <= target from "
+                   "the first second; critical goodput >= 90 % of min(offered, capacity)", passed,
+                   (f"critical P99 TTFT {p99 * 1000:.0f} ms (first second {first * 1000:.0f} ms; target "
+                    f"{tiers['critical'].ttft_target_s * 1000:.0f} ms); FIFO {ref.p99_ttft_s(fifo_critical) * 1000:.0f} ms",
+                    f"critical goodput {critical_good_rps:.2f}/s of {offered_rps:.2f}/s offered (capacity "
+                    f"{long_cap:.2f}/s, needed {needed_rps:.2f}/s); FIFO {ref.good(fifo_critical) / burst_s:.2f}/s",
+                    _work_line("control", ctl, *window), _work_line("FIFO", ref, *window)),
+                   (("critical_p99_s", p99), ("critical_goodput_rps", critical_good_rps), ("needed_rps", needed_rps)))
+
+
+SCENARIOS: tuple[Callable[[], Verdict], ...] = (goodput, critical_burst, noisy_tenant, cold_start, burst_after_idle)
 
 
 def run_all() -> tuple[Verdict, ...]:
