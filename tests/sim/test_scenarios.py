@@ -42,3 +42,8 @@ def test_cold_start_at_70_percent_refuses_nothing() -> None:
 def test_long_prompt_burst_after_idle_keeps_critical_within_target_from_the_first_second() -> None:
     verdict = scenarios.burst_after_idle()
     assert verdict.passed, verdict.figures
+
+
+def test_a_retry_storm_serves_at_least_fifos_good_work() -> None:
+    verdict = scenarios.retry_storm()
+    assert verdict.passed, verdict.figures

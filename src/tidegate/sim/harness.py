@@ -221,6 +221,7 @@ class Harness:
     def on_first_token(self, now_s: float, replica_id: str, request_id: int) -> None:
         self._update(request_id, first_token_s=now_s)
         self.dispatcher.on_first_token(now_s, request_id)
+        self._need_capacity()  # a prefill done frees work budget (`policy.pool`, rule 3)
 
     def on_finish(self, now_s: float, replica_id: str, request_id: int) -> None:
         self._update(request_id, finish_s=now_s)

@@ -7,7 +7,8 @@ It decides *that* a request goes to a replica; the body that drives it does the 
 Call order the harness keeps (so a dispatcher may rely on it):
 - `on_arrival` once per request, at its arrival time;
 - `on_first_token`, then `on_finish`, or `on_failure`, for each request it assigned;
-- `on_capacity` after every event that may free or need a slot (an arrival, a finish, a failure)
+- `on_capacity` after every event that may free or need a slot or work budget (an arrival, a
+  first token, a finish, a failure)
   and at the `wake_at_s` it last asked for; its assignments are sent at once, in order.
 A periodic tick (DESIGN's `on_tick`) is a dispatcher asking for `wake_at_s = now_s + period`.
 
