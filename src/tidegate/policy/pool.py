@@ -21,8 +21,10 @@ without it; a rule no scenario needs does not belong here):
    engine will prefill before it (its level and better on an engine ordering by priority; all of
    it otherwise), plus its own, is predicted to start within `engine_share` of its tier's TTFT
    target. On an engine that ignores priority a request also delays every tier that arrives after
-   it, so the target is the tightest among tiers active lately. (`burst_after_idle`,
-   `slowed_replica`, `goodput_4x`)
+   it, so the target is the tightest among tiers active lately. (`burst_after_idle`, `goodput`;
+   `test_a_request_predicted_past_its_engine_budget_waits`; a slowed replica's budget follows its
+   fit, `test_a_replica_twice_as_slow_shows_twice_the_slope_within_its_memory`; no slowed-replica
+   scenario yet)
 4. Work conservation: a replica with nothing of that level (or, on an engine ignoring priority,
    nothing at all) waiting for prefill always takes the next request, whatever the budget. The
    budget only shortens the engine's queue; it never idles the engine. (`cold_start`,
@@ -34,11 +36,17 @@ without it; a rule no scenario needs does not belong here):
    `noisy_tenant`)
 6. Deadlines: a queued request waits at most its tier's `max_queue_wait_s`, its client's timeout,
    or until its TTFT target less the replicas' fitted engine time for it; one the predicted
-   service rate cannot start by then is refused at once, on arrival. (`refusal_latency`) Searching
+   service rate cannot start by then is refused at once, on arrival. (Deadlines:
+   `test_queued_requests_are_refused_at_their_deadline_and_the_controller_asks_to_wake_then`. The
+   early refusal has no scenario yet that fails without it: `critical_burst` serves 433 within
+   target with it and 434 without; it carries over from the live refusal-latency fix, and must be
+   proven by a scenario or deleted.) Searching
    the queue for such requests while they wait (`FairPriorityQueue.shed_hopeless`) refused ones
    that a burst's end let through: 20 fewer served in time than FIFO in `critical_burst`; removed.
 7. Routing among replicas that fit: the least predicted engine TTFT; routable (health, breaker);
-   a retried request never returns to the replica that failed it. (`replica_killed`)
+   a retried request never returns to the replica that failed it.
+   (`test_a_retry_goes_first_and_never_to_the_replica_that_failed_it`,
+   `test_every_replica_down_refuses_every_waiting_request`; no replica-killed scenario yet)
 """
 
 from __future__ import annotations

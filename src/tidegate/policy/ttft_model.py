@@ -10,7 +10,8 @@ batch's effect is in the fit: while the batch is big, steps are slow and the slo
 Why a fitted model and not a limit grown from a start value (AIMD, gradient, slow start): a model
 of the replica's speed does not go stale while the replica idles, so a burst after an idle minute
 meets the limit the replica had, not one that must grow again (`scenario: burst_after_idle`);
-and a replica twice as slow shows twice the slope within a few samples (`scenario: slowed_replica`).
+and a replica twice as slow shows twice the slope within a few samples
+(`test_a_replica_twice_as_slow_shows_twice_the_slope_within_its_memory`).
 """
 
 from __future__ import annotations

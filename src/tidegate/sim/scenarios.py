@@ -14,7 +14,7 @@ the same model (`sim.capacity`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
@@ -27,8 +27,8 @@ from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import TierTable, default_tiers
 from tidegate.sim.capacity import saturated_rps
 from tidegate.sim.fifo import FifoDispatcher
-from tidegate.sim.harness import (ClosedLoopClients, Harness, KillReplica, RequestRecord, RunResult, ScenarioEvent,
-                                  SlowReplica, TrafficClass, make_requests)
+from tidegate.sim.harness import (ClosedLoopClients, Harness, RequestRecord, RunResult, ScenarioEvent, TrafficClass,
+                                  make_requests)
 from tidegate.sim.replica import ReplicaSpec, StepCostModel
 from tidegate.sim.seam import Dispatcher, SimRequest
 
