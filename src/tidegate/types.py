@@ -47,6 +47,8 @@ class PoolRequest:
     prompt_tokens: int
     max_output_tokens: int  # the client's max_tokens (or the default): a budget, not a prediction
     timeout_s: float | None = None  # the client's own deadline, if shorter than its tier's wait
+    # the body will report its first token (a stream); a whole answer reports only its end
+    streamed: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,9 @@ class ArrivalDecision:
     reason: str | None = None  # why it was refused
     retry_after_s: float | None = None
     displaced: tuple[Refusal, ...] = ()  # queued requests of worse tiers it pushed out: answer them
+    # predicted wait / the wait its deadline allows (>= 1 refused); the degradation ladder reads it
+    pressure: float = 0.0
+    predicted_wait_s: float | None = None
 
 
 QUEUED = ArrivalDecision(ArrivalVerdict.QUEUED)

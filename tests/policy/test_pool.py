@@ -152,3 +152,33 @@ def test_queries_change_nothing() -> None:
     ctl.service_class(0.0, "standard", "t")
     ctl.engine_budget_s(0.0, TIERS["standard"], PoolReplica("r0"))
     assert ctl.snapshot(0.0) == before and ctl.queued == 2
+
+
+def whole(request_id: int, prompt_tokens: int = 100, now_s: float = 0.0) -> PoolRequest:
+    return PoolRequest(request_id, now_s, "t", "standard", prompt_tokens, 50, streamed=False)
+
+
+def test_a_whole_answer_holds_the_budget_for_its_predicted_prefill() -> None:
+    """Rule 3 for answers that report no first token: the fit's prediction stands in for it."""
+    ctl = controller(PoolReplica("r0", max_requests=16))
+    teach(ctl, "r0")  # 50 ms + 1 ms a token
+    arrive_all(ctl, whole(1, prompt_tokens=2000), whole(2, prompt_tokens=600))
+    dispatch = ctl.on_capacity(0.0)
+    assert [a.request_id for a in dispatch.assignments] == [1]
+    wake_at_s = dispatch.wake_at_s  # its prefill is predicted done then: ask again
+    assert wake_at_s is not None and abs(wake_at_s - 2.05) < 1e-6
+    assert ctl.on_capacity(2.0).assignments == ()
+    assert [a.request_id for a in ctl.on_capacity(wake_at_s).assignments] == [2]
+
+
+def test_whole_answers_before_any_fit_are_bounded_by_slots_alone() -> None:
+    """Nothing measures their prefill, nor predicts it: they do not hold the budget."""
+    ctl = controller(PoolReplica("r0", max_requests=3))
+    arrive_all(ctl, *(whole(i) for i in range(5)))
+    assert [a.request_id for a in ctl.on_capacity(0.0).assignments] == [0, 1, 2]
+
+
+def test_arrival_reports_the_predicted_pressure() -> None:
+    ctl = controller()
+    decision = ctl.on_arrival(0.0, request(1))
+    assert decision.verdict is ArrivalVerdict.QUEUED and decision.pressure == 0.0

@@ -51,6 +51,7 @@ without it; a rule no scenario needs does not belong here):
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import deque
 from collections.abc import Mapping, Sequence
@@ -180,6 +181,9 @@ class PoolController:
         self._shares = shares
         self._sent: dict[int | str, _Sent] = {}
         self._retries: deque[tuple[QueuedRequest, frozenset[str]]] = deque()  # go first, in order
+        self._whole: set[int | str] = set()  # queued or sent requests that report no first token
+        # (when its replica's fit says its prefill is done, request id) for those that report none
+        self._assumed_prefills: list[tuple[float, int | str]] = []
         self._refusals: list[Refusal] = []  # decided by an event, handed out by the next `on_capacity`
         self._last_arrival_s: dict[str, float] = {}
         self._cursor = 0
@@ -194,6 +198,28 @@ class PoolController:
         return PoolSnapshot(len(self._queue), len(self._retries), tuple(
             ReplicaSnapshot(r.config.replica_id, self._routable(r, now_s), r.breaker.current(now_s).state, r.requests,
                             tuple(r.prefill), r.model.fit) for r in self._order))
+
+    def queue_depth(self, tier: str) -> int:
+        return self._queue.depth(tier)
+
+    def oldest_wait_s(self, now_s: float, tier: str) -> float:
+        return self._queue.oldest_wait_s(now_s, tier)
+
+    def over_share(self, now_s: float, tier: str) -> frozenset[str]:
+        """Tenants flooding `tier`: their requests go one engine level down."""
+        return self._shares.over_share(now_s, tier) if self._shares is not None else frozenset()
+
+    def breaker(self, now_s: float, replica_id: str) -> Breaker:
+        return self._replicas[replica_id].breaker.current(now_s)
+
+    def budget_tokens(self, now_s: float, replica_id: str) -> float | None:
+        """Prefill tokens the replica's engine may hold ahead of a best-tier request (rule 3);
+        None before its first token is measured."""
+        replica = self._replicas[replica_id]
+        fit = replica.model.fit
+        if fit is None:
+            return None
+        return fit.tokens_within(self.engine_budget_s(now_s, self.tiers.best, replica.config))
 
     def engine_level(self, tier: str, service: ServiceClass) -> int:
         return 2 * self.tiers[tier].rank + (service is ServiceClass.DEMOTED)
@@ -240,7 +266,10 @@ class PoolController:
             return ArrivalDecision(ArrivalVerdict.REFUSED, decision.outcome.value, self._retry_after_s(now_s, tier),
                                    displaced)
         self._predictor.on_queued(now_s, tier.rank, tokens)
-        return QUEUED if not displaced else ArrivalDecision(ArrivalVerdict.QUEUED, displaced=displaced)
+        if not request.streamed:
+            self._whole.add(request.request_id)
+        return ArrivalDecision(ArrivalVerdict.QUEUED, displaced=displaced, pressure=prediction.pressure,
+                               predicted_wait_s=prediction.predicted_wait_s)
 
     def on_capacity(self, now_s: float, loads: Mapping[str, ReplicaLoad] = {}) -> Dispatch:
         """Hand what can go to the replicas that can take it; refuse what can no longer be served."""
@@ -249,6 +278,7 @@ class PoolController:
             if replica.config.replica_id in loads:
                 replica.load = loads[replica.config.replica_id]
         self._expire(now_s)
+        self._assume_prefills_done(now_s)
         if self.queued and not any(self._routable(r, now_s) for r in self._order):
             self._refuse_all(now_s)
         assignments: list[Assignment] = []
@@ -304,6 +334,7 @@ class PoolController:
     def on_cancel(self, now_s: float, request_id: int | str) -> None:
         """The client went away: forget a queued request, or end a sent one (its slot is free)."""
         if self._queue.cancel(request_id) is not None:  # type: ignore[arg-type]
+            self._whole.discard(request_id)
             if not len(self._queue):
                 self._predictor.on_queue_emptied()
             return
@@ -337,9 +368,19 @@ class PoolController:
         ahead = replica.ahead(level) + request.prompt_tokens
         replica.requests += 1
         replica.held[level] += 1
-        replica.prefill[level] += request.prompt_tokens
         replica.breaker = replica.breaker.on_dispatch(now_s)
-        self._sent[request.request_id] = _Sent(request, rid, level, now_s, ahead)
+        sent = self._sent[request.request_id] = _Sent(request, rid, level, now_s, ahead)
+        fit = replica.model.fit
+        if request.request_id not in self._whole:
+            replica.prefill[level] += request.prompt_tokens
+        elif fit is None:
+            sent.prefilling = False  # nothing tells when its prefill ends, nor predicts it
+        else:
+            # a whole answer reports no first token: its prefill is taken as done when the
+            # replica's fit predicts, so that it neither blocks the budget until its answer nor
+            # is forgotten at once (`test_a_whole_answer_holds_the_budget_for_its_predicted_prefill`)
+            replica.prefill[level] += request.prompt_tokens
+            heapq.heappush(self._assumed_prefills, (now_s + fit.predict_s(ahead), request.request_id))
         return Assignment(request.request_id, rid, level)
 
     def _pick(self, now_s: float, tier: TierSpec, level: int, tokens: int, exclude: frozenset[str]) -> _Replica | None:
@@ -355,6 +396,8 @@ class PoolController:
             ahead = replica.ahead(level)
             fit = replica.model.fit
             if ahead > 0:  # rule 4: an empty prefill queue takes anything
+                # before a first token is measured, one prefill at a time (`retry_storm`: 512
+                # clients at once, all sent before anything is known, served 191 in time, FIFO 201)
                 if fit is None or fit.predict_s(ahead + tokens) > self.engine_budget_s(now_s, tier, replica.config):
                     continue  # rule 3
             predicted_s = fit.predict_s(ahead + tokens) if fit is not None else float(ahead)
@@ -392,13 +435,16 @@ class PoolController:
     def _refuse_all(self, now_s: float) -> None:
         while (request := self._queue.peek()) is not None:
             self._queue.cancel(request.request_id)
+            self._whole.discard(request.request_id)
             self._refusals.append(Refusal(request.request_id, REFUSED_NO_REPLICA, self._retry_after_s(now_s, None)))
         while self._retries:
             request, _ = self._retries.popleft()
+            self._whole.discard(request.request_id)
             self._refusals.append(Refusal(request.request_id, REFUSED_NO_REPLICA, self._retry_after_s(now_s, None)))
         self._predictor.on_queue_emptied()
 
     def _refusal(self, now_s: float, request: QueuedRequest, reason: str) -> Refusal:
+        self._whole.discard(request.request_id)
         return Refusal(request.request_id, reason, self._retry_after_s(now_s, self.tiers[request.tier]))
 
     def _retry_after_s(self, now_s: float, tier: TierSpec | None) -> float:
@@ -408,12 +454,21 @@ class PoolController:
             return 1.0
         return max(1.0, self._queue.work_ahead(tier.name).tokens / rate)
 
+    def _assume_prefills_done(self, now_s: float) -> None:
+        due = self._assumed_prefills
+        while due and due[0][0] <= now_s:
+            _, request_id = heapq.heappop(due)
+            sent = self._sent.get(request_id)
+            if sent is not None and sent.prefilling:
+                self._prefilled(self._replicas[sent.replica_id], sent)
+
     def _prefilled(self, replica: _Replica, sent: _Sent) -> None:
         sent.prefilling = False
         replica.prefill[sent.level] -= sent.request.prompt_tokens
 
     def _end(self, request_id: int | str) -> _Sent | None:
         sent = self._sent.pop(request_id, None)
+        self._whole.discard(request_id)
         if sent is None:
             return None
         replica = self._replicas[sent.replica_id]
@@ -435,6 +490,8 @@ class PoolController:
         if not self.queued:
             return None
         times = [t for t in (self._queue.next_deadline_s(),) if t is not None]
+        if self._assumed_prefills:
+            times.append(self._assumed_prefills[0][0])
         times += [r.breaker.reopen_at_s for r in self._order
                   if r.breaker.state is not BreakerState.CLOSED and r.breaker.reopen_at_s > now_s]
         later = [t for t in times if t > now_s]
