@@ -11,19 +11,20 @@ alternating, with the replicas drained in between. Figures printed:
   noisy       other tenants' P99 TTFT while one tenant sends 10x its share vs all at their share
               (shares add up to 0.8x capacity: the provisioned rate); bar < +20 %
   rejection   p99 of the gateway's own arrival-to-answer time of admission refusals; bar < 5 ms
-  slots       a replica slowed 2x: its slot limit trace; bar: within +-25 % of the new best in 30 s
+  slowed      a replica slowed 2x: the pool controller's fitted TTFT line for it (seconds per prefill
+              token, which sets its work budget) against the other replica's; bar: the ratio within 2x
+              +-25 % no later than 10 s after the slowdown, and staying there
 
 Replicas (`--replicas`): `embedded` (default) runs two `tidegate engine` processes (the engine
 `tidegate serve` starts for its embedded pool; started here as upstreams so that both gateways share
 them, the bench can drain them between phases, and `--fault-injection` can slow one 2x), one torch
 thread each; the gateways and the load generator share the same 2 cores, so the engines slow down
-as offered load rises, and the figures include that. The slot targets come from the replicas
-themselves: the base target is the p90 TTFT at which they delivered their capacity, the best
-tier's 1.15x their p90 TTFT at a quarter of it; the slowed replica's new best limit is measured by
-a concurrency sweep. `knee-mock` runs `bench/overload_knee_mock.py`, a modelled batching engine
-with a flat knee (no prefill cost, no KV limit), whose best limits are known in closed form.
+as offered load rises, and the figures include that. Each replica's `slot_limit` is its engine's
+batch (64 sequences); the pool controller splits it into requests and headroom and budgets the
+prefill work by its fitted TTFT line. `knee-mock` runs `bench/overload_knee_mock.py`, a modelled
+batching engine with a flat knee (no prefill cost, no KV limit).
 
-Run: flock /tmp/tidegate-bench.lock python bench/overload.py [--phase-s 12] [--only critical|goodput|noisy|slots]
+Run: flock /tmp/tidegate-bench.lock python bench/overload.py [--phase-s 12] [--only critical|goodput|noisy|slowed]
        [--replicas knee-mock|embedded]
 (`--only`: capacity and that bar alone, for iterating; not a verdict on all bars)
 """
@@ -45,26 +46,14 @@ import numpy as np
 import yaml
 
 from overload_measure import METRICS_KEY
-from overload_measure import (EMBEDDED_MODEL, PROMPT_TOKENS, TENANTS, TOKENS, Phase, Processes, best_limit, drain,
+from overload_measure import (EMBEDDED_MODEL, PROMPT_TOKENS, TENANTS, TOKENS, Phase, Processes, drain,
                               engine_sequences, free_port, goodput_rps, histogram_p99, http_text, p99_ttft, refusals,
-                              replica_gauge, run_closed, run_open, run_open_beside_flood, served, slot_limits, slowest,
+                              replica_gauge, run_closed, run_open, run_open_beside_flood, served, slowest,
                               ttft_summary)
 
 HERE = Path(__file__).resolve().parent
 KNEE, STEP_MS, MAX_RUNNING = 4, 25.0, 64
 REPLICAS = 2
-# the slot limit's latency target: just above the unloaded p90 TTFT (about 1.9 steps), so each
-# replica is kept at its knee, where throughput is full and latency still flat
-SLOT_TARGET_S = 0.06
-# while critical traffic is present the limit aims at this instead: about the unloaded p90 TTFT at
-# the knee (1.9 steps of 25 ms = 48 ms), so a critical request joins a batch no longer than the knee
-BEST_TIER_SLOT_TARGET_S = 0.055
-# slots per replica above the limit for the critical tier: its usual concurrency (0.25x capacity
-# of critical traffic holds about one request per replica) plus one
-PRIORITY_HEADROOM = 2
-# the adaptive-slots phase runs on its own gateway with a target past the knee, where the best
-# limit is well above the minimum and halves when the replica is slowed 2x
-SLOWDOWN_SLOT_TARGET_S = 0.2
 # the noisy-tenant bar's shares add up to this fraction of the measured capacity: what a service is
 # provisioned to carry with headroom (utilisation 0.8), so the fair baseline is a settled queue
 PROVISIONED = 0.8
@@ -74,21 +63,17 @@ DETECTION_S = 10.0
 WARMUP_S = 15.0  # before the noisy bar's fair phase, at its load
 
 
-def gateway_config(port: int, upstreams: list[str], overload: bool, slot_target_s: float = SLOT_TARGET_S,
-                   best_tier_target_s: float = BEST_TIER_SLOT_TARGET_S, upstream_model: str | None = None) -> dict:
+def gateway_config(port: int, upstreams: list[str], overload: bool, upstream_model: str | None = None) -> dict:
     config: dict = {
         "server": {"port": port, "access_log": False, "queue_timeout_s": 30.0, "metrics_api_key": METRICS_KEY},
         # forward_priority: the embedded engine schedules by the tier's rank (the knee mock ignores
         # it, so it is not told: the gateway would count on a demotion the mock never makes); the
         # embedded replicas are the ones named by a model
         "pools": [{"name": "m", "backends": [{"type": "upstream", "url": url, "health_path": "/health",
-                                               "model": upstream_model,
+                                               "model": upstream_model, "slot_limit": MAX_RUNNING,
                                                "forward_priority": upstream_model is not None}
                                               for url in upstreams]}],
         "tenants": {name: {"api_keys": [f"sk-{name}"], "tier": tier} for name, tier in TENANTS.items()},
-        "limits": {"slots": {"target_latency_s": slot_target_s, "initial": 4, "maximum": 256,
-                             "priority_headroom": PRIORITY_HEADROOM,
-                             "best_tier_target_latency_s": min(best_tier_target_s, slot_target_s)}},
         "overload_control": overload,
     }
     return config
@@ -201,34 +186,8 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
     theoretical = "" if embedded else f"; model says {REPLICAS * KNEE / (STEP_MS / 1000.0) / TOKENS:.1f}"
     print(f"capacity: {capacity:.1f} req/s measured (closed loop, {in_flight} in flight){theoretical}")
     drain(upstreams)
-    slot_target_s, best_tier_target_s = SLOT_TARGET_S, BEST_TIER_SLOT_TARGET_S
-    if embedded:
-        # no analytic knee: the targets are set from the replicas' TTFT at a quarter of capacity,
-        # in the same proportions as the knee mock's (60 ms and 55 ms over its 48 ms p90)
-        probe = await run_open(gateways["fifo"], [("t1", 0.25 * capacity)], phase_s, seed=7)
-        drain(upstreams)
-        unloaded_p90_s = float(np.percentile([r.ttft_s for r in probe.records if r.ok and r.ttft_s is not None], 90))
-        # A real engine has no flat knee: its throughput keeps rising with the batch while latency
-        # rises too, so a target near the unloaded latency would hold it far below capacity. The
-        # base target is the p90 TTFT at which it delivered its capacity; the best tier's target
-        # stays near the unloaded latency (the critical bar compares with critical traffic alone).
-        at_capacity_p90_s = float(np.percentile(
-            [r.ttft_s for r in capacity_phase.records if r.ok and r.ttft_s is not None], 90))
-        best_tier_target_s = 1.15 * unloaded_p90_s
-        slot_target_s = max(at_capacity_p90_s, best_tier_target_s)
-        print(f"slot targets: {slot_target_s * 1000:.0f} ms (p90 TTFT at capacity), best tier "
-              f"{best_tier_target_s * 1000:.0f} ms (1.15 x the p90 TTFT {unloaded_p90_s * 1000:.0f} ms at 0.25x)")
     gateways["tidegate"] = start_gateway(processes, workdir, "tidegate", gateway_config(
-        free_port(), upstreams, True, slot_target_s, best_tier_target_s, upstream_model=model))
-    # the adaptive-slots phase: a gateway of its own whose target lies past the knee, where the best
-    # limit is well above the minimum and falls when a replica is slowed 2x. On the engine, twice the
-    # base target: the slowed replica's best then lies near the capacity run's concurrency, where its
-    # latency climbs steeply with concurrency; at the base target it would lie in the flat stretch
-    # below, where a few ms of noise move the "best" by half
-    slowdown_target_s = 2.0 * slot_target_s if embedded else SLOWDOWN_SLOT_TARGET_S
-    if only in (None, "slots"):
-        gateways["slowdown"] = start_gateway(processes, workdir, "slowdown", gateway_config(
-            free_port(), upstreams, True, slowdown_target_s, upstream_model=model))
+        free_port(), upstreams, True, upstream_model=model))
 
     async def both(streams: list[tuple[str, float]], seed: int, duration_s: float = phase_s,
                    flood: list[tuple[str, float]] | None = None) -> dict[str, Phase]:
@@ -237,8 +196,8 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
             load = asyncio.create_task(
                 run_open(gateways[mode], streams, duration_s, seed) if not flood
                 else run_open_beside_flood(gateways[mode], streams, flood, duration_s, seed))
-            limits: list[float] = []
-            aimed_ms: list[float] = []  # what the limits aimed at (mean over replicas)
+            limits: list[float] = []  # the replicas' work budgets, tokens
+            aimed_ms: list[float] = []  # their fitted engine TTFT for one more prompt (mean over replicas)
             flooding: list[float] = []  # tenants the gateway judged to be flooding a tier
             sampled_at: list[float] = []  # time.monotonic() of each sample
             engines: list[tuple[float, float]] = []  # sequences the replicas ran and held waiting
@@ -246,9 +205,11 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
             while mode == "tidegate" and not load.done():
                 await asyncio.sleep(1.0)
                 text = await asyncio.to_thread(http_text, gateways[mode] + "/metrics")
-                limits.append(sum(replica_gauge(text, "tidegate_replica_slot_limit").values()))
-                aimed = replica_gauge(text, "tidegate_replica_slot_target_seconds").values()
-                aimed_ms.append(1000 * float(np.mean(list(aimed))) if aimed else math.nan)
+                limits.append(sum(replica_gauge(text, "tidegate_replica_work_budget_tokens").values()))
+                fixed = replica_gauge(text, "tidegate_replica_ttft_fit_seconds", 'coefficient="fixed"')
+                per_token = replica_gauge(text, "tidegate_replica_ttft_fit_seconds", 'coefficient="per_token"')
+                one = [fixed[rid] + per_token[rid] * PROMPT_TOKENS for rid in fixed if rid in per_token]
+                aimed_ms.append(1000 * float(np.mean(one)) if one else math.nan)
                 flooding.append(sum(float(v) for v in re.findall(
                     r"^tidegate_overload_tenants_over_share{[^}]*} (\S+)", text, re.M)))
                 sampled_at.append(time.monotonic())
@@ -258,12 +219,13 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
             if limits:
                 refused = {why: count - refused_before.get(why, 0.0) for why, count in refusals(gateways[mode]).items()}
                 refused_text = ", ".join(f"{count:.0f} {why}" for why, count in sorted(refused.items()) if count)
-                print(f"  (tidegate's slot limits, all replicas, sampled each second: median {np.median(limits):.0f}, "
-                      f"range {min(limits):.0f}-{max(limits):.0f}, aimed at median {np.median(aimed_ms):.0f} ms; "
+                print(f"  (tidegate's work budgets, all replicas, tokens, sampled each second: median "
+                      f"{np.nanmedian(limits):.0f}, range {np.nanmin(limits):.0f}-{np.nanmax(limits):.0f}; fitted "
+                      f"engine TTFT of one prompt median {np.nanmedian(aimed_ms):.0f} ms; "
                       f"a tenant judged flooding in {sum(f > 0 for f in flooding)}/{len(flooding)} samples; "
                       f"refused by tier and reason: {refused_text or 'none'})")
                 if flood:  # to line the others' slowest requests up with what the limits did
-                    print(f"  (each second, at s into the phase: limit/engines' running+waiting/flooding verdict: "
+                    print(f"  (each second, at s into the phase: budget/engines' running+waiting/flooding verdict: "
                           + " ".join(f"{at - out[mode].started_s:.1f}:{limit:.0f}/{running:.0f}+{waiting:.0f}/"
                                      + ("F" if judged > 0 else "-")
                                      for at, limit, (running, waiting), judged
@@ -330,76 +292,59 @@ async def _run(processes: Processes, phase_s: float, only: str | None, replicas:
         print(f"rejections answered: {count}, p99 {p99_s * 1000:.2f} ms (gateway's own timing; bar < 5 ms: "
               f"{'PASS' if count and p99_s < 0.005 else 'FAIL'})")
 
-    # -- adaptive slots: replica 0 slowed 2x under a 2x load
-    target = gateways["slowdown"]
-    replica_ids = sorted(slot_limits(target))
-    slowed = replica_ids[0]
-    load = asyncio.create_task(run_open(target, [(name, 2.0 * capacity / len(standard)) for name in standard],
-                                        2 * phase_s + 30.0, seed=301))
-    trace: list[tuple[float, dict[str, float]]] = []
-    aimed: list[float] = []  # the latency the slowed replica's limit aims at, once slowed
-    started = time.monotonic()
-    slowed_at = started + 2 * phase_s  # time for the limits to grow from their initial value and settle
-    slow_sent = False
+    if only in (None, "slowed"):
+        ok &= await slowed_replica_bar(gateways["tidegate"], upstreams, capacity, standard, phase_s)
+    print(("ALL BARS PASS" if ok else "SOME BARS FAIL") if only is None else
+          "SLOWED BAR " + ("PASSES" if ok else "FAILS") + " (--only slowed: the other bars were not run)")
+    return 0 if ok else 1
+
+
+async def slowed_replica_bar(gateway: str, upstreams: list[str], capacity: float, standard: list[str],
+                             phase_s: float) -> bool:
+    """Replica 0 slowed 2x under a 2x load: its fitted seconds per prefill token (which sets its work
+    budget) against the other replica's should double, within 10 s."""
+    text = await asyncio.to_thread(http_text, gateway + "/metrics")
+    replica_ids = sorted(replica_gauge(text, "tidegate_replica_work_budget_tokens"))
+    slowed, other = replica_ids[0], replica_ids[1]
     slow_port = re.search(r'@[^:]+:([0-9]+)', slowed).group(1)
     slow_url = f"http://127.0.0.1:{slow_port}/admin/slow"
-    while not load.done():
-        await asyncio.sleep(1.0)
-        now = time.monotonic()
-        if not slow_sent and now >= slowed_at:
-            http_text(slow_url, b"2")
-            slow_sent = True
-        text = await asyncio.to_thread(http_text, target + "/metrics")
-        trace.append((now - slowed_at, replica_gauge(text, "tidegate_replica_slot_limit")))
-        if slow_sent:
-            targets = replica_gauge(text, "tidegate_replica_slot_target_seconds")
-            aimed.extend([targets[slowed]] if slowed in targets else [])
-    await load
-    drain(upstreams)
-    before = [limits[slowed] for t, limits in trace if -3.0 <= t < 0 and slowed in limits]
-    settled_before = float(np.median(before)) if before else math.nan
-    if embedded:
-        # no model of the engine: its best limit, slowed, is measured directly (see best_limit)
-        mine = next(url for url in upstreams if f":{slow_port}/" in url)
-        other = next(url for url in upstreams if url != mine)
-        other_held = round(np.median([limits[rid] for t, limits in trace if t >= 20.0
-                                      for rid in replica_ids if rid != slowed and rid in limits]))
-        # the best limit for the latency the limit aims at: the target, stretched while requests wait
-        aimed_s = float(np.median(aimed)) if aimed else slowdown_target_s
-        best_after, curve = await best_limit(mine, other, max(1, other_held), aimed_s)
+    load = asyncio.create_task(run_open(gateway, [(name, 2.0 * capacity / len(standard)) for name in standard],
+                                        phase_s + 30.0, seed=301))
+    trace: list[tuple[float, float, dict[str, float]]] = []  # (t since slowed, slope ratio, budgets)
+    slowed_at = time.monotonic() + phase_s
+    slow_sent = False
+    try:
+        while not load.done():
+            await asyncio.sleep(1.0)
+            now = time.monotonic()
+            if not slow_sent and now >= slowed_at:
+                await asyncio.to_thread(http_text, slow_url, b"2")
+                slow_sent = True
+            text = await asyncio.to_thread(http_text, gateway + "/metrics")
+            slope = replica_gauge(text, "tidegate_replica_ttft_fit_seconds", 'coefficient="per_token"')
+            ratio = slope.get(slowed, math.nan) / slope.get(other, math.nan)
+            trace.append((now - slowed_at, ratio, replica_gauge(text, "tidegate_replica_work_budget_tokens")))
+        phase = await load
+    finally:
+        await asyncio.to_thread(http_text, slow_url, b"1")
         drain(upstreams)
-    http_text(slow_url, b"1")
-    print(f"slot limit trace (t = s since replica {slowed} was slowed 2x; target {slowdown_target_s * 1000:.0f} "
-          "ms, a gateway of its own):")
-    for t, limits in trace:
-        print(f"  t={t:+5.1f}  " + "  ".join(f"{rid.split('@')[0]}={limits.get(rid, math.nan):.0f}"
-                                             for rid in replica_ids))
-    if embedded:
-        print(f"  slowed replica's p90 TTFT by concurrency, measured directly (the other replica holding "
-              f"{other_held}): " + ", ".join(f"{c}: {latency * 1000:.0f} ms" for c, latency in curve))
-        how = f"the largest concurrency meeting {aimed_s * 1000:.0f} ms there, what the limit aimed at"
-    else:
-        # The model's best limit: the largest concurrency whose p90 TTFT (about 1.9 steps: a request
-        # waits for the step in progress, then its own) meets the target.
-        best_after_model = SLOWDOWN_SLOT_TARGET_S * KNEE / (1.9 * STEP_MS / 1000.0 * 2.0)
-        best_after = settled_before / 2.0  # step time doubles at every batch size: the best limit halves
-        how = f"half of that; the mock's model says {best_after_model:.1f}"
-    settle_t = next((t for t, limits in trace if t >= 0 and all(
-        abs(l2[slowed] / best_after - 1.0) <= 0.25 for t2, l2 in trace if t2 >= t)), None)
-    passed = settle_t is not None and settle_t <= 30.0
-    ok &= passed
-    print(f"  settled before slowdown {settled_before:.0f}; new best {best_after:.1f} ({how}); within +-25 % from "
-          f"{'never' if settle_t is None else f't={settle_t:.1f} s'} "
-          f"(bar <= 30 s: {'PASS' if passed else 'FAIL'})")
-    print(("ALL BARS PASS" if ok else "SOME BARS FAIL") if only is None else
-          "SLOTS BAR " + ("PASSES" if ok else "FAILS") + " (--only slots: the other bars were not run)")
-    return 0 if ok else 1
+    print(f"slowed replica (t = s since {slowed.split('@')[0]} was slowed 2x; per-token slope slowed/other, and "
+          "each replica's work budget in tokens):")
+    for t, ratio, budgets in trace:
+        print(f"  t={t:+5.1f}  ratio {ratio:4.2f}  " + "  ".join(
+            f"{rid.split('@')[0]}={budgets.get(rid, math.nan):.0f}" for rid in replica_ids))
+    settle_t = next((t for t, _, _ in trace if t >= 0 and all(
+        abs(r2 / 2.0 - 1.0) <= 0.25 for t2, r2, _ in trace if t2 >= t)), None)
+    passed = settle_t is not None and settle_t <= 10.0
+    print(f"  within 2x +-25 % from {'never' if settle_t is None else f't={settle_t:.1f} s'} (bar <= 10 s: "
+          f"{'PASS' if passed else 'FAIL'})  [served {served(phase, set(standard))}]")
+    return passed
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--phase-s", type=float, default=12.0, help="seconds of load per phase and mode")
-    parser.add_argument("--only", choices=("critical", "goodput", "noisy", "slots"),
+    parser.add_argument("--only", choices=("critical", "goodput", "noisy", "slowed"),
                         help="run capacity and this bar alone (for iterating)")
     parser.add_argument("--replicas", choices=("knee-mock", "embedded"), default="embedded",
                         help="real `tidegate engine` processes (default), or modelled flat-knee engines")

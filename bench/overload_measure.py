@@ -266,42 +266,11 @@ def refusals(gateway: str) -> dict[str, float]:
     return counts
 
 
-def replica_gauge(text: str, gauge: str) -> dict[str, float]:
-    """One per-replica gauge from a /metrics text, by replica id."""
-    return {replica: float(value) for replica, value in
-            re.findall(rf'^{gauge}{{[^}}]*replica="([^"]+)"[^}}]*}} (\S+)', text, re.M)}
-
-
-def slot_limits(gateway: str) -> dict[str, float]:
-    return replica_gauge(http_text(gateway + "/metrics"), "tidegate_replica_slot_limit")
-
-
-SWEEP_CONCURRENCY = (1, 2, 3, 4, 6, 8, 10, 12, 16, 20, 24, 32)
-
-
-async def best_limit(replica: str, other: str, other_concurrency: int, target_s: float, point_s: float = 6.0,
-                     warmup_s: float = 1.5) -> tuple[float, list[tuple[int, float]]]:
-    """The largest concurrency at which `replica`'s p90 TTFT meets `target_s`, measured directly.
-
-    A closed loop at each concurrency of a grid (samples from its first `warmup_s` dropped), while a
-    closed loop holds `other_concurrency` requests on the other replica, as the gateway's load does,
-    so the two replicas share the cores much as they did under the gateway. Linear between the last
-    grid point that meets the target and the first that misses it.
-    """
-    curve: list[tuple[int, float]] = []
-    for concurrency in SWEEP_CONCURRENCY:
-        mine, _ = await asyncio.gather(run_closed(replica, "t1", concurrency, point_s, model=EMBEDDED_MODEL),
-                                       run_closed(other, "t2", other_concurrency, point_s, model=EMBEDDED_MODEL))
-        ttfts = [r.ttft_s for r in mine.records if r.ok and r.ttft_s is not None and r.sent_s >= warmup_s]
-        curve.append((concurrency, float(np.percentile(ttfts, 90)) if ttfts else math.inf))
-        if curve[-1][1] > 1.5 * target_s:
-            break
-    best = float(curve[0][0]) if curve[0][1] > target_s else float(SWEEP_CONCURRENCY[-1])
-    for (c0, l0), (c1, l1) in zip(curve, curve[1:]):
-        if l0 <= target_s < l1:
-            best = c0 + (c1 - c0) * (target_s - l0) / (l1 - l0)
-            break
-    return best, curve
+def replica_gauge(text: str, gauge: str, label: str = "") -> dict[str, float]:
+    """One per-replica gauge from a /metrics text, by replica id; `label`: only series carrying it
+    (e.g. 'coefficient="fixed"')."""
+    return {replica: float(value) for labels, replica, value in
+            re.findall(rf'^{gauge}{{([^}}]*replica="([^"]+)"[^}}]*)}} (\S+)', text, re.M) if label in labels}
 
 
 def main() -> int:

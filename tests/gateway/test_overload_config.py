@@ -7,6 +7,11 @@ from pydantic import ValidationError
 
 from tidegate.gateway.overload_config import build_policies, parse_overload_sections
 from tidegate.policy.identity import IdentityOutcome, hash_api_key
+from tidegate.policy.pool import PoolReplica
+
+
+def _pools(*names: str) -> dict[str, list[PoolReplica]]:
+    return {name: [PoolReplica(f"{name}#0")] for name in names}
 
 
 def _sections(**overrides: object) -> dict:
@@ -17,7 +22,7 @@ def _sections(**overrides: object) -> dict:
                      "models": {"small": {"tokens_per_minute": 1000}}},
         },
         "tiers": None,
-        "limits": {"default": {"requests_per_minute": 5}, "slots": {"target_latency_s": 0.2}},
+        "limits": {"default": {"requests_per_minute": 5}, "engine_share": 0.4},
         "degradation": {"pools": {"big": {"fallback_pool": "small"}}},
     }
     base.update(overrides)
@@ -26,13 +31,13 @@ def _sections(**overrides: object) -> dict:
 
 def test_absent_sections_give_anonymous_default_tiers() -> None:
     config = parse_overload_sections({})
-    policies = build_policies(config, ["m"])
+    policies = build_policies(config, _pools("m"))
     assert policies.identity.resolve(None).outcome is IdentityOutcome.ANONYMOUS
     assert [tier.name for tier in policies.control.tiers] == ["critical", "standard", "sheddable", "batch"]
 
 
 def test_plain_and_hashed_keys_both_resolve_to_their_tenant() -> None:
-    policies = build_policies(parse_overload_sections(_sections()), ["big", "small"])
+    policies = build_policies(parse_overload_sections(_sections()), _pools("big", "small"))
     acme = policies.identity.resolve("sk-acme").identity
     beta = policies.identity.resolve("sk-beta").identity
     assert (acme.tenant, acme.tier) == ("acme", "critical")
@@ -41,7 +46,7 @@ def test_plain_and_hashed_keys_both_resolve_to_their_tenant() -> None:
 
 
 def test_fallback_pool_reaches_the_ladder() -> None:
-    policies = build_policies(parse_overload_sections(_sections()), ["big", "small"])
+    policies = build_policies(parse_overload_sections(_sections()), _pools("big", "small"))
     assert policies.control.pools["big"].ladder.config.fallback_pool == "small"
     assert policies.control.pools["small"].ladder.config.fallback_pool is None
 
@@ -70,15 +75,24 @@ def test_malformed_key_hash_is_refused() -> None:
 
 def test_degradation_for_unknown_pool_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown fallback pool"):
-        build_policies(parse_overload_sections(_sections()), ["big"])
+        build_policies(parse_overload_sections(_sections()), _pools("big"))
 
 
-def test_slot_bounds_must_be_ordered() -> None:
-    with pytest.raises(ValidationError, match="minimum <= initial <= maximum"):
-        parse_overload_sections({"limits": {"slots": {"initial": 8, "maximum": 4}}})
+def test_the_old_slot_limit_section_is_named_with_what_replaced_it() -> None:
+    with pytest.raises(ValidationError, match="limits.slots is no longer read.*engine_share"):
+        parse_overload_sections({"limits": {"slots": {"initial": 8}}})
 
 
-def test_backend_slot_limit_caps_the_adaptive_limit() -> None:
-    slots = parse_overload_sections({"limits": {"slots": {"initial": 8, "maximum": 256}}}).limits.slots
-    capped = slots.new_slots(ceiling=4)
-    assert capped.slot_limit == 4
+@pytest.mark.parametrize(("slot_limit", "share", "max_requests", "headroom"),
+                         [(64, 1 / 3, 43, 21), (48, 1 / 3, 32, 16), (1, 1 / 3, 1, 0), (8, 0.0, 8, 0)])
+def test_a_backends_slot_limit_splits_into_requests_and_headroom(slot_limit: int, share: float, max_requests: int,
+                                                                 headroom: int) -> None:
+    limits = parse_overload_sections({"limits": {"headroom_share": share}}).limits
+    replica = limits.pool_replica("r", slot_limit, orders_by_priority=True)
+    assert (replica.max_requests, replica.headroom) == (max_requests, headroom)
+    assert replica.max_requests + replica.headroom == slot_limit
+
+
+def test_engine_share_reaches_every_pools_controller() -> None:
+    policies = build_policies(parse_overload_sections(_sections()), _pools("big", "small"))
+    assert {p.controller.settings.engine_share for p in policies.control.pools.values()} == {0.4}

@@ -96,8 +96,11 @@ def _assert_whole(gateway: Gateway) -> None:
     overload: OverloadRuntime | None = gateway.overload
     if overload is not None:
         assert overload.control.open_requests == 0
-        assert not overload._tickets
-        assert all(held == 0 for held in overload._protected_held.values())
+        for body in overload.bodies.values():
+            assert not body.waiting
+            snapshot = body.controller.snapshot(overload.clock())
+            assert snapshot.queued == snapshot.retries_waiting == 0
+            assert all(r.requests == 0 and not any(r.prefill_tokens) for r in snapshot.replicas)
 
 
 # step name -> (class or module, attribute) that raises when the step is reached
@@ -107,9 +110,9 @@ _STEPS = {
     "send": (UpstreamConnection, "send"),
     "answer": (proxy_module.Proxy, "_answer_whole"),
     "stream_start": (proxy_module._StreamRelay, "_start"),
-    "dispatched": (proxy_module._Usage, "dispatched"),
     "first_token": (OverloadRuntime, "first_token"),
-    "took_slot": (OverloadRuntime, "_took_slot"),
+    "acquire": (OverloadRuntime, "acquire"),
+    "stream_pieces": (proxy_module._Usage, "stream_pieces"),
 }
 
 

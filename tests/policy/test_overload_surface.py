@@ -6,7 +6,7 @@ import importlib
 
 import pytest
 
-MODULES = ["identity", "tiers", "admission", "queueing", "concurrency", "prediction", "degradation", "overload"]
+MODULES = ["identity", "tiers", "admission", "queueing", "pool", "ttft_model", "shares", "prediction", "degradation", "overload"]
 
 
 @pytest.mark.parametrize("name", MODULES)

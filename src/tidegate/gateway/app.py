@@ -104,10 +104,13 @@ class Gateway:
         api_keys = frozenset(b"Bearer " + key.get_secret_value().encode() for key in server.api_keys)
         metrics_key = b"Bearer " + server.metrics_api_key.get_secret_value().encode() \
             if server.metrics_api_key is not None else None
-        # overload control drives the pools' queues and slot limits; off: FIFO and static limits
+        # overload control: each pool's controller owns its queue and slots; off: FIFO and static limits
         self.overload: OverloadRuntime | None = None
         if config.overload_control:
-            self.overload = OverloadRuntime(build_policies(config.overload, self.pools), self.pools,
+            limits = config.overload.limits
+            pool_replicas = {name: [limits.pool_replica(r.replica_id, r.slot_limit, r.forward_priority)
+                                    for r in pool.replicas] for name, pool in self.pools.items()}
+            self.overload = OverloadRuntime(build_policies(config.overload, pool_replicas, breaker_policy), self.pools,
                                             OverloadMetrics(self.metrics.registry))
         settings = ProxySettings(server.max_tokens_cap, server.first_byte_timeout_s, server.request_timeout_s,
                                  api_keys, metrics_key, metrics_on_main_port=server.metrics_port is None,

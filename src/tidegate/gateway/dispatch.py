@@ -1,9 +1,9 @@
 """Late-binding dispatch: a request leaves the gateway's wait queue only when a replica has a free slot.
 
 `ModelPool.acquire` takes a slot on the replica the routing policy picks, or waits in the pool's
-`WaitQueue` until `release` (or a replica turning healthy) frees one. The queue and the slot limits
-are the seams for overload control: a fair priority queue replaces `FifoWaitQueue`, an adaptive
-limit writes `Replica.slot_limit` from the samples `release` receives.
+`WaitQueue` until `release` (or a replica turning healthy) frees one. That is the body with overload
+control off (FIFO, static slot limits). With it on, the pool's controller (`policy/pool.py`) decides
+who waits and where each request goes; `ModelPool.controlled` hands it every capacity change.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Collection
-from typing import Any, Protocol
+from collections.abc import Callable, Collection
+from typing import Protocol
 
 from tidegate.errors import OverloadedError
 from tidegate.gateway.scrub import SecretScrubber
@@ -76,13 +76,11 @@ class Replica:
 
 
 class Waiter:
-    __slots__ = ("future", "exclude", "ticket")
+    __slots__ = ("future", "exclude")
 
-    def __init__(self, future: asyncio.Future[Replica], exclude: Collection[str], ticket: Any = None) -> None:
+    def __init__(self, future: asyncio.Future[Replica], exclude: Collection[str]) -> None:
         self.future = future
         self.exclude = exclude
-        # what overload control knows of the request (tenant, priority, token estimate), for its queue
-        self.ticket = ticket
 
 
 class WaitQueue(Protocol):
@@ -145,6 +143,9 @@ class ModelPool:
         self._cursor = 0
         self.retry_budget = RetryBudget(retry_budget)  # retries on another replica, per pool
         self._released_s = created_s  # when a slot was last given back: a queue with no release is stuck
+        # overload control's body of this pool's controller (`overload._PoolBody.wake`): it owns the
+        # queue and the slots then, and a health change wakes it instead of the FIFO queue
+        self.controlled: Callable[[float], None] | None = None
 
     def ready(self, now_s: float) -> bool:
         """Can take work: some replica is routable, and waiting requests are not stuck behind slots
@@ -169,7 +170,7 @@ class ModelPool:
             replica.breaker = replica.breaker.on_dispatch(now_s)  # the probe of an ejected replica
         return replica
 
-    async def acquire(self, now_s: float, exclude: Collection[str] = (), ticket: Any = None) -> Replica:
+    async def acquire(self, now_s: float, exclude: Collection[str] = ()) -> Replica:
         replica = self.try_acquire(now_s, exclude)
         if replica is not None:
             return replica
@@ -179,7 +180,7 @@ class ModelPool:
             raise OverloadedError(f"model {self.name!r} is overloaded: queue full",
                                   code="queue_full", retry_after_s=self._retry_after_s)
         loop = asyncio.get_running_loop()
-        waiter = Waiter(loop.create_future(), exclude, ticket)
+        waiter = Waiter(loop.create_future(), exclude)
         self.queue.push(waiter)
         timer = loop.call_later(self._queue_timeout_s, self._expire, waiter)
         try:
@@ -210,6 +211,9 @@ class ModelPool:
 
         With no routable replica left, every waiter is refused at once: waiting out its deadline
         for a replica that is down or ejected only makes the refusal late."""
+        if self.controlled is not None:
+            self.controlled(now_s)
+            return
         queue = self.queue
         if len(queue) and not any_routable(self.replicas, now_s):
             self._refuse_all()
@@ -217,7 +221,7 @@ class ModelPool:
         while len(queue):
             waiter = queue.peek()
             if waiter is None:
-                return  # the queue holds its head back (overload control keeps headroom for its best tier)
+                return
             if waiter.future.done():
                 queue.pop()
                 continue

@@ -2,7 +2,7 @@
 
 The sections are typed here and turned into the pure policies' constructors by `build_policies`,
 so `config.py` only has to hold them. Absent sections mean: auth off (one anonymous tenant), the
-default four tiers, no rate limits, adaptive slots with default bounds, the preset reply as the
+default four tiers, no rate limits, the pool controller's measured defaults, the preset reply as the
 only rung below the primary pool.
 
 ```yaml
@@ -21,8 +21,9 @@ tiers:
 limits:
   default: {requests_per_minute: 60}        # tenants without their own limit
   max_queued: 10000                         # per pool, all tiers together
-  slots: {target_latency_s: 0.5, initial: 4, minimum: 1, maximum: 256}
-  isolation: {over_share_factor: 2.0}     # a tenant's flood cannot slow its tier's others; null: off
+  engine_share: 0.5                         # of a tier's TTFT target, the engine's queue may take
+  headroom_share: 0.33                      # of a replica's slot_limit, only better levels may take
+  isolation: {over_share_factor: 2.0}     # a flooding tenant goes one engine level down; null: off
 degradation:
   preset_reply: "系统繁忙，请稍后重试"
   pools: {big-model: {fallback_pool: small-model}}
@@ -31,19 +32,18 @@ degradation:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from tidegate.policy.admission import RateLimit, RateLimiter
-from tidegate.policy.concurrency import AimdSlotLimit, GradientSlotLimit, ReplicaSlots, SlotLimitBounds
 from tidegate.policy.degradation import LadderConfig
+from tidegate.policy.health import BreakerPolicy
 from tidegate.policy.identity import ApiKeyEntry, IdentityResolver
 from tidegate.policy.overload import OverloadControl, PoolPolicies
-from tidegate.policy.prediction import WorkUnit
+from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
 from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import TierSpec, TierTable, default_tiers
 
@@ -52,8 +52,6 @@ __all__ = [
     "TenantConfig",
     "TierConfig",
     "TiersConfig",
-    "SlotAlgorithm",
-    "SlotsConfig",
     "IsolationConfig",
     "LimitsConfig",
     "PoolLadderConfig",
@@ -119,92 +117,51 @@ class TiersConfig(_Strict):
                          default_tier=self.default)
 
 
-class SlotAlgorithm(str, Enum):
-    GRADIENT = "gradient"
-    AIMD = "aimd"
-
-
-class SlotsConfig(_Strict):
-    """Adaptive slots per replica: no static limit, only a latency target and bounds."""
-
-    algorithm: SlotAlgorithm = SlotAlgorithm.GRADIENT
-    # replica latency (dispatch to first token; whole answer when not streamed) the limit aims at
-    target_latency_s: float = Field(0.5, gt=0)
-    initial: int = Field(4, ge=1)
-    minimum: int = Field(1, ge=1)
-    maximum: int = Field(256, ge=1)
-    window_s: float = Field(1.0, ge=0)
-    # slots per replica above the adaptive limit that only the best tier may take: a critical
-    # request then finds a slot at once, instead of waiting for one to free under a flood
-    priority_headroom: int = Field(1, ge=0)
-    # the best tier's recent concurrency (time-averaged, this half-life) is reserved inside each
-    # replica's limit: lower tiers fill only the rest, so a critical request joins a batch still at
-    # the latency target instead of one over it. null: no reserve (headroom only)
-    priority_reserve_half_life_s: float | None = Field(5.0, gt=0)
-    # while the best tier has been holding slots (its reserve is non-zero), each replica's limit
-    # aims at this tighter target instead: the reserve alone only moves slots, and the limit, which
-    # measures every request, would regrow until the whole batch (critical requests in it) sat at
-    # `target_latency_s`. null: one target for every tier
-    best_tier_target_latency_s: float | None = Field(None, gt=0)
-    # a replica that misses the target even at `minimum` slots (slow host, contention) gets a limit
-    # aimed at this many times that measured floor for `floor_ttl_s`, instead of being pinned at the
-    # minimum where it serves least and still misses. null: pinned at the minimum
-    floor_tolerance: float | None = Field(1.5, ge=1)
-    floor_ttl_s: float = Field(30.0, gt=0)
-    # while requests wait in the gateway for the pool's slots, limits aim at up to this many times
-    # the target: a real engine's throughput keeps rising with its batch, and a request waiting in
-    # the gateway gains more from the queue draining faster than the bigger batch costs it (never
-    # for the best tier's target). null: the target holds whatever waits
-    backlog_tolerance: float | None = Field(1.5, ge=1)
-
-    @model_validator(mode="after")
-    def _ordered_bounds(self) -> SlotsConfig:
-        if not self.minimum <= self.initial <= self.maximum:
-            raise ValueError("need minimum <= initial <= maximum")
-        if self.best_tier_target_latency_s is not None and self.best_tier_target_latency_s > self.target_latency_s:
-            raise ValueError("best_tier_target_latency_s must not exceed target_latency_s")
-        return self
-
-    def new_slots(self, ceiling: int | None = None, isolation_tolerance: float | None = None) -> ReplicaSlots:
-        """Slots for one replica; `ceiling`: the backend's own `slot_limit`, never exceeded;
-        `isolation_tolerance`: `IsolationConfig.latency_tolerance` when isolation is on."""
-        maximum = self.maximum if ceiling is None else max(1, min(self.maximum, ceiling))
-        minimum = min(self.minimum, maximum)
-        bounds = SlotLimitBounds(min(max(self.initial, minimum), maximum), minimum, maximum)
-        kind = GradientSlotLimit if self.algorithm is SlotAlgorithm.GRADIENT else AimdSlotLimit
-        limit = kind(self.target_latency_s, bounds=bounds, window_s=self.window_s,
-                     floor_tolerance=self.floor_tolerance, floor_ttl_s=self.floor_ttl_s,
-                     backlog_tolerance=self.backlog_tolerance)
-        return ReplicaSlots(limit, best_tier_target_s=self.best_tier_target_latency_s,
-                            isolation_tolerance=isolation_tolerance)
-
-
 class IsolationConfig(_Strict):
     """Tenant isolation within a tier (`policy.shares`): while a tenant sends more than
-    `over_share_factor` x its fair share, requests of the tier's other tenants are protected (the
-    headroom, a reserve of their own, no target stretched for the flood's backlog; with
-    `latency_tolerance`, limits aimed at the latency from before the flood), so the flood's excess
-    gets only the slots they leave."""
+    `over_share_factor` x its fair share, its requests go to the engine one level below its tier's
+    other tenants (the pool controller's rule 2), so its excess gets only what they leave."""
 
     over_share_factor: float = Field(2.0, ge=1)
     rate_half_life_s: float = Field(5.0, gt=0)  # arrival and service rates are averaged this long
-    # while a tenant floods, replica limits aim at this many times the latency they answered with
-    # before the flood (never above the target); the flood's requests, demoted in the engine, hold
-    # no slot against the others, so the smaller limit squeezes the flood, not them. null: the target
-    latency_tolerance: float | None = Field(1.1, ge=1)
 
     def shares(self, tenant_weights: Mapping[str, float] | None) -> TenantShares:
         return TenantShares(half_life_s=self.rate_half_life_s, over_share_factor=self.over_share_factor,
                             tenant_weights=tenant_weights)
 
 
+_REPLACED_KEYS = {
+    "slots": "the adaptive slot limit was replaced by the pool controller's work budget: see "
+             "limits.engine_share and limits.headroom_share (docs/overload-knobs.md)",
+    "predict_in": "the wait is predicted in tokens",
+}
+
+
 class LimitsConfig(_Strict):
     default: LimitConfig | None = None  # for tenants without a limit of their own; None: unlimited
-    max_queued: int = Field(10_000, ge=0)  # per pool, every tier together
-    slots: SlotsConfig = SlotsConfig()
+    max_queued: int = Field(10_000, ge=1)  # per pool, every tier together
+    # the share of a tier's TTFT target the engine's own queue may take (the controller's rule 3)
+    engine_share: float = Field(0.5, gt=0, le=1)
+    # the share of a replica's `slot_limit` that only a better engine level may take (rule 5)
+    headroom_share: float = Field(1 / 3, ge=0, lt=1)
     isolation: IsolationConfig | None = IsolationConfig()  # null: no isolation beyond fair queueing
-    predict_in: WorkUnit = WorkUnit.TOKENS  # the unit of queued work for the wait prediction
     default_max_tokens: int = Field(256, ge=1)  # reserved when a request names no max_tokens
+
+    @model_validator(mode="before")
+    @classmethod
+    def _name_replaced_keys(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            for key, why in _REPLACED_KEYS.items():
+                if key in data:
+                    raise ValueError(f"limits.{key} is no longer read: {why}")
+        return data
+
+    def pool_replica(self, replica_id: str, slot_limit: int, orders_by_priority: bool) -> PoolReplica:
+        """A replica as its pool's controller sees it: `slot_limit` split into the requests of one
+        level and better, and the headroom only better levels may take."""
+        headroom = min(slot_limit - 1, round(slot_limit * self.headroom_share))
+        return PoolReplica(replica_id, max_requests=slot_limit - headroom, headroom=headroom,
+                           orders_by_priority=orders_by_priority)
 
 
 class PoolLadderConfig(_Strict):
@@ -276,16 +233,17 @@ def _key_entries(tenants: Mapping[str, TenantConfig]) -> Iterable[ApiKeyEntry]:
             yield ApiKeyEntry.from_plain_key(key.get_secret_value(), name, tenant.tier)
 
 
-def build_policies(config: OverloadConfig, pools: Iterable[str]) -> OverloadPolicies:
-    """Constructs identity, rate limiter, tiers and per-pool queue/predictor/ladder.
+def build_policies(config: OverloadConfig, pools: Mapping[str, Sequence[PoolReplica]],
+                   breaker: BreakerPolicy = BreakerPolicy()) -> OverloadPolicies:
+    """Constructs identity, rate limiter, tiers and each pool's controller and ladder.
 
-    Raises ValueError when a degradation entry names a pool that does not exist.
+    `pools`: each pool's replicas (`LimitsConfig.pool_replica`). Raises ValueError when a
+    degradation entry names a pool that does not exist.
     """
-    pool_names = list(pools)
     for name, ladder in config.degradation.pools.items():
-        if name not in pool_names:
+        if name not in pools:
             raise ValueError(f"degradation.pools: unknown pool {name!r}")
-        if ladder.fallback_pool is not None and ladder.fallback_pool not in pool_names:
+        if ladder.fallback_pool is not None and ladder.fallback_pool not in pools:
             raise ValueError(f"degradation.pools.{name}: unknown fallback pool {ladder.fallback_pool!r}")
     tiers = config.tiers.table()
     tenants = config.tenants
@@ -296,12 +254,12 @@ def build_policies(config: OverloadConfig, pools: Iterable[str]) -> OverloadPoli
         default_limit=config.limits.default.policy() if config.limits.default is not None else None,
     )
     weights = {name: t.weight for name, t in tenants.items() if t.weight != 1.0} or None
-    isolation = config.limits.isolation
+    limits = config.limits
+    settings = PoolSettings(engine_share=limits.engine_share, max_queued=limits.max_queued, breaker=breaker)
+    isolation = limits.isolation
     control = OverloadControl(tiers, limiter, {
-        name: PoolPolicies.create(name, tiers, max_queued=config.limits.max_queued,
-                                  ladder=config.degradation.ladder(name), tenant_weights=weights,
-                                  unit=config.limits.predict_in,
-                                  shares=isolation.shares(weights) if isolation is not None else None)
-        for name in pool_names})
+        name: PoolPolicies.create(name, PoolController(
+            replicas, tiers, settings, shares=isolation.shares(weights) if isolation is not None else None,
+            tenant_weights=weights), config.degradation.ladder(name))
+        for name, replicas in pools.items()})
     return OverloadPolicies(IdentityResolver(_key_entries(tenants)), control, config)
-

@@ -1,15 +1,18 @@
 """Prometheus metrics of overload control, registered on the gateway's registry.
 
-Queue depth and oldest wait per tier and replica slot limits are read at scrape time (callback
+Queue depth and oldest wait per tier and replicas' work budgets are read at scrape time (callback
 gauges), so the hot path pays nothing for them; counters and histograms are updated as things happen.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from tidegate.policy.ttft_model import TtftFit
 
 __all__ = ["OverloadMetrics"]
 
@@ -46,13 +49,13 @@ class OverloadMetrics:
         self.over_share = Gauge("tidegate_overload_tenants_over_share", "Tenants sending more than their fair "
                                 "share's over_share_factor (their tier's other tenants are protected meanwhile)",
                                 ["pool", "tier"], registry=r)
-        self.slot_limit = Gauge("tidegate_replica_slot_limit", "Adaptive slot limit, by replica",
-                                ["pool", "replica"], registry=r)
-        self.slot_target = Gauge("tidegate_replica_slot_target_seconds", "Latency the slot limit aims at: the "
-                                 "target, or the replica's measured floor x tolerance when it cannot meet it",
-                                 ["pool", "replica"], registry=r)
-        self.slot_samples = Counter("tidegate_replica_slot_samples", "Latency samples fed to the slot limit",
-                                    ["pool", "replica", "kind"], registry=r)
+        self.work_budget = Gauge("tidegate_replica_work_budget_tokens", "Prefill tokens the replica's engine may "
+                                 "hold ahead of a best-tier request: its fitted TTFT line at the engine's share of "
+                                 "the target (NaN before its first token is measured)", ["pool", "replica"],
+                                 registry=r)
+        self.ttft_fit = Gauge("tidegate_replica_ttft_fit_seconds", "The replica's fitted engine time to first "
+                              "token: `fixed` seconds plus `per_token` seconds for each prefill token ahead (NaN "
+                              "before its first token)", ["pool", "replica", "coefficient"], registry=r)
 
     def of(self, metric: Any, *labels: str) -> Any:
         """The labelled child, resolved once: `labels()` takes a lock and builds a key each call."""
@@ -69,7 +72,15 @@ class OverloadMetrics:
         if over_share is not None:
             self.over_share.labels(pool, tier).set_function(over_share)
 
-    def watch_slot_limit(self, pool: str, replica: str, limit: Callable[[], float],
-                         aimed_latency_s: Callable[[], float]) -> None:
-        self.slot_limit.labels(pool, replica).set_function(limit)
-        self.slot_target.labels(pool, replica).set_function(aimed_latency_s)
+    def watch_work_budget(self, pool: str, replica: str, budget_tokens: Callable[[], float | None],
+                          fit: Callable[[], TtftFit | None]) -> None:
+        def read() -> float:
+            tokens = budget_tokens()
+            return math.nan if tokens is None else tokens
+
+        def coefficient(name: str) -> Callable[[], float]:
+            return lambda: math.nan if (line := fit()) is None else getattr(line, name)
+
+        self.work_budget.labels(pool, replica).set_function(read)
+        self.ttft_fit.labels(pool, replica, "fixed").set_function(coefficient("fixed_s"))
+        self.ttft_fit.labels(pool, replica, "per_token").set_function(coefficient("s_per_token"))

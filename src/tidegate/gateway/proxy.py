@@ -241,28 +241,21 @@ class Proxy:
     async def _forward(self, conn: HttpConnection, pool: ModelPool, endpoint: Endpoint, body: dict,
                        raw_body: bytes, stream: bool, request_id: bytes, started: float,
                        identity: Identity | None = None, timeout_s: float | None = None) -> tuple[int, str]:
-        overload = self.overload
-        ticket: Ticket | None = None
-        if overload is not None and identity is not None:
-            self._ticket_ids += 1
-            # raises the answer for a refusal (429, or 503 with the preset reply) at once
-            ticket = overload.admit(started, str(self._ticket_ids), identity, pool.name, body, timeout_s)
-            pool = self.pools[ticket.pool]  # the fallback pool when degraded to it
+        if self.overload is not None and identity is not None:
+            return await self._forward_controlled(conn, pool, endpoint, body, raw_body, stream, request_id, started,
+                                                  identity, timeout_s)
         # Whoever holds a replica slot gives it back in the `finally` below, on every way out:
         # an exception anywhere between acquiring and releasing must not leak it (eight leaked
         # slots once disabled a pool until restart)
-        held: Replica | None = ticket.replica if ticket is not None else None  # the fast path's slot
+        held: Replica | None = None
         metrics = self.pool_metrics[pool.name]
         metrics.in_flight.inc()
-        usage = _Usage(ticket)
         try:
-            held = await (overload.acquire(ticket) if ticket is not None else self._acquire(pool, started, ()))
-            if ticket is not None:
-                pool = self.pools[ticket.pool]  # a request displaced while it waited may move to the fallback
+            held = await self._acquire(pool, started, ())
             pool.retry_budget.on_attempt()
             try:
                 status = await self._exchange_on(conn, pool, held, endpoint, body, raw_body, stream,
-                                                 request_id, started, metrics, usage=usage)
+                                                 request_id, started, metrics)
             except _RetryElsewhere as retry:
                 # nothing reached the client and the replica failed: one more try, on another
                 # replica, if the pool's retry budget allows (retries must not amplify an outage)
@@ -275,7 +268,7 @@ class Proxy:
                     raise retry.error from None
                 self.metrics.upstream_retries.labels(pool.name, retry.reason).inc()
                 status = await self._exchange_on(conn, pool, held, endpoint, body, raw_body, stream,
-                                                 request_id, started, metrics, retried=True, usage=usage)
+                                                 request_id, started, metrics, retried=True)
             metrics.count(status)
             metrics.e2e.observe(self.clock() - started)
             return status, held.replica_id
@@ -283,8 +276,42 @@ class Proxy:
             if held is not None:
                 self._release(held)
             metrics.in_flight.dec()
-            if ticket is not None:
-                overload.settle(ticket, None, usage.completion_tokens())
+
+    async def _forward_controlled(self, conn: HttpConnection, pool: ModelPool, endpoint: Endpoint, body: dict,
+                                  raw_body: bytes, stream: bool, request_id: bytes, started: float,
+                                  identity: Identity, timeout_s: float | None) -> tuple[int, str]:
+        """The same way through with overload control: its pool's controller decides when and where
+        the request goes, and hears how it ended (`OverloadRuntime.settle`, on every way out)."""
+        overload = self.overload
+        assert overload is not None
+        self._ticket_ids += 1
+        # raises the answer for a refusal (429, or 503 with the preset reply) at once
+        ticket = overload.admit(started, str(self._ticket_ids), identity, pool.name, body, timeout_s, stream)
+        pool = self.pools[ticket.pool]  # the fallback pool when degraded to it
+        metrics = self.pool_metrics[pool.name]
+        metrics.in_flight.inc()
+        usage = _Usage(ticket)
+        try:
+            replica = await overload.acquire(ticket)
+            pool = self.pools[ticket.pool]  # a request displaced while it waited may move to the fallback
+            pool.retry_budget.on_attempt()
+            try:
+                status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
+                                                 request_id, started, metrics, usage=usage)
+            except _RetryElsewhere as retry:
+                try:
+                    replica = await overload.retry(ticket, retry.reason)
+                except OverloadedError:
+                    raise retry.error from None
+                self.metrics.upstream_retries.labels(pool.name, retry.reason).inc()
+                status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
+                                                 request_id, started, metrics, retried=True, usage=usage)
+            metrics.count(status)
+            metrics.e2e.observe(self.clock() - started)
+            return status, replica.replica_id
+        finally:
+            metrics.in_flight.dec()
+            overload.settle(ticket, usage.completion_tokens())
 
     def _release(self, replica: Replica) -> None:
         self.pools[replica.pool_name].release(replica, self.clock())
@@ -300,30 +327,37 @@ class Proxy:
         rewrites: dict = {}
         if replica.upstream_model != body["model"]:
             rewrites["model"] = replica.upstream_model
-        if replica.forward_priority and usage is not None and usage.ticket is not None:
-            # the tier (and a tenant's flood) decides, not a `priority` the client may have sent
-            rewrites["priority"] = self.overload.engine_priority(usage.ticket)
+        if replica.forward_priority and usage is not None:
+            # the controller's engine level (tier, and a tenant's flood) decides, not a `priority`
+            # the client may have sent
+            rewrites["priority"] = usage.ticket.priority
         payload = orjson.dumps({**body, **rewrites}) if rewrites else raw_body
         data = b"".join((replica.request_head(endpoint.value), b"x-request-id: ", request_id,
                          b"\r\ncontent-length: ", str(len(payload)).encode(), b"\r\n\r\n", payload))
         sent_s = self.clock()
-        if usage is not None and usage.ticket is not None:
-            usage.dispatched(replica, sent_s)
         try:
             return await self._exchange(conn, replica, data, stream, request_id, started, metrics, usage, sent_s,
                                         may_retry=not retried)
         except UpstreamFailure as failure:
-            if usage is not None and usage.ticket is not None:
-                usage.failed(self.overload)
             kind = "timeout" if failure.timed_out else ("connect" if failure.connect else "broken")
             self.metrics.upstream_errors.labels(pool.name, replica.replica_id, kind).inc()
-            pool.record_failure(replica, self.clock(), sent_s)
+            self._record(pool, replica, sent_s, usage, kind)
             if failure.timed_out:
                 raise UpstreamTimeoutError("the upstream did not answer in time") from None
             error = UpstreamError(f"upstream replica failed: {failure}")
             if failure.before_first_byte and not retried and self._may_retry(pool, replica, self.clock()):
                 raise _RetryElsewhere(error, kind) from None
             raise error from None
+
+    def _record(self, pool: ModelPool, replica: Replica, sent_s: float, usage: _Usage | None,
+                failure: str | None) -> None:
+        """How the attempt ended, for the replica's breaker: the pool's, or its controller's."""
+        if usage is not None:
+            self.overload.ended(usage.ticket, failure)  # type: ignore[union-attr]
+        elif failure is None:
+            pool.record_success(replica, self.clock(), sent_s)
+        else:
+            pool.record_failure(replica, self.clock(), sent_s)
 
     @staticmethod
     def _may_retry(pool: ModelPool, failed: Replica, now_s: float) -> bool:
@@ -366,7 +400,7 @@ class Proxy:
                 relay.flush(at_end=True)
             if relay is None or not relay.streaming:
                 return self._answer_whole(conn, replica, exchange, request_id, usage, sent_s, may_retry)
-            self.pools[replica.pool_name].record_success(replica, self.clock(), sent_s)
+            self._record(self.pools[replica.pool_name], replica, sent_s, usage, None)
             conn.end_stream()
             return 200
         except UpstreamFailure as failure:
@@ -374,9 +408,9 @@ class Proxy:
                 raise
             # headers are out: say what happened in the stream, then end it, so it cannot look complete
             pool = self.pools[replica.pool_name]
-            pool.record_failure(replica, self.clock(), sent_s)
-            self.metrics.upstream_errors.labels(pool.name, replica.replica_id,
-                                                "timeout" if failure.timed_out else "broken").inc()
+            kind = "timeout" if failure.timed_out else "broken"
+            self._record(pool, replica, sent_s, usage, kind)
+            self.metrics.upstream_errors.labels(pool.name, replica.replica_id, kind).inc()
             error = UpstreamTimeoutError("the upstream timed out mid-stream") if failure.timed_out \
                 else UpstreamError("the upstream failed mid-stream")
             conn.stream_chunk(b"data: " + orjson.dumps(openai_error_body(error)) + b"\n\n")
@@ -395,21 +429,18 @@ class Proxy:
         body = exchange.body()
         pool = self.pools[replica.pool_name]
         now_s = self.clock()
-        overload_usage = usage if usage is not None and usage.ticket is not None else None
         if status >= 500:
-            # the replica failed: it counts towards ejection and teaches the slot limit a drop
-            pool.record_failure(replica, now_s, sent_s)
+            # the replica failed: it counts towards ejection
+            self._record(pool, replica, sent_s, usage, "status_5xx")
             self.metrics.upstream_errors.labels(pool.name, replica.replica_id, "status_5xx").inc()
-            if overload_usage is not None:
-                overload_usage.failed(self.overload)
             if may_retry and self._may_retry(pool, replica, now_s):
                 # nothing has reached the client yet: another replica may answer it well
                 raise _RetryElsewhere(UpstreamError(f"upstream replica answered {status}"), "status_5xx")
         else:
-            pool.record_success(replica, now_s, sent_s)
-            if overload_usage is not None:
-                overload_usage.answered_whole(self.overload, now_s, body)
-        extra = overload_usage.ticket.response_headers if overload_usage is not None else b""
+            self._record(pool, replica, sent_s, usage, None)
+            if usage is not None:
+                usage.answered_whole(body)
+        extra = usage.ticket.response_headers if usage is not None else b""
         scrubber = replica.scrubber
         if scrubber is not None:
             body = scrubber.scrub_answer(status, body)
@@ -439,7 +470,7 @@ class _StreamRelay:
         self.saw_token = False  # an event with generated output has passed (see _FIRST_TOKEN)
         self.pending: list[bytes] = []
         self.exchange: Exchange | None = None
-        self.usage = usage if usage is not None and usage.ticket is not None else None  # overload control only
+        self.usage = usage  # overload control only
         self.last_read_s = started  # the upstream's last read, once streaming: its silence is timed
         self.client_paused = False  # the client reads slower than the upstream writes: not the upstream's silence
         # the replica's key kept out of the stream: body pieces go through it, whole lines come out
@@ -481,7 +512,7 @@ class _StreamRelay:
         now_s = proxy.clock()
         self.metrics.ttft.observe(now_s - self.started)
         if self.usage is not None:
-            self.usage.first_token(proxy.overload, now_s)
+            proxy.overload.first_token(self.usage.ticket)  # type: ignore[union-attr]
 
     def _start(self, conn: HttpConnection) -> None:
         self.streaming = True
@@ -533,31 +564,19 @@ class _StreamRelay:
 
 
 class _Usage:
-    """Overload control's view of one exchange: slot latency samples and the tokens to settle."""
+    """Overload control's view of one exchange: the completion tokens to settle."""
 
-    __slots__ = ("ticket", "replica", "sent_s", "events", "reported")
+    __slots__ = ("ticket", "events", "reported")
 
-    def __init__(self, ticket: Ticket | None) -> None:
+    def __init__(self, ticket: Ticket) -> None:
         self.ticket = ticket
-        self.replica: Replica | None = None
-        self.sent_s = 0.0
         self.events = 0  # SSE events passed on
         self.reported: int | None = None  # completion_tokens of the upstream's usage, when it sent one
 
-    def dispatched(self, replica: Replica, now_s: float) -> None:
-        self.replica, self.sent_s = replica, now_s
-
-    def first_token(self, overload: OverloadRuntime, now_s: float) -> None:
-        overload.first_token(self.replica, now_s - self.sent_s, self.ticket)
-
-    def answered_whole(self, overload: OverloadRuntime, now_s: float, body: bytes) -> None:
-        overload.first_token(self.replica, now_s - self.sent_s, self.ticket)
+    def answered_whole(self, body: bytes) -> None:
         found = _COMPLETION_TOKENS.search(body)
         if found is not None:
             self.reported = int(found.group(1))
-
-    def failed(self, overload: OverloadRuntime) -> None:
-        overload.ended_badly(self.replica, overload.clock() - self.sent_s)
 
     def stream_pieces(self, pieces: list[bytes]) -> None:
         for piece in pieces:

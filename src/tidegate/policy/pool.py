@@ -212,6 +212,10 @@ class PoolController:
     def breaker(self, now_s: float, replica_id: str) -> Breaker:
         return self._replicas[replica_id].breaker.current(now_s)
 
+    def ttft_fit(self, replica_id: str) -> TtftFit | None:
+        """The replica's fitted engine TTFT line (rule 3); None before its first token."""
+        return self._replicas[replica_id].model.fit
+
     def budget_tokens(self, now_s: float, replica_id: str) -> float | None:
         """Prefill tokens the replica's engine may hold ahead of a best-tier request (rule 3);
         None before its first token is measured."""
