@@ -7,10 +7,12 @@ Prints, for non-streaming and streaming (16 chunks) requests:
   minus direct-to-mock, measured in alternating rounds;
 - requests/s at concurrency 64 through one gateway process vs the minimal aiohttp proxy
   (bench/minimal_proxy.py), alternating, median of rounds; direct-to-mock for scale;
-- CPU time per request of the process under test over those rounds (Linux /proc).
+- CPU time per request of the process under test over those rounds (Linux /proc), for the gateway
+  with overload control on (the default, no tenants) and off (FIFO), against the minimal proxy's.
 Latency comes from a raw asyncio + httptools client; throughput from `wrk` when installed (a C client
 cannot hide the difference between proxies), else from the same raw client.
-Bars: added p50 <= 0.6 ms, p99 <= 3 ms; rps >= 1.5x (non-streaming) and >= 1.2x (streaming) the minimal proxy.
+Bars: added p50 <= 0.6 ms, p99 <= 3 ms; rps >= 1.5x (non-streaming) and >= 1.2x (streaming) the minimal proxy;
+non-streaming CPU per request with overload control on <= 0.3x the minimal proxy's.
 """
 
 from __future__ import annotations
@@ -168,6 +170,7 @@ class Stack:
         self.pids: dict[str, int] = {}  # process under test, by target name
         self.workdir = tempfile.mkdtemp(prefix="tidegate-bench-")
         self.mock_port, self.gateway_port, self.proxy_port = free_port(), free_port(), free_port()
+        self.fifo_gateway_port = free_port()
 
     def _start(self, argv: list[str], cpu: str, name: str) -> None:
         if self.pin:
@@ -181,16 +184,19 @@ class Stack:
         py = sys.executable
         self._start([py, "-m", "tidegate", "mock-upstream", "--port", str(self.mock_port), "--tokens", str(TOKENS),
                      "--ttft-ms", "0", "--itl-ms", "0"], "0", "mock")
-        config = Path(self.workdir, "gateway.yaml")
-        config.write_text(
-            f"server:\n  port: {self.gateway_port}\n  access_log: false\n"
-            f"pools:\n  - name: mock\n    backends:\n      - type: upstream\n"
-            f"        url: http://127.0.0.1:{self.mock_port}/v1\n")
-        self._start([py, "-m", "tidegate", "serve", "--config", str(config), "--log-level", "warning"], "1", "gateway")
+        for name, port, overload in (("gateway", self.gateway_port, "true"),
+                                     ("gateway-fifo", self.fifo_gateway_port, "false")):
+            config = Path(self.workdir, f"{name}.yaml")
+            config.write_text(
+                f"overload_control: {overload}\nserver:\n  port: {port}\n  access_log: false\n"
+                f"pools:\n  - name: mock\n    backends:\n      - type: upstream\n"
+                f"        url: http://127.0.0.1:{self.mock_port}/v1\n")
+            self._start([py, "-m", "tidegate", "serve", "--config", str(config), "--log-level", "warning"], "1", name)
         self._start([py, str(HERE / "minimal_proxy.py"), "--port", str(self.proxy_port),
                      "--upstream", f"http://127.0.0.1:{self.mock_port}"], "1", "proxy")
         wait_ok(f"http://127.0.0.1:{self.mock_port}/health")
         wait_ok(f"http://127.0.0.1:{self.gateway_port}/ready")
+        wait_ok(f"http://127.0.0.1:{self.fifo_gateway_port}/ready")
         for _ in range(100):  # the minimal proxy has no probe; wait until it proxies
             try:
                 drive(self.proxy_port, "/v1/chat/completions", request_body(False, "mock"), 1, 0.05)
@@ -252,11 +258,13 @@ def main() -> int:
                   f" p99 {g99*1000:.3f} ms | added p50 {add50:.3f} ms (bar 0.6) p99 {add99:.3f} ms (bar 3.0)"
                   f" {'PASS' if latency_ok else 'FAIL'}")
             # -- throughput at c=64, alternating gateway and minimal proxy
-            rps: dict[str, list[float]] = {"direct": [], "gateway": [], "minimal proxy": []}
+            rps: dict[str, list[float]] = {"direct": [], "gateway": [], "gateway, overload off": [], "minimal proxy": []}
             cpu_s = {name: 0.0 for name in rps}
             served = {name: 0 for name in rps}
-            owner = {"direct": "mock", "gateway": "gateway", "minimal proxy": "proxy"}
-            targets = (("gateway", stack.gateway_port), ("minimal proxy", stack.proxy_port), ("direct", stack.mock_port))
+            owner = {"direct": "mock", "gateway": "gateway", "gateway, overload off": "gateway-fifo",
+                     "minimal proxy": "proxy"}
+            targets = (("gateway", stack.gateway_port), ("minimal proxy", stack.proxy_port),
+                       ("gateway, overload off", stack.fifo_gateway_port), ("direct", stack.mock_port))
             for _ in range(args.rounds):
                 for name, port in targets:
                     cpu_before = cpu_seconds(stack.pids[owner[name]])
@@ -276,8 +284,15 @@ def main() -> int:
             print(f"{label.split(' (')[0]}, c=64 req/s (median of {args.rounds}): "
                   + "  ".join(f"{name} {value:,.0f}" for name, value in medians.items())
                   + f" | gateway / minimal proxy = {ratio:.2f}x (bar {bar}x) {'PASS' if ratio >= bar else 'FAIL'}")
+            cpu_us = {name: cpu_s[name] / max(1, served[name]) * 1e6 for name in rps}
             print("  CPU per request of the process under test: " + "  ".join(
-                f"{name} ({owner[name]}) {cpu_s[name] / max(1, served[name]) * 1e6:.0f} us" for name in rps))
+                f"{name} ({owner[name]}) {cpu_us[name]:.0f} us" for name in rps))
+            cpu_ratio = cpu_us["gateway"] / cpu_us["minimal proxy"]
+            if not stream:
+                ok &= cpu_ratio <= 0.3
+            print(f"  gateway / minimal proxy CPU per request = {cpu_ratio:.2f}x"
+                  + (f" (bar 0.3x) {'PASS' if cpu_ratio <= 0.3 else 'FAIL'}" if not stream else "")
+                  + f"; overload off {cpu_us['gateway, overload off'] / cpu_us['minimal proxy']:.2f}x")
             print("  rounds: " + "; ".join(f"{name} " + ", ".join(f"{v:,.0f}" for v in values)
                                            for name, values in rps.items()))
     finally:

@@ -33,6 +33,7 @@ class ReplicaLoad:
 
 class ArrivalVerdict(Enum):
     QUEUED = "queued"  # held by the controller until `on_capacity` assigns or refuses it
+    ASSIGNED = "assigned"  # nothing waited and a replica could take it: `ArrivalDecision.assignment`
     REFUSED = "refused"  # answered at once (429/503 in the live body)
 
 
@@ -67,6 +68,7 @@ class ArrivalDecision:
     # predicted wait / the wait its deadline allows (>= 1 refused); the degradation ladder reads it
     pressure: float = 0.0
     predicted_wait_s: float | None = None
+    assignment: Assignment | None = None  # with ASSIGNED: carry it out as one of `on_capacity`'s
 
 
 QUEUED = ArrivalDecision(ArrivalVerdict.QUEUED)

@@ -40,25 +40,44 @@ def _remaining_tokens(control: OverloadControl, now_s: float) -> int:
     return control.limiter.headers(now_s, "t", "big").remaining_tokens
 
 
-def test_request_queues_is_assigned_and_settles() -> None:
+def _take_the_slot(control: OverloadControl, model: str = "big") -> RequestFacts:
+    """The pool's one slot taken by a request assigned at arrival: the next ones queue."""
+    facts = _facts(model=model)
+    assert control.arrive(0.0, facts).outcome is ArrivalOutcome.ASSIGNED
+    return facts
+
+
+def test_request_is_assigned_at_once_when_nothing_waits_and_settles() -> None:
     control = _control()
     facts = _facts()
     arrival = control.arrive(0.0, facts)
-    assert (arrival.outcome, arrival.pool, arrival.rung) == (ArrivalOutcome.QUEUED, "big", Rung.PRIMARY)
-    assignment, = control.pools["big"].controller.on_capacity(0.0).assignments
-    assert assignment.request_id == facts.request_id
+    assert (arrival.outcome, arrival.pool, arrival.rung) == (ArrivalOutcome.ASSIGNED, "big", Rung.PRIMARY)
+    assert arrival.assignment is not None and arrival.assignment.request_id == facts.request_id
     assert _remaining_tokens(control, 0.0) == 100_000 - 100
     control.finish(1.0, facts.request_id, used_tokens=30)
     assert control.open_requests == 0
     assert _remaining_tokens(control, 1.0) >= 100_000 - 30
 
 
+def test_request_queues_behind_a_full_replica_and_is_assigned_when_it_frees() -> None:
+    control = _control()
+    first = _take_the_slot(control)
+    facts = _facts()
+    arrival = control.arrive(0.0, facts)
+    assert (arrival.outcome, arrival.pool, arrival.assignment) == (ArrivalOutcome.QUEUED, "big", None)
+    controller = control.pools["big"].controller
+    controller.on_first_token(0.1, first.request_id)
+    controller.on_finish(0.2, first.request_id)
+    assignment, = controller.on_capacity(0.2).assignments
+    assert assignment.request_id == facts.request_id
+
+
 def test_rate_limited_request_is_not_queued() -> None:
     control = _control(tpm=150)
-    control.arrive(0.0, _facts())
+    _take_the_slot(control)
     arrival = control.arrive(0.0, _facts())
     assert arrival.outcome is ArrivalOutcome.RATE_LIMITED and arrival.admission.retry_after_s
-    assert control.pools["big"].controller.queued == 1
+    assert control.pools["big"].controller.queued == 0 and control.open_requests == 1
 
 
 def _one_slot_tiers() -> TierTable:
@@ -69,23 +88,30 @@ def _one_slot_tiers() -> TierTable:
 
 def test_a_request_its_pool_refuses_gets_the_preset_reply_and_is_refunded() -> None:
     control = _control(tiers=_one_slot_tiers())
+    _take_the_slot(control)
     control.arrive(0.0, _facts())
     arrival = control.arrive(0.0, _facts())  # standard's queue holds one
     assert arrival.outcome is ArrivalOutcome.PRESET_REPLY and arrival.reply is not None
     assert arrival.reply.status == 503 and arrival.reply.retry_after_s and arrival.reason == "tier_full"
-    assert control.open_requests == 1
+    assert control.open_requests == 2
 
 
 def test_a_request_its_pool_refuses_goes_to_the_fallback_pool() -> None:
     control = _control(tiers=_one_slot_tiers(), fallback=True)
+    _take_the_slot(control)
     control.arrive(0.0, _facts())
     arrival = control.arrive(0.0, _facts())
-    assert (arrival.outcome, arrival.pool, arrival.rung) == (ArrivalOutcome.QUEUED, "small", Rung.FALLBACK_POOL)
+    # nothing waits in the lighter pool: it starts there at once
+    assert (arrival.outcome, arrival.pool, arrival.rung) == (ArrivalOutcome.ASSIGNED, "small", Rung.FALLBACK_POOL)
+    assert arrival.assignment is not None and arrival.assignment.replica_id == "small#0"
+    arrival = control.arrive(0.0, _facts())  # ... and with its one slot taken, the next one queues there
+    assert (arrival.outcome, arrival.pool) == (ArrivalOutcome.QUEUED, "small")
     assert control.pools["small"].controller.queued == 1
 
 
 def test_cached_answer_is_used_before_the_preset_reply() -> None:
     control = _control(tiers=_one_slot_tiers())
+    _take_the_slot(control)
     control.arrive(0.0, _facts())
     arrival = control.arrive(0.0, _facts(), cached_answer_available=True)
     assert arrival.outcome is ArrivalOutcome.CACHED_ANSWER
@@ -109,6 +135,7 @@ def test_a_displaced_request_is_answered_and_a_better_one_takes_its_place() -> N
     pools = {"big": PoolPolicies.create("big", PoolController((PoolReplica("b"),), full,
                                                               settings=PoolSettings(max_queued=1)))}
     control = OverloadControl(full, RateLimiter(), pools)
+    _take_the_slot(control)
     waiting = _facts()
     control.arrive(0.0, waiting)
     arrival = control.arrive(0.0, _facts("critical"))
@@ -125,10 +152,12 @@ def test_a_displaced_request_moves_to_the_fallback_pool_once() -> None:
                                         LadderConfig(fallback_pool="small")),
              "small": PoolPolicies.create("small", small)}
     control = OverloadControl(full, RateLimiter(), pools)
+    _take_the_slot(control)
+    _take_the_slot(control, "small")
     waiting = _facts()
     control.arrive(0.0, waiting)
     notice, = control.arrive(1.0, _facts("critical")).shed
-    assert notice.moved_to == "small" and small.queued == 1
+    assert notice.moved_to == "small" and notice.assignment is None and small.queued == 1
     # pushed out of the fallback too: answered, not moved back
     arrival = control.arrive(1.0, _facts("critical", model="small"))
     notice, = arrival.shed
@@ -143,16 +172,16 @@ def test_pressure_sends_a_tier_that_degrades_early_to_the_fallback_but_never_ref
         controller = control.pools["big"].controller
         # a measured service rate: 1 request every 0.1 s with a backlog (one slot)
         backlog = [_facts("standard", tenant=f"t{i}") for i in range(60)]
-        for facts in backlog:
-            control.arrive(0.0, facts)
+        arrivals = [control.arrive(0.0, facts) for facts in backlog]
         now_s = 0.0
-        sent = [a.request_id for a in controller.on_capacity(now_s).assignments]
+        sent = [a.assignment.request_id for a in arrivals if a.assignment is not None]
+        sent += [a.request_id for a in controller.on_capacity(now_s).assignments]
         for _ in range(30):
             now_s += 0.1
             controller.on_finish(now_s, sent[-1])
             sent += [a.request_id for a in controller.on_capacity(now_s).assignments]
         arrival = control.arrive(now_s, _facts("sheddable"))
-        assert arrival.outcome is ArrivalOutcome.QUEUED
+        assert arrival.outcome in (ArrivalOutcome.QUEUED, ArrivalOutcome.ASSIGNED)
         assert (arrival.pool, arrival.rung) == (("small", Rung.FALLBACK_POOL) if fallback else ("big", Rung.PRIMARY))
 
 
@@ -176,7 +205,7 @@ def test_every_reservation_is_settled_exactly_once(ops) -> None:
         now_s += 0.05
         if op == "arrive":
             facts = _facts(tier)
-            if control.arrive(now_s, facts).outcome is ArrivalOutcome.QUEUED:
+            if control.arrive(now_s, facts).outcome in (ArrivalOutcome.QUEUED, ArrivalOutcome.ASSIGNED):
                 admitted.append(facts.request_id)
         elif op == "assign":
             for name in ("big", "small"):

@@ -6,7 +6,7 @@ from tidegate.policy.pool import (REFUSED_NO_REPLICA, REFUSED_UNKNOWN_TIER, Pool
                                   ServiceClass)
 from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import default_tiers
-from tidegate.types import ArrivalVerdict, PoolRequest, ReplicaHealth
+from tidegate.types import ArrivalVerdict, Assignment, Dispatch, PoolRequest, ReplicaHealth
 
 TIERS = default_tiers()
 
@@ -20,9 +20,23 @@ def controller(*replicas: PoolReplica, shares: TenantShares | None = None) -> Po
     return PoolController(replicas or (PoolReplica("r0", max_requests=4),), TIERS, shares=shares)
 
 
-def arrive_all(ctl: PoolController, *requests: PoolRequest, now_s: float = 0.0) -> None:
+# per controller: what it assigned at arrival (nothing was waiting), not yet handed to the test
+_ASSIGNED_AT_ARRIVAL: dict[int, list[Assignment]] = {}
+
+
+def arrive_all(ctl: PoolController, *requests: PoolRequest, now_s: float = 0.0, refusals: bool = False) -> None:
     for item in requests:
-        assert ctl.on_arrival(now_s, item).verdict is ArrivalVerdict.QUEUED
+        decision = ctl.on_arrival(now_s, item)
+        assert refusals or decision.verdict in (ArrivalVerdict.QUEUED, ArrivalVerdict.ASSIGNED)
+        if decision.assignment is not None:
+            _ASSIGNED_AT_ARRIVAL.setdefault(id(ctl), []).append(decision.assignment)
+
+
+def capacity(ctl: PoolController, now_s: float) -> Dispatch:
+    """What a body carries out at `now_s`: the assignments made at arrival, then `on_capacity`'s."""
+    dispatch = ctl.on_capacity(now_s)
+    return Dispatch(tuple(_ASSIGNED_AT_ARRIVAL.pop(id(ctl), ())) + dispatch.assignments, dispatch.refusals,
+                    dispatch.wake_at_s)
 
 
 def teach(ctl: PoolController, replica_id: str, fixed_s: float = 0.05, s_per_token: float = 0.001) -> None:
@@ -31,7 +45,7 @@ def teach(ctl: PoolController, replica_id: str, fixed_s: float = 0.05, s_per_tok
     for offset, tokens in enumerate((100, 400, 900, 200)):
         now_s = 100.0 + offset
         arrive_all(ctl, request(base + offset, prompt_tokens=tokens, now_s=now_s), now_s=now_s)
-        sent = ctl.on_capacity(now_s).assignments
+        sent = capacity(ctl, now_s).assignments
         assert [a.replica_id for a in sent] == [replica_id]
         ctl.on_first_token(now_s + fixed_s + s_per_token * tokens, base + offset)
         ctl.on_finish(now_s + 1.0, base + offset)
@@ -52,7 +66,7 @@ def test_an_empty_prefill_queue_takes_one_request_before_anything_is_known() -> 
     """Rule 4 (work conservation): no fit yet, yet the idle replica is never left idle."""
     ctl = controller()
     arrive_all(ctl, request(1), request(2))
-    assert [a.request_id for a in ctl.on_capacity(0.0).assignments] == [1]
+    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [1]
 
 
 def test_a_request_predicted_past_its_engine_budget_waits() -> None:
@@ -61,9 +75,9 @@ def test_a_request_predicted_past_its_engine_budget_waits() -> None:
     teach(ctl, "r0")
     arrive_all(ctl, request(1, prompt_tokens=2000), request(2, prompt_tokens=600), request(3, prompt_tokens=100))
     # 2 would start after 2,600 tokens (2.65 s); 3 waits behind it: strict order within the queue
-    assert [a.request_id for a in ctl.on_capacity(0.0).assignments] == [1]
+    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [1]
     ctl.on_first_token(2.05, 1)
-    assert [a.request_id for a in ctl.on_capacity(2.05).assignments] == [2, 3]
+    assert [a.request_id for a in capacity(ctl, 2.05).assignments] == [2, 3]
 
 
 def test_a_better_level_counts_only_its_own_work_ahead() -> None:
@@ -71,21 +85,21 @@ def test_a_better_level_counts_only_its_own_work_ahead() -> None:
     ctl = controller(PoolReplica("r0", max_requests=16))
     teach(ctl, "r0")
     arrive_all(ctl, request(1, "sheddable", prompt_tokens=3000))
-    assert [a.priority for a in ctl.on_capacity(0.0).assignments] == [4]
+    assert [a.priority for a in capacity(ctl, 0.0).assignments] == [4]
     arrive_all(ctl, request(2, "critical", prompt_tokens=1000))
-    assert [(a.request_id, a.priority) for a in ctl.on_capacity(0.0).assignments] == [(2, 0)]
+    assert [(a.request_id, a.priority) for a in capacity(ctl, 0.0).assignments] == [(2, 0)]
 
 
 def test_headroom_lets_a_better_request_past_a_full_replica() -> None:
     """Rule 5: sheddable requests fill `max_requests`; a critical one still starts at once."""
     ctl = controller(PoolReplica("r0", max_requests=2, headroom=1))
     arrive_all(ctl, request(1, "sheddable"), request(2, "sheddable"), request(3, "sheddable"))
-    ctl.on_capacity(0.0)
+    capacity(ctl, 0.0)
     ctl.on_first_token(0.1, 1)
-    assert [a.request_id for a in ctl.on_capacity(0.1).assignments] == [2]
+    assert [a.request_id for a in capacity(ctl, 0.1).assignments] == [2]
     arrive_all(ctl, request(4, "critical"), now_s=0.2)
     ctl.on_first_token(0.2, 2)
-    assert [a.request_id for a in ctl.on_capacity(0.2).assignments] == [4]
+    assert [a.request_id for a in capacity(ctl, 0.2).assignments] == [4]
     assert ctl.queued == 1  # the third sheddable one waits: headroom is not for its level
 
 
@@ -98,11 +112,11 @@ def test_a_flooding_tenant_is_demoted_one_level() -> None:
         for request_id in held:
             ctl.on_first_token(now_s, request_id)
             ctl.on_finish(now_s, request_id)
-        for k in range(3):
-            ctl.on_arrival(now_s, request(3 * step + k, tenant="flood", now_s=now_s))
+        flood = (request(3 * step + k, tenant="flood", now_s=now_s) for k in range(3))
+        arrive_all(ctl, *flood, now_s=now_s, refusals=True)
         if step % 20 == 0:
-            ctl.on_arrival(now_s, request(10_000 + step, tenant="quiet", now_s=now_s))
-        held = [a.request_id for a in ctl.on_capacity(now_s).assignments]
+            arrive_all(ctl, request(10_000 + step, tenant="quiet", now_s=now_s), now_s=now_s, refusals=True)
+        held = [a.request_id for a in capacity(ctl, now_s).assignments]
     assert ctl.service_class(2.0, "standard", "flood") is ServiceClass.DEMOTED
     assert ctl.service_class(2.0, "standard", "quiet") is ServiceClass.REGULAR
     assert ctl.engine_level("standard", ServiceClass.DEMOTED) == 3
@@ -111,38 +125,38 @@ def test_a_flooding_tenant_is_demoted_one_level() -> None:
 def test_a_retry_goes_first_and_never_to_the_replica_that_failed_it() -> None:
     ctl = controller(PoolReplica("r0", max_requests=4), PoolReplica("r1", max_requests=4))
     arrive_all(ctl, request(1))
-    first = ctl.on_capacity(0.0).assignments[0]
-    arrive_all(ctl, request(2))
+    first = capacity(ctl, 0.0).assignments[0]
     ctl.on_failure(0.1, 1, "connect", retry=True)
-    sent = ctl.on_capacity(0.1).assignments
+    arrive_all(ctl, request(2), now_s=0.1)  # the retry waits: it queues behind it
+    sent = capacity(ctl, 0.1).assignments
     assert sent[0].request_id == 1 and sent[0].replica_id != first.replica_id
 
 
 def test_cancel_frees_the_slot_and_the_prefill_count() -> None:
     ctl = controller(PoolReplica("r0", max_requests=1))
     arrive_all(ctl, request(1), request(2))
-    ctl.on_capacity(0.0)
+    capacity(ctl, 0.0)
     ctl.on_cancel(0.1, 1)
     snapshot = ctl.snapshot(0.1)
     assert snapshot.replicas[0].requests == 0 and sum(snapshot.replicas[0].prefill_tokens) == 0
-    assert [a.request_id for a in ctl.on_capacity(0.1).assignments] == [2]
+    assert [a.request_id for a in capacity(ctl, 0.1).assignments] == [2]
 
 
 def test_queued_requests_are_refused_at_their_deadline_and_the_controller_asks_to_wake_then() -> None:
     ctl = controller(PoolReplica("r0", max_requests=1))
     arrive_all(ctl, request(1, "critical"), request(2, "critical"))
-    dispatch = ctl.on_capacity(0.0)
+    dispatch = capacity(ctl, 0.0)
     assert dispatch.wake_at_s == TIERS["critical"].max_queue_wait_s
-    late = ctl.on_capacity(dispatch.wake_at_s)
+    late = capacity(ctl, dispatch.wake_at_s)
     assert [r.request_id for r in late.refusals] == [2]
 
 
 def test_every_replica_down_refuses_every_waiting_request() -> None:
     ctl = controller(PoolReplica("r0", max_requests=1))
     arrive_all(ctl, request(1), request(2))
-    ctl.on_capacity(0.0)
+    capacity(ctl, 0.0)
     ctl.on_replica_health(0.1, "r0", ReplicaHealth.UNHEALTHY)
-    assert [(r.request_id, r.reason) for r in ctl.on_capacity(0.1).refusals] == [(2, REFUSED_NO_REPLICA)]
+    assert [(r.request_id, r.reason) for r in capacity(ctl, 0.1).refusals] == [(2, REFUSED_NO_REPLICA)]
 
 
 def test_queries_change_nothing() -> None:
@@ -151,7 +165,7 @@ def test_queries_change_nothing() -> None:
     before = ctl.snapshot(0.0)
     ctl.service_class(0.0, "standard", "t")
     ctl.engine_budget_s(0.0, TIERS["standard"], PoolReplica("r0"))
-    assert ctl.snapshot(0.0) == before and ctl.queued == 2
+    assert ctl.snapshot(0.0) == before and ctl.queued == 1
 
 
 def whole(request_id: int, prompt_tokens: int = 100, now_s: float = 0.0) -> PoolRequest:
@@ -163,22 +177,35 @@ def test_a_whole_answer_holds_the_budget_for_its_predicted_prefill() -> None:
     ctl = controller(PoolReplica("r0", max_requests=16))
     teach(ctl, "r0")  # 50 ms + 1 ms a token
     arrive_all(ctl, whole(1, prompt_tokens=2000), whole(2, prompt_tokens=600))
-    dispatch = ctl.on_capacity(0.0)
+    dispatch = capacity(ctl, 0.0)
     assert [a.request_id for a in dispatch.assignments] == [1]
     wake_at_s = dispatch.wake_at_s  # its prefill is predicted done then: ask again
     assert wake_at_s is not None and abs(wake_at_s - 2.05) < 1e-6
-    assert ctl.on_capacity(2.0).assignments == ()
-    assert [a.request_id for a in ctl.on_capacity(wake_at_s).assignments] == [2]
+    assert capacity(ctl, 2.0).assignments == ()
+    assert [a.request_id for a in capacity(ctl, wake_at_s).assignments] == [2]
 
 
 def test_whole_answers_before_any_fit_are_bounded_by_slots_alone() -> None:
     """Nothing measures their prefill, nor predicts it: they do not hold the budget."""
     ctl = controller(PoolReplica("r0", max_requests=3))
     arrive_all(ctl, *(whole(i) for i in range(5)))
-    assert [a.request_id for a in ctl.on_capacity(0.0).assignments] == [0, 1, 2]
+    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [0, 1, 2]
 
 
 def test_arrival_reports_the_predicted_pressure() -> None:
     ctl = controller()
-    decision = ctl.on_arrival(0.0, request(1))
+    ctl.on_arrival(0.0, request(1))
+    decision = ctl.on_arrival(0.0, request(2))
     assert decision.verdict is ArrivalVerdict.QUEUED and decision.pressure == 0.0
+
+
+def test_a_request_that_finds_nobody_waiting_is_assigned_at_arrival() -> None:
+    """Rule 1 with an empty queue: no queueing round trip; the next one, with the prefill queue
+    no longer empty and nothing yet measured, waits (rule 3)."""
+    ctl = controller()
+    first = ctl.on_arrival(0.0, request(1))
+    assert first.verdict is ArrivalVerdict.ASSIGNED and first.assignment == Assignment(1, "r0", 2)
+    assert first.predicted_wait_s == 0.0
+    assert ctl.on_arrival(0.0, request(2)).verdict is ArrivalVerdict.QUEUED
+    assert ctl.on_arrival(0.0, request(3)).verdict is ArrivalVerdict.QUEUED  # behind 2, never past it
+    assert ctl.snapshot(0.0).replicas[0].requests == 1

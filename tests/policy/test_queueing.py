@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tidegate.policy.queueing import EnqueueOutcome, FairPriorityQueue, QueueAhead, ShedReason
+from tidegate.policy.queueing import EnqueueOutcome, FairPriorityQueue, QueueAhead, QueuedRequest, ShedReason
 from tidegate.policy.tiers import TierSpec, TierTable, default_tiers
 
 _ids = itertools.count()
@@ -334,3 +334,26 @@ def test_peek_names_the_next_dequeue(puts) -> None:
     while (peeked := queue.peek()) is not None:
         assert queue.dequeue(float(len(puts))).request == peeked
     assert queue.dequeue(0.0).request is None
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["a", "b", "c"]), st.integers(1, 500)), min_size=1, max_size=12))
+def test_serving_a_request_unqueued_charges_as_enqueue_then_dequeue_would(served) -> None:
+    """A request that finds its tier empty goes at once (the pool controller's fast way); the fair
+    order that follows is the same as if it had been queued and taken out again."""
+    queued, unqueued = FairPriorityQueue(_tiers(), max_queued=100), FairPriorityQueue(_tiers(), max_queued=100)
+    for tenant, tokens in served:
+        _put(queued, 0.0, tenant=tenant, tokens=tokens)
+        assert queued.dequeue(0.0).request is not None
+        unqueued.charge_unqueued(QueuedRequest(f"u{next(_ids)}", tenant, "standard", tokens, 0, 0.0, 1e9))
+    for queue in (queued, unqueued):
+        for tenant in "abc":
+            _put(queue, 1.0, tenant=tenant, tokens=100, request_id=f"next-{tenant}")
+    assert _drain(queued, 1.0) == _drain(unqueued, 1.0)
+
+
+def test_serving_unqueued_is_refused_while_its_tier_has_requests_waiting() -> None:
+    queue = FairPriorityQueue(_tiers(), max_queued=10)
+    decision = _put(queue, 0.0)
+    with pytest.raises(ValueError, match="waiting"):
+        queue.charge_unqueued(decision.request)

@@ -25,7 +25,7 @@ from tidegate.policy.degradation import DEGRADATION_HEADER, DegradationDecision,
 from tidegate.policy.identity import Identity
 from tidegate.policy.overload import ArrivalOutcome, OverloadControl, RequestFacts, ShedNotice
 from tidegate.policy.pool import REFUSED_NO_REPLICA, PoolController
-from tidegate.types import Refusal
+from tidegate.types import Assignment, Refusal
 
 __all__ = [
     "TenantRateLimitError",
@@ -93,7 +93,7 @@ class Ticket:
                  "future", "replica", "priority", "dispatched_s", "failure", "completed", "settled")
 
     def __init__(self, request_id: str, pool: str, tier: str, prompt_tokens: int, arrived_s: float,
-                 predicted_wait_s: float | None, response_headers: bytes, future: asyncio.Future[Replica]) -> None:
+                 predicted_wait_s: float | None, response_headers: bytes) -> None:
         self.request_id = request_id
         self.pool = pool  # the pool it waits in: the fallback pool when degraded to it
         self.tier = tier
@@ -101,7 +101,8 @@ class Ticket:
         self.arrived_s = arrived_s
         self.predicted_wait_s = predicted_wait_s
         self.response_headers = response_headers  # rate-limit (+ degradation) lines for the answer
-        self.future = future  # resolved with the replica the controller assigns, or the refusal
+        # while it waits in a controller's queue: resolved with the replica it assigns, or the refusal
+        self.future: asyncio.Future[Replica] | None = None
         self.replica: Replica | None = None  # assigned and not yet ended there
         self.priority = 0  # the engine level the controller assigned (`priority` for engines using it)
         self.dispatched_s: float | None = None
@@ -143,19 +144,29 @@ class _PoolBody:
         waiting = self.waiting
         for assignment in dispatch.assignments:
             ticket = waiting.pop(str(assignment.request_id))
-            replica = self._replicas[assignment.replica_id]
-            replica.outstanding += 1
-            ticket.replica = replica
-            ticket.priority = assignment.priority
-            if ticket.dispatched_s is None:
-                ticket.dispatched_s = now_s
-                self._runtime.on_dispatch(ticket, now_s)
-            ticket.future.set_result(replica)
+            self.carry_out(now_s, ticket, assignment)
+            assert ticket.future is not None
+            ticket.future.set_result(ticket.replica)  # type: ignore[arg-type]
         for refusal in dispatch.refusals:
             ticket = waiting.pop(str(refusal.request_id), None)
             if ticket is not None:
                 self._runtime.answer_refusal(ticket, refusal)
         self._arm_timer(now_s, dispatch.wake_at_s)
+
+    def wait(self, ticket: Ticket) -> None:
+        """The controller queued it: it waits for an assignment or a refusal."""
+        ticket.future = asyncio.get_running_loop().create_future()
+        self.waiting[ticket.request_id] = ticket
+
+    def carry_out(self, now_s: float, ticket: Ticket, assignment: Assignment) -> None:
+        """The controller assigned it a replica (at arrival, or while it waited)."""
+        replica = self._replicas[assignment.replica_id]
+        replica.outstanding += 1
+        ticket.replica = replica
+        ticket.priority = assignment.priority
+        if ticket.dispatched_s is None:
+            ticket.dispatched_s = now_s
+            self._runtime.on_dispatch(ticket, now_s)
 
     def _arm_timer(self, now_s: float, wake_at_s: float | None) -> None:
         if wake_at_s is None or (self._timer_at_s is not None and self._timer_at_s <= wake_at_s):
@@ -236,17 +247,21 @@ class OverloadRuntime:
         headers = _header_lines(limits.as_http_headers()) if limits is not None else b""
         outcome = arrival.outcome
         metrics = self.metrics
-        if outcome is ArrivalOutcome.QUEUED:
+        if outcome is ArrivalOutcome.QUEUED or outcome is ArrivalOutcome.ASSIGNED:
             assert arrival.pool is not None
             if arrival.rung is not Rung.PRIMARY:
                 headers += _header_lines({DEGRADATION_HEADER: arrival.rung.value})
                 metrics.of(metrics.degraded, model, arrival.rung.value).inc()
             metrics.of(metrics.admissions, model, tier, "queued" if arrival.rung is Rung.PRIMARY
                        else arrival.rung.value).inc()
-            ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, arrival.predicted_wait_s, headers,
-                            asyncio.get_running_loop().create_future())
-            self.bodies[arrival.pool].waiting[request_id] = ticket
-            self._answer_shed(now_s, arrival.shed)
+            ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, arrival.predicted_wait_s, headers)
+            body = self.bodies[arrival.pool]
+            if arrival.assignment is not None:
+                body.carry_out(now_s, ticket, arrival.assignment)
+            else:
+                body.wait(ticket)
+            if arrival.shed:
+                self._answer_shed(now_s, arrival.shed)
             return ticket
         self._answer_shed(now_s, arrival.shed)
         metrics.of(metrics.admissions, model, tier, outcome.value).inc()
@@ -273,6 +288,9 @@ class OverloadRuntime:
 
         Await it right after `admit`, with `settle` in a `finally`: the request is already queued.
         """
+        if ticket.future is None:  # assigned at arrival
+            assert ticket.replica is not None
+            return ticket.replica
         self.bodies[ticket.pool].pump(self.clock())
         return await ticket.future
 
@@ -288,8 +306,7 @@ class OverloadRuntime:
         body.controller.on_failure(now_s, ticket.request_id, reason, retry=True)
         replica.breaker = body.controller.breaker(now_s, replica.replica_id)
         ticket.failure = None
-        ticket.future = asyncio.get_running_loop().create_future()
-        body.waiting[ticket.request_id] = ticket
+        body.wait(ticket)
         body.pump(now_s)
         try:
             return await asyncio.wait_for(ticket.future, self.control.tiers[ticket.tier].max_queue_wait_s)
@@ -337,7 +354,7 @@ class OverloadRuntime:
     def answer_refusal(self, ticket: Ticket, refusal: Refusal) -> None:
         """The controller gave up a queued request (deadline, no replica left)."""
         self.metrics.of(self.metrics.rejections, ticket.pool, ticket.tier, f"shed_{refusal.reason}").inc()
-        if ticket.future.done():
+        if ticket.future is None or ticket.future.done():
             return
         if refusal.reason == REFUSED_NO_REPLICA:
             ticket.future.set_exception(self.pools[ticket.pool].no_replica_error())
@@ -356,15 +373,20 @@ class OverloadRuntime:
             if notice.moved_to is None:
                 self.metrics.of(self.metrics.rejections, notice.pool, notice.tier, f"shed_{notice.reason}").inc()
                 self.metrics.of(self.metrics.degraded, notice.pool, Rung.PRESET_REPLY.value).inc()
-                if not ticket.future.done():
+                if ticket.future is not None and not ticket.future.done():
                     ticket.future.set_exception(self._preset_reply(notice.reply, ticket.response_headers))
                 continue
             self.metrics.of(self.metrics.degraded, notice.pool, Rung.FALLBACK_POOL.value).inc()
             ticket.pool = notice.moved_to
             ticket.response_headers += _header_lines(notice.reply.headers())
             target = self.bodies[notice.moved_to]
-            target.waiting[ticket.request_id] = ticket
-            target.pump(now_s)
+            if notice.assignment is not None:  # the fallback pool took it at once
+                target.carry_out(now_s, ticket, notice.assignment)
+                assert ticket.future is not None
+                ticket.future.set_result(ticket.replica)  # type: ignore[arg-type]
+            else:
+                target.waiting[ticket.request_id] = ticket  # its future still pending
+                target.pump(now_s)
 
     @staticmethod
     def _preset_reply(reply: DegradationDecision, headers: bytes) -> DegradedReplyError:

@@ -256,7 +256,8 @@ def build_policies(config: OverloadConfig, pools: Mapping[str, Sequence[PoolRepl
     weights = {name: t.weight for name, t in tenants.items() if t.weight != 1.0} or None
     limits = config.limits
     settings = PoolSettings(engine_share=limits.engine_share, max_queued=limits.max_queued, breaker=breaker)
-    isolation = limits.isolation
+    # without API keys every request is one anonymous tenant: nobody to isolate from anybody
+    isolation = limits.isolation if config.auth_enabled else None
     control = OverloadControl(tiers, limiter, {
         name: PoolPolicies.create(name, PoolController(
             replicas, tiers, settings, shares=isolation.shares(weights) if isolation is not None else None,

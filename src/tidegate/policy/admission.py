@@ -195,6 +195,8 @@ class RateLimiter:
         self._tenant_limits = dict(tenant_limits or {})
         self._model_limits = dict(model_limits or {})
         self._default_limit = default_limit
+        # no limit configured for anyone (the default config): nothing to look up per request
+        self._unlimited = not self._tenant_limits and not self._model_limits and default_limit is None
         self._scopes: dict[tuple[str, str | None], _Scope] = {}
         self._open: dict[int, tuple[_Scope, ...]] = {}  # reservation id -> buckets it drew from
         self._ids = itertools.count(1)
@@ -224,7 +226,7 @@ class RateLimiter:
     def admit(self, now_s: float, tenant: str, model: str, prompt_tokens: int, max_tokens: int) -> AdmissionDecision:
         if prompt_tokens < 0 or max_tokens < 0:
             raise ValueError("prompt_tokens and max_tokens must be >= 0")  # a negative cost would mint tokens
-        scopes = self._applicable(tenant, model, now_s)
+        scopes = () if self._unlimited else self._applicable(tenant, model, now_s)
         cost = prompt_tokens + max_tokens
         for scope in scopes:
             if scope.tokens is not None and cost > scope.tokens.capacity:

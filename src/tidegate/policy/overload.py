@@ -19,7 +19,7 @@ from tidegate.policy.admission import AdmissionDecision, AdmissionOutcome, RateL
 from tidegate.policy.degradation import DegradationDecision, DegradationLadder, LadderConfig, Rung
 from tidegate.policy.pool import PoolController
 from tidegate.policy.tiers import TierSpec, TierTable
-from tidegate.types import ArrivalDecision, ArrivalVerdict, PoolRequest, Refusal
+from tidegate.types import ArrivalDecision, ArrivalVerdict, Assignment, PoolRequest, Refusal
 
 __all__ = [
     "RequestFacts",
@@ -45,6 +45,7 @@ class RequestFacts:
 
 class ArrivalOutcome(Enum):
     QUEUED = "queued"  # held by `Arrival.pool`'s controller until it assigns or refuses it
+    ASSIGNED = "assigned"  # `Arrival.pool`'s controller assigned it a replica at once: `Arrival.assignment`
     RATE_LIMITED = "rate_limited"  # answer 429 + Retry-After + rate-limit headers
     TOO_LARGE = "too_large"  # answer 429: it can never fit the tenant's token limit
     CACHED_ANSWER = "cached_answer"  # answer from the cache
@@ -63,19 +64,21 @@ class ShedNotice:
     reason: str
     reply: DegradationDecision
     moved_to: str | None = None
+    assignment: Assignment | None = None  # with `moved_to`: the fallback pool assigned it at once
 
 
 @dataclass(frozen=True, slots=True)
 class Arrival:
     outcome: ArrivalOutcome
     tier: TierSpec
-    pool: str | None  # with QUEUED: the pool it waits in (the fallback pool when degraded)
+    pool: str | None  # with QUEUED or ASSIGNED: the pool it waits in (the fallback pool when degraded)
     rung: Rung  # the rung serving it; its value goes in the degradation header when not PRIMARY
     admission: AdmissionDecision  # rate-limit headers for the response; retry_after_s for a 429
     predicted_wait_s: float | None  # the controller's prediction when it queued it
     reason: str | None  # why the pool refused it (the controller's reason), when it did
     reply: DegradationDecision | None  # with PRESET_REPLY: status, Retry-After and message
     shed: tuple[ShedNotice, ...]  # other requests pushed out to make room: answer them
+    assignment: Assignment | None = None  # with ASSIGNED
 
 
 @dataclass(slots=True)
@@ -128,6 +131,9 @@ class OverloadControl:
                               facts.timeout_s, facts.streamed)
         self._admitted[facts.request_id] = _Admitted(admission.reservation, request)
         decision = policies.controller.on_arrival(now_s, request)
+        if decision.verdict is ArrivalVerdict.ASSIGNED:  # nothing waited: nothing pressed, nothing shed
+            return Arrival(ArrivalOutcome.ASSIGNED, tier, facts.model, Rung.PRIMARY, admission, 0.0, None, None, (),
+                           decision.assignment)
         shed = self._displaced(now_s, policies, decision.displaced)
         fallback = self._fallback(policies)
         if decision.verdict is ArrivalVerdict.QUEUED:
@@ -138,16 +144,14 @@ class OverloadControl:
                 moved = self._move(now_s, fallback, facts.request_id, request, shed)
                 if moved is not None:
                     policies.controller.on_cancel(now_s, facts.request_id)
-                    return Arrival(ArrivalOutcome.QUEUED, tier, fallback.ladder.pool, Rung.FALLBACK_POOL, admission,
-                                   moved.predicted_wait_s, None, None, tuple(shed))
+                    return self._moved(moved, tier, fallback, admission, None, shed)
             return Arrival(ArrivalOutcome.QUEUED, tier, facts.model, Rung.PRIMARY, admission,
                            decision.predicted_wait_s, None, None, tuple(shed))
         after = Rung.PRIMARY
         if fallback is not None:
             moved = self._move(now_s, fallback, facts.request_id, request, shed)
             if moved is not None:
-                return Arrival(ArrivalOutcome.QUEUED, tier, fallback.ladder.pool, Rung.FALLBACK_POOL, admission,
-                               moved.predicted_wait_s, decision.reason, None, tuple(shed))
+                return self._moved(moved, tier, fallback, admission, decision.reason, shed)
             after = Rung.FALLBACK_POOL
         # answered without a model: nothing of the reservation is used
         self._settle(now_s, facts.request_id, 0)
@@ -177,6 +181,13 @@ class OverloadControl:
 
     # ---- internals ----------------------------------------------------------------------------
 
+    @staticmethod
+    def _moved(moved: ArrivalDecision, tier: TierSpec, fallback: PoolPolicies, admission: AdmissionDecision,
+               reason: str | None, shed: list[ShedNotice]) -> Arrival:
+        outcome = ArrivalOutcome.ASSIGNED if moved.verdict is ArrivalVerdict.ASSIGNED else ArrivalOutcome.QUEUED
+        return Arrival(outcome, tier, fallback.ladder.pool, Rung.FALLBACK_POOL, admission, moved.predicted_wait_s,
+                       reason, None, tuple(shed), moved.assignment)
+
     def _fallback(self, policies: PoolPolicies) -> PoolPolicies | None:
         name = policies.ladder.config.fallback_pool
         return None if name is None else self.pools[name]
@@ -189,7 +200,7 @@ class OverloadControl:
             return None
         decision = fallback.controller.on_arrival(now_s, request)
         shed += self._displaced(now_s, fallback, decision.displaced)
-        if decision.verdict is not ArrivalVerdict.QUEUED:
+        if decision.verdict is ArrivalVerdict.REFUSED:
             return None
         admitted.moved = True
         return decision
@@ -216,7 +227,7 @@ class OverloadControl:
                     if moved is not None:
                         reply = policies.ladder.next_rung(Rung.PRIMARY, fallback_has_capacity=True)
                         notices.append(ShedNotice(request_id, request.tier, pool, refusal.reason, reply,
-                                                  fallback.ladder.pool))
+                                                  fallback.ladder.pool, moved.assignment))
                         continue
             notices.append(ShedNotice(request_id, request.tier, pool, refusal.reason,
                                       self.refusal_reply(pool, refusal)))

@@ -253,8 +253,12 @@ class PoolController:
         tokens = request.prompt_tokens + request.max_output_tokens
         if self._shares is not None:  # demand counts whether or not it is served
             self._shares.on_arrival(now_s, tier.name, request.tenant, tokens)
-        self._expire(now_s)
+        if not self.queued and (request.timeout_s is None or request.timeout_s > 0):
+            assignment = self._assign_at_once(now_s, tier, request)
+            if assignment is not None:
+                return ArrivalDecision(ArrivalVerdict.ASSIGNED, predicted_wait_s=0.0, assignment=assignment)
         wait_s = self._wait_budget_s(tier, request)
+        self._expire(now_s)
         ahead = self._queue.work_ahead(tier.name, request.tenant, tokens)
         prediction = self._predictor.predict(now_s, ahead, now_s + wait_s, tier.rank)
         if prediction.misses_deadline:
@@ -354,6 +358,27 @@ class PoolController:
         self._replicas[replica_id].health = health
 
     # ---- internals ----------------------------------------------------------------------------
+
+    def _assign_at_once(self, now_s: float, tier: TierSpec, request: PoolRequest) -> Assignment | None:
+        """Rule 1 when nothing waits: the request goes now if a replica can take it, with the same
+        accounts as a request queued and dispatched at once (fair-share counter, dispatch rate,
+        tier service rate); queueing it only to take it out again cost most of the gateway's
+        CPU per request (`bench/gateway_overhead.py`). Its deadline no longer matters once sent."""
+        queued = QueuedRequest(request.request_id, request.tenant, tier.name, request.prompt_tokens,  # type: ignore[arg-type]
+                               request.max_output_tokens, now_s, math.inf)
+        if not request.streamed:
+            self._whole.add(request.request_id)
+        assignment = self._try_assign(now_s, queued, frozenset())
+        if assignment is None:
+            self._whole.discard(request.request_id)
+            return None
+        tokens = queued.tokens
+        self._queue.charge_unqueued(queued)
+        self._predictor.on_queued(now_s, tier.rank, tokens)
+        self._predictor.on_dispatch(now_s, tokens, queued_after=0)
+        if self._shares is not None:
+            self._shares.on_dispatch(now_s, tier.name, tokens)
+        return assignment
 
     def _try_assign(self, now_s: float, request: QueuedRequest, exclude: frozenset[str],
                     dequeue_skip: frozenset[str] | None = None) -> Assignment | None:

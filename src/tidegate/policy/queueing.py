@@ -289,6 +289,18 @@ class FairPriorityQueue:
             self._push_tenant(queue, tenant)
         return DequeueResult(request, expired, charged)
 
+    def charge_unqueued(self, request: QueuedRequest) -> float:
+        """A request of a tier with nobody waiting is served without queueing: its tenant's counter
+        moves as `enqueue` then `dequeue` would move it (the idle lift, then the charge)."""
+        queue = self._queues[request.tier]
+        if queue.by_tenant:
+            raise ValueError(f"tier {request.tier!r} has requests waiting: queue this one")
+        charged = self._charge(request.prompt_tokens, request.expected_output_tokens, request.tenant)
+        counter = max(queue.counters.get(request.tenant, 0.0), queue.idle_floor - charged) + charged
+        queue.counters[request.tenant] = counter
+        queue.idle_floor = counter
+        return charged
+
     def settle_service(self, request: QueuedRequest, actual_output_tokens: int) -> None:
         """Corrects the tenant's fair-share counter once the real output length is known."""
         queue = self._queues[request.tier]

@@ -180,6 +180,9 @@ class TenantShares:
         if cached is not None and cached[0] == now_s:
             return cached
         tenants = self._arrivals.get(tier, {})
+        if len(tenants) < 2:  # a tenant alone in its tier floods nobody (the common case: no tenants)
+            verdict = self._verdicts[tier] = (now_s, frozenset())
+            return verdict
         capacity = self.service_rate(now_s, tier)
         demands = {tenant: rate.rate(now_s) for tenant, rate in tenants.items()}
         for tenant, demand in list(demands.items()):

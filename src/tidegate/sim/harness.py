@@ -17,7 +17,7 @@ from tidegate.loadgen.mix import LengthDistribution
 from tidegate.loadgen.trace import Trace
 from tidegate.sim.loop import EventHandle, EventLoop
 from tidegate.sim.replica import ModelledReplica, ReplicaSpec
-from tidegate.sim.seam import ArrivalVerdict, Dispatch, Dispatcher, SimRequest
+from tidegate.sim.seam import ArrivalVerdict, Assignment, Dispatch, Dispatcher, SimRequest
 
 __all__ = ["TrafficClass", "ClosedLoopClients", "KillReplica", "SlowReplica", "ScenarioEvent", "RequestRecord", "ReplicaStats", "RunResult",
            "Harness", "make_requests", "requests_from_trace"]
@@ -248,6 +248,8 @@ class Harness:
             self._update(request.request_id, refused_s=now_s, refused_reason=decision.reason)
             self._settled(request.request_id, answered=False)
             return
+        if decision.assignment is not None:
+            self._submit(now_s, decision.assignment)
         self._need_capacity()
 
     def _apply(self, event: ScenarioEvent) -> None:
@@ -274,10 +276,7 @@ class Harness:
             self._update(int(refusal.request_id), refused_s=now_s, refused_reason=refusal.reason)
             self._settled(int(refusal.request_id), answered=False)
         for assignment in dispatch.assignments:
-            request = self._requests[int(assignment.request_id)]
-            self._update(request.request_id, dispatch_s=now_s, replica_id=assignment.replica_id)
-            self.replicas[assignment.replica_id].submit(request.request_id, request.prompt_tokens,
-                                                        request.output_tokens, assignment.priority)
+            self._submit(now_s, assignment)
         if self._wake is not None:
             self._wake.cancel()
             self._wake = None
@@ -285,6 +284,12 @@ class Harness:
             if dispatch.wake_at_s <= now_s:
                 raise ValueError(f"wake_at_s {dispatch.wake_at_s} is not after now ({now_s}): it would spin")
             self._wake = self.loop.call_at(dispatch.wake_at_s, self._need_capacity)
+
+    def _submit(self, now_s: float, assignment: Assignment) -> None:
+        request = self._requests[int(assignment.request_id)]
+        self._update(request.request_id, dispatch_s=now_s, replica_id=assignment.replica_id)
+        self.replicas[assignment.replica_id].submit(request.request_id, request.prompt_tokens,
+                                                    request.output_tokens, assignment.priority)
 
     def _update(self, request_id: int, **changes: object) -> None:
         self._records[request_id] = replace(self._records[request_id], **changes)

@@ -287,22 +287,35 @@ def burst_after_idle() -> Verdict:
 
 def retry_storm() -> Verdict:
     """64 and 512 closed-loop clients that resend 20 ms after every refusal (benchmark tools, naive
-    SDK loops): requests completed within target >= FIFO's in the same storm."""
+    SDK loops): requests completed within target >= FIFO's in the same storm, summed over three
+    seeds. A saturated storm is chaotic: one changed decision early on changes which requests get
+    through later, and one seed's count moved by 8 % when only the order of two dispatches at the
+    first instant changed, so a single seed cannot tell the two apart."""
     duration_s = 20.0
     window = (2.0, duration_s)
     lines, values, passed = [], [], True
     for count in (64, 512):
-        clients = ClosedLoopClients(count, chat("storm", "standard"), 0.0, duration_s, seed=61)
-        ctl = run(controller, REPLICAS, (), clients=clients, probes_s=window)
-        ref = run(fifo, REPLICAS, (), clients=clients, probes_s=window)
-        good, fifo_good = ctl.good(ctl.records(start_s=window[0])), ref.good(ref.records(start_s=window[0]))
-        passed = passed and good >= fifo_good and ctl.busy(*window) >= 0.8
-        lines += [f"{count} clients: within target {good} (FIFO {fifo_good}); requests sent {len(ctl.result.records)} "
-                  f"(FIFO {len(ref.result.records)})",
-                  "  " + _work_line("control", ctl, *window), "  " + _work_line("FIFO", ref, *window)]
-        values += [(f"good_{count}", float(good)), (f"fifo_good_{count}", float(fifo_good))]
+        good = fifo_good = sent = fifo_sent = 0
+        busy: list[float] = []
+        for seed in STORM_SEEDS:
+            clients = ClosedLoopClients(count, chat("storm", "standard"), 0.0, duration_s, seed=seed)
+            ctl = run(controller, REPLICAS, (), clients=clients, probes_s=window)
+            ref = run(fifo, REPLICAS, (), clients=clients, probes_s=window)
+            good += ctl.good(ctl.records(start_s=window[0]))
+            fifo_good += ref.good(ref.records(start_s=window[0]))
+            sent, fifo_sent = sent + len(ctl.result.records), fifo_sent + len(ref.result.records)
+            busy.append(ctl.busy(*window))
+        passed = passed and good >= fifo_good and min(busy) >= 0.8
+        lines += [f"{count} clients, {len(STORM_SEEDS)} seeds: within target {good} (FIFO {fifo_good}); "
+                  f"requests sent {sent} (FIFO {fifo_sent})",
+                  "  last seed: " + _work_line("control", ctl, *window), "  last seed: " + _work_line("FIFO", ref, *window)]
+        values += [(f"good_{count}", float(good)), (f"fifo_good_{count}", float(fifo_good)),
+                   (f"busy_{count}", min(busy))]
     return Verdict("retry_storm", "closed-loop retry storm (64, 512 clients): within target >= FIFO; replicas busy",
                    passed, tuple(lines), tuple(values))
+
+
+STORM_SEEDS = (61, 62, 63)
 
 
 SCENARIOS: tuple[Callable[[], Verdict], ...] = (goodput, critical_burst, noisy_tenant, cold_start, burst_after_idle,
