@@ -9,7 +9,10 @@ The mechanism, rule by rule (each names the scenario of `tidegate.sim.scenarios`
 without it; a rule no scenario needs does not belong here):
 
 1. Late binding, strict priority between tiers, fair share within a tier (`FairPriorityQueue`): a
-   request leaves the queue only when a replica can take it. (`critical_burst`, `noisy_tenant`)
+   request leaves the queue only when a replica can take it. One that finds nothing waiting and a
+   replica that can take it is assigned at arrival (`ArrivalVerdict.ASSIGNED`), with the accounts
+   a queued-and-dispatched request leaves. (`critical_burst`, `noisy_tenant`;
+   `test_a_request_that_finds_nobody_waiting_is_assigned_at_arrival`)
 2. Engine levels. A request is sent with `priority = 2 * tier rank + demoted`, where demoted means
    its tenant floods its tier (`TenantShares`). Engines that order by priority serve a level's
    prompts before a worse level's, so "protected" is one idea for the best tier and for a tenant
