@@ -23,9 +23,10 @@ without it; a rule no scenario needs does not belong here):
    line over those tokens (`ttft_model`). A request may go to a replica only if the work its
    engine will prefill before it (its level and better on an engine ordering by priority; all of
    it otherwise), plus its own, is predicted to start within `engine_share` of its tier's TTFT
-   target. On an engine that ignores priority a request also delays every tier that arrives after
+   target, and within what its wait so far has left of that target. On an engine that ignores priority a request also delays every tier that arrives after
    it, so the target is the tightest among tiers active lately. (`burst_after_idle`, `goodput`;
-   `test_a_request_predicted_past_its_engine_budget_waits`; a slowed replica's budget follows its
+   `test_a_request_predicted_past_its_engine_budget_waits`,
+   `test_a_request_is_not_sent_where_it_would_start_past_what_is_left_of_its_target`; a slowed replica's budget follows its
    fit, `test_a_replica_twice_as_slow_shows_twice_the_slope_within_its_memory`; no slowed-replica
    scenario yet)
 4. Work conservation: a replica with nothing of that level (or, on an engine ignoring priority,
@@ -387,7 +388,10 @@ class PoolController:
                     dequeue_skip: frozenset[str] | None = None) -> Assignment | None:
         tier = self.tiers[request.tier]
         level = self.engine_level(request.tier, self.service_class(now_s, request.tier, request.tenant))
-        replica = self._pick(now_s, tier, level, request.prompt_tokens, exclude)
+        # what is left of its TTFT target after its wait so far (rule 3): an engine that would
+        # start it later has no use for it now
+        left_s = request.enqueued_at_s + tier.ttft_target_s - now_s
+        replica = self._pick(now_s, tier, level, request.prompt_tokens, exclude, left_s)
         if replica is None:
             return None
         if dequeue_skip is not None:
@@ -415,7 +419,8 @@ class PoolController:
             heapq.heappush(self._assumed_prefills, (now_s + fit.predict_s(ahead), request.request_id))
         return Assignment(request.request_id, rid, level)
 
-    def _pick(self, now_s: float, tier: TierSpec, level: int, tokens: int, exclude: frozenset[str]) -> _Replica | None:
+    def _pick(self, now_s: float, tier: TierSpec, level: int, tokens: int, exclude: frozenset[str],
+              left_s: float) -> _Replica | None:
         best: _Replica | None = None
         best_key: tuple[float, int, float] | None = None
         count = len(self._order)
@@ -430,7 +435,8 @@ class PoolController:
             if ahead > 0:  # rule 4: an empty prefill queue takes anything
                 # before a first token is measured, one prefill at a time (`retry_storm`: 512
                 # clients at once, all sent before anything is known, served 191 in time, FIFO 201)
-                if fit is None or fit.predict_s(ahead + tokens) > self.engine_budget_s(now_s, tier, replica.config):
+                budget_s = min(self.engine_budget_s(now_s, tier, replica.config), left_s)
+                if fit is None or fit.predict_s(ahead + tokens) > budget_s:
                     continue  # rule 3
             predicted_s = fit.predict_s(ahead + tokens) if fit is not None else float(ahead)
             key = (predicted_s, replica.requests, replica.load.kv_cache_usage)
