@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,17 +22,22 @@ _MESSAGES = [{"role": "user", "content": "hello"}]
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    mock_port, port = free_port(), free_port()
+    mock_port, slow_port, port = free_port(), free_port(), free_port()
     mock = start_process(tidegate_argv("mock-upstream", "--port", str(mock_port), "--tokens", "4", "--ttft-ms", "0",
                                        "--itl-ms", "0"), ready_url=f"http://127.0.0.1:{mock_port}/health", timeout_s=30)
+    # one slot whose answer takes 3 s to start: a request behind it must queue
+    slow = start_process(tidegate_argv("mock-upstream", "--port", str(slow_port), "--tokens", "1", "--ttft-ms", "3000",
+                                       "--itl-ms", "0"), ready_url=f"http://127.0.0.1:{slow_port}/health", timeout_s=30)
     config = {
         "server": {"port": port, "access_log": False},
         "pools": [{"name": "m", "backends": [{"type": "upstream", "url": f"http://127.0.0.1:{mock_port}/v1",
-                                              "forward_priority": True}]}],
+                                              "forward_priority": True}]},
+                  {"name": "slow", "backends": [{"type": "upstream", "url": f"http://127.0.0.1:{slow_port}/v1",
+                                                 "slot_limit": 1}]}],
         "tenants": {"capped": {"api_keys": ["sk-capped"], "requests_per_minute": 1},
                     "worker": {"api_keys": ["sk-worker"], "tier": "mid"},
                     "free": {"api_keys": ["sk-free"], "tier": "low"}},
-        # a `low` tier that may queue nothing: its requests always take the ladder's preset reply
+        # a `low` tier that may queue nothing: served only when it can start at once, else the preset reply
         "tiers": {"default": "high", "levels": {
             "high": {"rank": 0, "max_queue_wait_s": 5, "ttft_target_s": 5},
             "mid": {"rank": 1, "max_queue_wait_s": 5, "ttft_target_s": 5},
@@ -46,6 +53,7 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     finally:
         server.stop()
         mock.stop()
+        slow.stop()
 
 
 def _client(base_url: str, key: str) -> openai.OpenAI:
@@ -71,8 +79,13 @@ def test_over_the_limit_is_429_with_rate_limit_headers(gateway: str) -> None:
 
 
 def test_degraded_reply_names_its_rung(gateway: str) -> None:
+    holder = threading.Thread(target=lambda: _client(gateway, "sk-worker").chat.completions.create(
+        model="slow", messages=_MESSAGES, max_tokens=1))
+    holder.start()  # takes the slow pool's one slot for 3 s
+    time.sleep(0.5)
     with pytest.raises(openai.InternalServerError) as degraded:
-        _client(gateway, "sk-free").chat.completions.create(model="m", messages=_MESSAGES, stream=True)
+        _client(gateway, "sk-free").chat.completions.create(model="slow", messages=_MESSAGES, stream=True)
+    holder.join(timeout=10)
     response = degraded.value.response
     assert response.status_code == 503
     assert response.headers["x-tidegate-degradation"] == "preset_reply"
