@@ -103,3 +103,16 @@ def test_cli_lists_every_command_module() -> None:
     for module_name, _help in COMMANDS.values():
         relative = module_name.removeprefix("tidegate.").replace(".", "/") + ".py"
         assert (SRC / relative).exists(), f"{module_name} is missing"
+
+
+# configuration is read by every body and by the tools; it leans on nothing but the pure policies it
+# builds (and the shared records), never on a body: the gateway, engine, simulator, control plane
+CONFIG_MODULES = ("config.py", "overload_config.py")
+CONFIG_MAY_IMPORT = ("tidegate.policy", "tidegate.types", "tidegate.errors", "tidegate.overload_config")
+
+
+@pytest.mark.parametrize("module", CONFIG_MODULES)
+def test_config_is_a_leaf_above_the_pure_policies(module: str) -> None:
+    for name in _imports(SRC / module):
+        if name == "tidegate" or name.startswith("tidegate."):
+            assert name.startswith(CONFIG_MAY_IMPORT), f"{module} imports {name}"

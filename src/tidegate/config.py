@@ -2,7 +2,7 @@
 
 Every model forbids unknown keys, so a typo is named in the error instead of silently ignored.
 The overload control sections `tenants`, `tiers`, `limits` and `degradation` are typed in
-`tidegate.gateway.overload_config`.
+`tidegate.overload_config`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
-from tidegate.gateway.overload_config import (
+from tidegate.overload_config import (
     DegradationConfig,
     LimitsConfig,
     OverloadConfig,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from tidegate.gateway.overload_config import build_policies, parse_overload_sections
+from tidegate.overload_config import build_policies, parse_overload_sections
 from tidegate.policy.identity import IdentityOutcome, hash_api_key
 from tidegate.policy.pool import PoolReplica
 

@@ -19,7 +19,7 @@ from tidegate.gateway.overload import (
     estimate_prompt_tokens,
     extra_headers,
 )
-from tidegate.gateway.overload_config import build_policies, parse_overload_sections
+from tidegate.overload_config import build_policies, parse_overload_sections
 from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
 from tidegate.policy.health import BreakerPolicy

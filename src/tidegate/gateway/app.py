@@ -16,7 +16,7 @@ from tidegate.gateway.connections import ConnectionLimits, ConnectionRegistry, c
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection
 from tidegate.gateway.overload import OverloadRuntime
-from tidegate.gateway.overload_config import build_policies
+from tidegate.overload_config import build_policies
 from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.gateway.proxy import Proxy, ProxySettings
 from tidegate.gateway.upstream import ConnectionPool, Endpoint

@@ -18,7 +18,7 @@ from typing import Any
 
 from tidegate.errors import AuthenticationError, OverloadedError, RateLimitError
 from tidegate.gateway.dispatch import ModelPool, Replica
-from tidegate.gateway.overload_config import OverloadPolicies
+from tidegate.overload_config import OverloadPolicies
 from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.policy.admission import LimitKind
 from tidegate.policy.degradation import DEGRADATION_HEADER, DegradationDecision, Rung
