@@ -67,7 +67,10 @@ class _Client:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         async with self._session.post(self._base + path, data=data,
                                       headers={"content-type": "application/json"}) as response:
-            text = await response.text()
+            try:
+                text = await response.text()
+            except aiohttp.ClientPayloadError:  # a stream the gateway cut after its head went out
+                return response.status, None
             try:
                 return response.status, json.loads(text)
             except ValueError:

@@ -118,6 +118,7 @@ class HttpConnection(asyncio.Protocol):
         self._keep_alive = True
         self._answering_head = False  # a HEAD request: its answer has headers only
         self._stream_chunked = True  # False: an HTTP/1.0 client's stream ends where the connection closes
+        self._stream_open = False  # a streamed answer's head is out and its end is not
         self.closed = False
         # set by a streaming handler so that a slow client pauses the upstream instead of buffering
         self.on_pause_writing: Callable[[], None] | None = None
@@ -274,6 +275,7 @@ class HttpConnection(asyncio.Protocol):
         self._keep_alive = request.keep_alive
         self._answering_head = request.method == b"HEAD"
         self._stream_chunked = request.takes_chunked
+        self._stream_open = False
         self._task = asyncio.get_running_loop().create_task(self._run(request))
 
     async def _run(self, request: HttpRequest) -> None:
@@ -338,6 +340,11 @@ class HttpConnection(asyncio.Protocol):
         """headers: pre-built `name: value\\r\\n` lines, without content-length."""
         if self.closed or self.transport is None:
             return
+        if self._stream_open:
+            # an error after a stream's head went out cannot be a response of its own: written into
+            # the stream it would corrupt the framing; cut the stream so it cannot look complete
+            self.abort()
+            return
         connection = b"" if self._keep_alive else b"connection: close\r\n"
         self.transport.write(
             b"".join((status_line(status), headers, connection, b"content-length: ", str(len(body)).encode(),
@@ -354,6 +361,7 @@ class HttpConnection(asyncio.Protocol):
             # `_run` does once the handler is done
             self._keep_alive = False
             framing = b"connection: close\r\n"
+        self._stream_open = True
         self.transport.write(status_line(status) + headers + framing + b"\r\n")
 
     def stream_chunk(self, data: bytes) -> None:
@@ -369,6 +377,7 @@ class HttpConnection(asyncio.Protocol):
                 self.transport.write(b"".join(pieces))
 
     def end_stream(self) -> None:
+        self._stream_open = False
         if self._stream_chunked and not self.closed and self.transport is not None:
             self.transport.write(b"0\r\n\r\n")
 
