@@ -4,7 +4,9 @@ Each asserts what the controller holds today. Three bars of the one-brain issue 
 and are asserted at what is met, so that a regression shows: the critical P99 in a 3x sheddable
 burst (bar 1.2x unloaded), the others' P99 beside a noisy tenant (bar 1.1x), and the work served
 within target in a retry storm (bar >= FIFO; over three seeds 1 % under it with 64 clients and 2 %
-with 512: the work budget keeps the engines' batches a little smaller than FIFO's full ones);
+with 512: the work budget keeps the engines' batches a little smaller than FIFO's full ones), and a
+slowed replica's fitted slope (bar: 2x +-25 % within 10 s, and staying; it gets there in about 16 s
+and wanders 1.9x-2.5x: a 16-sample line fitted to TTFTs that also carry decode work is noisy);
 `bench/overload_scenarios.py` prints the verdicts.
 """
 
@@ -51,3 +53,10 @@ def test_a_retry_storm_serves_about_fifos_good_work_with_the_replicas_busy() -> 
     assert verdict.value("good_64") >= 0.98 * verdict.value("fifo_good_64"), verdict.figures
     assert verdict.value("good_512") >= 0.95 * verdict.value("fifo_good_512"), verdict.figures
     assert min(verdict.value("busy_64"), verdict.value("busy_512")) >= 0.8, verdict.figures
+
+
+def test_a_slowed_replica_shows_about_twice_the_slope_with_the_pool_busy() -> None:
+    verdict = scenarios.slowed_replica()
+    assert abs(verdict.value("ratio_before") - 1.0) <= 0.25, verdict.figures
+    assert abs(verdict.value("ratio_from_16s") / 2.0 - 1.0) <= 0.25, verdict.figures
+    assert verdict.value("busy") >= 0.8, verdict.figures

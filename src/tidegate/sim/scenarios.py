@@ -27,8 +27,8 @@ from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import TierTable, default_tiers
 from tidegate.sim.capacity import saturated_rps
 from tidegate.sim.fifo import FifoDispatcher
-from tidegate.sim.harness import (ClosedLoopClients, Harness, RequestRecord, RunResult, ScenarioEvent, TrafficClass,
-                                  make_requests)
+from tidegate.sim.harness import (ClosedLoopClients, Harness, RequestRecord, RunResult, ScenarioEvent, SlowReplica,
+                                  TrafficClass, make_requests)
 from tidegate.sim.replica import ReplicaSpec, StepCostModel
 from tidegate.sim.seam import Dispatcher, SimRequest
 
@@ -317,9 +317,51 @@ def retry_storm() -> Verdict:
 
 STORM_SEEDS = (61, 62, 63)
 
+SLOWED_AT_S = 20.0
+
+
+def slowed_replica() -> Verdict:
+    """One of two replicas slows 2x (a noisy neighbour, thermal throttling) under 70 % load: the
+    controller's fitted TTFT line for it shows it twice as slow per prefill token as the other,
+    within +-25 %, no later than 10 s after, and stays so; the replicas stay busy."""
+    cap = capacity_rps(REPLICAS)
+    requests = mixed(0.7 * cap, 60.0, (("a", "standard", 1.0),), seed=71)
+    ids = [f"r{i}" for i in range(REPLICAS)]
+    ctl = controller(ids, default_tiers())
+    harness = Harness([replica_spec(i) for i in ids], ctl)
+    ratios: list[tuple[float, float]] = []
+
+    def sample() -> None:
+        slowed, other = ctl.ttft_fit("r0"), ctl.ttft_fit("r1")
+        if slowed is not None and other is not None and other.s_per_token > 0:
+            ratios.append((harness.loop.now_s - SLOWED_AT_S, slowed.s_per_token / other.s_per_token))
+
+    for second in range(int(SLOWED_AT_S) - 5, 58):
+        harness.loop.call_at(float(second), sample)
+    result = ScenarioRun(harness.run(requests, (SlowReplica(SLOWED_AT_S, "r0", 2.0),), probes_s=(SLOWED_AT_S, 55.0)),
+                         default_tiers())
+    # from when on the ratio stays within 2x +-25 % (None: it is outside at the end)
+    settled_s: float | None = None
+    for t, ratio in ratios:
+        if abs(ratio / 2.0 - 1.0) > 0.25:
+            settled_s = None
+        elif settled_s is None and t >= 0:
+            settled_s = t
+    busy = result.busy(SLOWED_AT_S, 55.0)
+    passed = settled_s is not None and settled_s <= 10.0 and busy >= 0.5
+    shown = " ".join(f"{t:+.0f}:{r:.2f}" for t, r in ratios if t % 2 == 0)
+    return Verdict("slowed_replica", "a replica slowed 2x: its fitted slope within 2x +-25 % of the other's by 10 s, "
+                   "and staying there", passed,
+                   (f"slope ratio slowed/other: {shown}; within from "
+                    + (f"{settled_s:+.0f} s" if settled_s is not None else "never"),
+                    _work_line("control", result, SLOWED_AT_S, 55.0)),
+                   (("settled_s", settled_s if settled_s is not None else float("inf")), ("busy", busy),
+                    ("ratio_before", float(np.mean([r for t, r in ratios if t < 0]))),
+                    ("ratio_from_16s", float(np.mean([r for t, r in ratios if t >= 16])))))
+
 
 SCENARIOS: tuple[Callable[[], Verdict], ...] = (goodput, critical_burst, noisy_tenant, cold_start, burst_after_idle,
-                                                retry_storm)
+                                                retry_storm, slowed_replica)
 
 
 def run_all() -> tuple[Verdict, ...]:
