@@ -225,3 +225,13 @@ def test_a_request_is_not_sent_where_it_would_start_past_what_is_left_of_its_tar
     assert capacity(ctl, 3.5).assignments == ()
     ctl.on_first_token(3.6, 2)  # the engine's prefill queue is empty: rule 4 takes it
     assert [a.request_id for a in capacity(ctl, 3.6).assignments] == [3]
+
+
+def test_a_whole_answers_predicted_prefill_ends_before_the_next_arrival_is_assigned_at_once() -> None:
+    """With nothing waiting, no `on_capacity` runs between arrivals: the arrival itself retires the
+    prefill the fit says is done, as `on_capacity` would."""
+    ctl = controller(PoolReplica("r0", max_requests=16))
+    teach(ctl, "r0")  # 50 ms + 1 ms a token
+    assert ctl.on_arrival(0.0, whole(1, prompt_tokens=2400)).verdict is ArrivalVerdict.ASSIGNED
+    # at 2.5 s its prefill (2.45 s) is over: 2,400 tokens ahead would not fit standard's 2.5 s budget
+    assert ctl.on_arrival(2.5, whole(2, prompt_tokens=500, now_s=2.5)).verdict is ArrivalVerdict.ASSIGNED
