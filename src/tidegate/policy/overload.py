@@ -17,7 +17,7 @@ from enum import Enum
 
 from tidegate.policy.admission import AdmissionDecision, AdmissionOutcome, RateLimiter, Reservation, Settlement
 from tidegate.policy.degradation import DegradationDecision, DegradationLadder, LadderConfig, Rung
-from tidegate.policy.pool import PoolController
+from tidegate.policy.pool import REFUSED_NO_REPLICA, PoolController
 from tidegate.policy.tiers import TierSpec, TierTable
 from tidegate.types import ArrivalDecision, ArrivalVerdict, Assignment, PoolRequest, Refusal
 
@@ -159,7 +159,7 @@ class OverloadControl:
                                           retry_after_s=decision.retry_after_s)
         if reply.rung is Rung.CACHED_ANSWER:
             outcome = ArrivalOutcome.CACHED_ANSWER
-        elif decision.reason == "no_replica":
+        elif decision.reason == REFUSED_NO_REPLICA:
             outcome = ArrivalOutcome.NO_REPLICA
         else:
             outcome = ArrivalOutcome.PRESET_REPLY

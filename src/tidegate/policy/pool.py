@@ -68,7 +68,7 @@ from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReaso
 from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import TierSpec, TierTable
 from tidegate.policy.ttft_model import TtftFit, TtftModel
-from tidegate.types import (QUEUED, ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, Refusal,
+from tidegate.types import (ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, Refusal,
                             ReplicaHealth, ReplicaLoad)
 
 __all__ = ["ServiceClass", "PoolReplica", "PoolSettings", "ReplicaSnapshot", "PoolSnapshot", "PoolController",
