@@ -368,7 +368,9 @@ class PoolController:
         accounts as a request queued and dispatched at once (fair-share counter, dispatch rate,
         tier service rate); queueing it only to take it out again cost most of the gateway's
         CPU per request (`bench/gateway_overhead.py`). Its deadline no longer matters once sent."""
-        self._assume_prefills_done(now_s)  # as `on_capacity` would first: whole answers' prefills past their time
+        # as `on_capacity` would first: whole answers' prefills past their time
+        # (`test_a_whole_answers_predicted_prefill_ends_before_the_next_arrival_is_assigned_at_once`)
+        self._assume_prefills_done(now_s)
         queued = QueuedRequest(request.request_id, request.tenant, tier.name, request.prompt_tokens,  # type: ignore[arg-type]
                                request.max_output_tokens, now_s, math.inf)
         if not request.streamed:
