@@ -17,6 +17,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 __all__ = [
     "TokenBucket",
@@ -104,8 +105,7 @@ class AdmissionOutcome(Enum):
     TOO_LARGE = "too_large"  # 429 without Retry-After: this request can never fit the token limit
 
 
-@dataclass(frozen=True, slots=True)
-class Reservation:
+class Reservation(NamedTuple):  # built per request: a NamedTuple is cheap (tidegate.types)
     reservation_id: int
     tenant: str
     model: str
@@ -136,8 +136,7 @@ class RateLimitHeaders:
         return headers
 
 
-@dataclass(frozen=True, slots=True)
-class AdmissionDecision:
+class AdmissionDecision(NamedTuple):
     outcome: AdmissionOutcome
     reservation: Reservation | None  # set exactly when admitted; settle it when the request ends
     limit_hit: LimitKind | None  # which limit refused it
@@ -150,8 +149,7 @@ class AdmissionDecision:
         return self.outcome is AdmissionOutcome.ADMITTED
 
 
-@dataclass(frozen=True, slots=True)
-class Settlement:
+class Settlement(NamedTuple):
     reserved_tokens: int
     used_tokens: int
     refunded_tokens: int  # reserved - used when the request used less, else 0
@@ -226,8 +224,10 @@ class RateLimiter:
     def admit(self, now_s: float, tenant: str, model: str, prompt_tokens: int, max_tokens: int) -> AdmissionDecision:
         if prompt_tokens < 0 or max_tokens < 0:
             raise ValueError("prompt_tokens and max_tokens must be >= 0")  # a negative cost would mint tokens
-        scopes = () if self._unlimited else self._applicable(tenant, model, now_s)
         cost = prompt_tokens + max_tokens
+        if self._unlimited:  # nothing to charge, nothing to refund: no account kept
+            return AdmissionDecision(AdmissionOutcome.ADMITTED, Reservation(0, tenant, model, cost), None, None, None, "")
+        scopes = self._applicable(tenant, model, now_s)
         for scope in scopes:
             if scope.tokens is not None and cost > scope.tokens.capacity:
                 return self._refuse(AdmissionOutcome.TOO_LARGE, LimitKind.TOKENS, None, scopes, now_s,
@@ -267,7 +267,7 @@ class RateLimiter:
         """
         if used_tokens < 0:
             raise ValueError("used_tokens must be >= 0")
-        scopes = self._open.pop(reservation.reservation_id, None)
+        scopes = () if self._unlimited else self._open.pop(reservation.reservation_id, None)
         if scopes is None:
             raise ValueError(f"reservation {reservation.reservation_id} is not open (settled twice?)")
         refund = max(0, reservation.reserved_tokens - used_tokens)

@@ -12,8 +12,9 @@ caller never forgets a refund.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from tidegate.policy.admission import AdmissionDecision, AdmissionOutcome, RateLimiter, Reservation, Settlement
 from tidegate.policy.degradation import DegradationDecision, DegradationLadder, LadderConfig, Rung
@@ -31,8 +32,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class RequestFacts:
+class RequestFacts(NamedTuple):  # built per request: a NamedTuple is cheap (tidegate.types)
     request_id: str
     tenant: str
     tier: str | None  # None: the default tier
@@ -67,8 +67,7 @@ class ShedNotice:
     assignment: Assignment | None = None  # with `moved_to`: the fallback pool assigned it at once
 
 
-@dataclass(frozen=True, slots=True)
-class Arrival:
+class Arrival(NamedTuple):
     outcome: ArrivalOutcome
     tier: TierSpec
     pool: str | None  # with QUEUED or ASSIGNED: the pool it waits in (the fallback pool when degraded)
@@ -223,7 +222,7 @@ class OverloadControl:
                 if request.timeout_s is not None:
                     left_s = min(left_s, request.timeout_s - (now_s - request.arrival_s))
                 if left_s > 0:
-                    moved = self._move(now_s, fallback, request_id, replace(request, timeout_s=left_s), notices)
+                    moved = self._move(now_s, fallback, request_id, request._replace(timeout_s=left_s), notices)
                     if moved is not None:
                         reply = policies.ladder.next_rung(Rung.PRIMARY, fallback_has_capacity=True)
                         notices.append(ShedNotice(request_id, request.tier, pool, refusal.reason, reply,

@@ -250,17 +250,18 @@ class PoolController:
     def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision:
         if request.tier not in self.tiers:
             return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_UNKNOWN_TIER)
-        if not any(self._routable(r, now_s) for r in self._order):
-            return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_NO_REPLICA)
         tier = self.tiers[request.tier]
         self._last_arrival_s[tier.name] = now_s
-        tokens = request.prompt_tokens + request.max_output_tokens
         if self._shares is not None:  # demand counts whether or not it is served
-            self._shares.on_arrival(now_s, tier.name, request.tenant, tokens)
-        if not self.queued and (request.timeout_s is None or request.timeout_s > 0):
+            self._shares.on_arrival(now_s, tier.name, request.tenant, request.prompt_tokens + request.max_output_tokens)
+        # nothing waits and a replica takes it: the common case, first (a replica that takes it is routable)
+        if not self._queue and not self._retries and (request.timeout_s is None or request.timeout_s > 0):
             assignment = self._assign_at_once(now_s, tier, request)
             if assignment is not None:
-                return ArrivalDecision(ArrivalVerdict.ASSIGNED, predicted_wait_s=0.0, assignment=assignment)
+                return ArrivalDecision(ArrivalVerdict.ASSIGNED, None, None, (), 0.0, 0.0, assignment)
+        if not any(self._routable(r, now_s) for r in self._order):
+            return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_NO_REPLICA)
+        tokens = request.prompt_tokens + request.max_output_tokens
         wait_s = self._wait_budget_s(tier, request)
         self._expire(now_s)
         ahead = self._queue.work_ahead(tier.name, request.tenant, tokens)
@@ -370,15 +371,15 @@ class PoolController:
         CPU per request (`bench/gateway_overhead.py`). Its deadline no longer matters once sent."""
         # as `on_capacity` would first: whole answers' prefills past their time
         # (`test_a_whole_answers_predicted_prefill_ends_before_the_next_arrival_is_assigned_at_once`)
-        self._assume_prefills_done(now_s)
+        if self._assumed_prefills:
+            self._assume_prefills_done(now_s)
         queued = QueuedRequest(request.request_id, request.tenant, tier.name, request.prompt_tokens,  # type: ignore[arg-type]
                                request.max_output_tokens, now_s, math.inf)
+        assignment = self._try_assign(now_s, queued, frozenset(), whole=not request.streamed)
+        if assignment is None:
+            return None
         if not request.streamed:
             self._whole.add(request.request_id)
-        assignment = self._try_assign(now_s, queued, frozenset())
-        if assignment is None:
-            self._whole.discard(request.request_id)
-            return None
         tokens = queued.tokens
         self._queue.charge_unqueued(queued)
         self._predictor.on_queued(now_s, tier.rank, tokens)
@@ -388,9 +389,12 @@ class PoolController:
         return assignment
 
     def _try_assign(self, now_s: float, request: QueuedRequest, exclude: frozenset[str],
-                    dequeue_skip: frozenset[str] | None = None) -> Assignment | None:
+                    dequeue_skip: frozenset[str] | None = None, whole: bool | None = None) -> Assignment | None:
+        """`whole`: the request reports no first token (None: look it up in `_whole`)."""
         tier = self.tiers[request.tier]
-        level = self.engine_level(request.tier, self.service_class(now_s, request.tier, request.tenant))
+        level = 2 * tier.rank
+        if self._shares is not None and request.tenant in self._shares.over_share(now_s, tier.name):
+            level += 1  # ServiceClass.DEMOTED (`engine_level`)
         # what is left of its TTFT target after its wait so far (rule 3): an engine that would
         # start it later has no use for it now
         left_s = request.enqueued_at_s + tier.ttft_target_s - now_s
@@ -410,7 +414,9 @@ class PoolController:
         replica.breaker = replica.breaker.on_dispatch(now_s)
         sent = self._sent[request.request_id] = _Sent(request, rid, level, now_s, ahead)
         fit = replica.model.fit
-        if request.request_id not in self._whole:
+        if whole is None:
+            whole = request.request_id in self._whole
+        if not whole:
             replica.prefill[level] += request.prompt_tokens
         elif fit is None:
             sent.prefilling = False  # nothing tells when its prefill ends, nor predicts it
@@ -426,10 +432,14 @@ class PoolController:
               left_s: float) -> _Replica | None:
         best: _Replica | None = None
         best_key: tuple[float, int, float] | None = None
-        count = len(self._order)
+        order, cursor = self._order, self._cursor
+        count = len(order)
+        best_index = 0
         for offset in range(count):
-            replica = self._order[(self._cursor + offset) % count]
-            if replica.config.replica_id in exclude or not self._routable(replica, now_s):
+            index = (cursor + offset) % count
+            replica = order[index]
+            if (exclude and replica.config.replica_id in exclude) \
+                    or not is_routable(replica.health, replica.breaker, now_s):
                 continue
             if not replica.has_slot(level):
                 continue  # rule 5
@@ -444,9 +454,9 @@ class PoolController:
             predicted_s = fit.predict_s(ahead + tokens) if fit is not None else float(ahead)
             key = (predicted_s, replica.requests, replica.load.kv_cache_usage)
             if best_key is None or key < best_key:
-                best, best_key = replica, key
+                best, best_key, best_index = replica, key, index
         if best is not None:
-            self._cursor = (self._order.index(best) + 1) % count
+            self._cursor = (best_index + 1) % count
         return best
 
     def _routable(self, replica: _Replica, now_s: float) -> bool:

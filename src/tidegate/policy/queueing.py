@@ -32,6 +32,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
+from typing import NamedTuple
 
 from tidegate.policy.tiers import TierSpec, TierTable
 
@@ -47,8 +48,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True, slots=True)
-class QueuedRequest:
+class QueuedRequest(NamedTuple):  # built per request: a NamedTuple is cheap (tidegate.types)
     request_id: str
     tenant: str
     tier: str
