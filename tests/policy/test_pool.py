@@ -122,6 +122,38 @@ def test_a_flooding_tenant_is_demoted_one_level() -> None:
     assert ctl.engine_level("standard", ServiceClass.DEMOTED) == 3
 
 
+class _Verdicts(TenantShares):
+    """Shares whose verdict the test sets (the rates behind it are `TenantShares`' own tests)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flooding: frozenset[str] = frozenset()
+
+    def over_share(self, now_s: float, tier: str) -> frozenset[str]:
+        return self.flooding
+
+
+def test_a_flooding_tenants_requests_sent_before_its_verdict_leave_the_others_room() -> None:
+    shares = _Verdicts()
+    ctl = controller(PoolReplica("r0", max_requests=4, headroom=2), shares=shares)
+    teach(ctl, "r0")  # by 105 s
+    arrive_all(ctl, *(request(k, tenant="flood", now_s=110.0) for k in range(6)), now_s=110.0)
+    assert len(capacity(ctl, 110.0).assignments) == 4  # at the regular level; two wait
+    for k in range(4):
+        ctl.on_first_token(110.1, k)
+    shares.flooding = frozenset({"flood"})  # judged over its share once its first requests run
+    arrive_all(ctl, request(10, tenant="quiet", now_s=110.2), now_s=110.2)
+    sent = capacity(ctl, 110.2).assignments
+    # the flood's four count as demoted now: the quiet tenant's request takes a slot at once (without
+    # the move it waited for one of the flood's to finish), and the flood's level, quiet one included,
+    # still holds at most `max_requests`
+    assert [(a.request_id, a.priority) for a in sent] == [(10, 2)]
+    ctl.on_finish(110.3, 0)
+    assert capacity(ctl, 110.3).assignments == ()
+    ctl.on_finish(110.4, 1)
+    assert [(a.request_id, a.priority) for a in capacity(ctl, 110.4).assignments] == [(4, 3)]
+
+
 def test_a_retry_goes_first_and_never_to_the_replica_that_failed_it() -> None:
     ctl = controller(PoolReplica("r0", max_requests=4), PoolReplica("r1", max_requests=4))
     arrive_all(ctl, request(1))

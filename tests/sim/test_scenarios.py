@@ -2,7 +2,8 @@
 
 Each asserts what the controller holds today. Three bars of the one-brain issue are not met yet
 and are asserted at what is met, so that a regression shows: the critical P99 in a 3x sheddable
-burst (bar 1.2x unloaded), the others' P99 beside a noisy tenant (bar 1.1x), and the work served
+burst (bar 1.2x unloaded), the others' P99 beside a noisy tenant (bar 1.1x on each of five seeds;
+1.09x-1.25x, and the work served within target 0.2 % under FIFO's), and the work served
 within target in a retry storm (bar >= FIFO; over three seeds 1 % under it with 64 clients and 2 %
 with 512: the work budget keeps the engines' batches a little smaller than FIFO's full ones), and a
 slowed replica's fitted slope (bar: 2x +-25 % within 10 s, and staying; it gets there in about 16 s
@@ -29,8 +30,9 @@ def test_critical_burst_protects_critical_far_better_than_fifo_with_the_replicas
 
 def test_noisy_tenant_is_held_off_the_others_with_the_replicas_busy() -> None:
     verdict = scenarios.noisy_tenant()
-    assert verdict.value("control_slowdown") <= 1.8, verdict.figures
+    assert verdict.value("control_slowdown") <= 1.3, verdict.figures  # every seed
     assert verdict.value("control_slowdown") * 5 < verdict.value("fifo_slowdown"), verdict.figures
+    assert verdict.value("good") >= 0.99 * verdict.value("fifo_good"), verdict.figures
     assert verdict.value("control_busy") >= 0.8, verdict.figures
 
 

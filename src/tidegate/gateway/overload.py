@@ -254,11 +254,12 @@ class OverloadRuntime:
                 metrics.of(metrics.degraded, model, arrival.rung.value).inc()
             metrics.of(metrics.admissions, model, tier, "queued" if arrival.rung is Rung.PRIMARY
                        else arrival.rung.value).inc()
-            ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, arrival.predicted_wait_s, headers)
             body = self.bodies[arrival.pool]
-            if arrival.assignment is not None:
+            if arrival.assignment is not None:  # sent at arrival: nothing was predicted
+                ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, None, headers)
                 body.carry_out(now_s, ticket, arrival.assignment)
             else:
+                ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, arrival.predicted_wait_s, headers)
                 body.wait(ticket)
             if arrival.shed:
                 self._answer_shed(now_s, arrival.shed)

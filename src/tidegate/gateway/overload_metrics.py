@@ -34,8 +34,9 @@ class OverloadMetrics:
                                     "Arrival to dispatch of dispatched requests, by pool and tier",
                                     ["pool", "tier"], buckets=_WAIT_BUCKETS_S, registry=r)
         self.predicted_wait = Histogram("tidegate_overload_predicted_wait_seconds",
-                                        "Wait predicted at arrival for requests later dispatched (compare with "
-                                        "tidegate_overload_queue_wait_seconds)", ["pool", "tier"],
+                                        "Wait predicted at arrival for requests that queued and were later "
+                                        "dispatched (compare with tidegate_overload_queue_wait_seconds, which also "
+                                        "counts, with 0, those sent at arrival)", ["pool", "tier"],
                                         buckets=_WAIT_BUCKETS_S, registry=r)
         self.admissions = Counter("tidegate_overload_admissions", "Arrivals by outcome (queued, rate_limited, "
                                   "too_large, preset_reply, fallback_pool)", ["pool", "tier", "outcome"], registry=r)

@@ -211,29 +211,45 @@ def critical_burst() -> Verdict:
                     ("control_busy", ctl.busy(*window))))
 
 
+NOISY_SEEDS = (31, 41, 51, 61, 71)
+
+
 def noisy_tenant() -> Verdict:
-    """One tenant at 10x its fair share raises the other tenants' P99 TTFT by < 10 %."""
+    """One tenant at 10x its fair share raises the other tenants' P99 TTFT by < 10 %, on each of five
+    seeds: whether the flood is judged before or after its first requests fill the regular level
+    changed one seed's figure from 1.3x to 8x, which a single seed cannot show."""
     cap = capacity_rps(REPLICAS)
-    quiet = mixed(0.6 * cap, DURATION_S, tuple((f"t{i}", "standard", 1.0) for i in range(4)), seed=31)
-    noisy = mixed(1.5 * cap, 40.0, (("noisy", "standard", 1.0),), seed=32)  # 10x each quiet tenant's 0.15x
     window = (15.0, 50.0)
-    requests = _merge(quiet, noisy, offsets_s=(0.0, 10.0))
-    alone = run(controller, REPLICAS, quiet)
-    ctl = run(controller, REPLICAS, requests, probes_s=window)
-    ref = run(fifo, REPLICAS, requests, probes_s=window)
+    slowdowns, fifo_slowdowns, busy, lines = [], [], [], []
+    good = fifo_good = 0
 
     def others(run_: ScenarioRun) -> list[RequestRecord]:
         return [r for r in run_.records("standard", *window) if r.tenant != "noisy"]
 
-    base, loaded, fifo_loaded = (alone.p99_ttft_s(others(alone)), ctl.p99_ttft_s(others(ctl)),
-                                 ref.p99_ttft_s(others(ref)))
-    passed = loaded < 1.1 * base and _conserves(ctl, ref, *window)
-    return Verdict("noisy_tenant", "others' P99 TTFT with a tenant at 10x its share < 1.1x without it; work conserved",
-                   passed, (f"others' P99 TTFT: alone {base * 1000:.0f} ms, beside the flood {loaded * 1000:.0f} ms "
-                            f"({loaded / base:.2f}x); FIFO {fifo_loaded * 1000:.0f} ms ({fifo_loaded / base:.2f}x)",
-                            _work_line("control", ctl, *window), _work_line("FIFO", ref, *window)),
-                   (("control_slowdown", loaded / base), ("fifo_slowdown", fifo_loaded / base),
-                    ("control_busy", ctl.busy(*window))))
+    for seed in NOISY_SEEDS:
+        quiet = mixed(0.6 * cap, DURATION_S, tuple((f"t{i}", "standard", 1.0) for i in range(4)), seed=seed)
+        noisy = mixed(1.5 * cap, 40.0, (("noisy", "standard", 1.0),), seed=seed + 1)  # 10x each quiet one's 0.15x
+        requests = _merge(quiet, noisy, offsets_s=(0.0, 10.0))
+        alone = run(controller, REPLICAS, quiet)
+        ctl = run(controller, REPLICAS, requests, probes_s=window)
+        ref = run(fifo, REPLICAS, requests, probes_s=window)
+        base = alone.p99_ttft_s(others(alone))
+        slowdowns.append(ctl.p99_ttft_s(others(ctl)) / base)
+        fifo_slowdowns.append(ref.p99_ttft_s(others(ref)) / base)
+        busy.append(ctl.busy(*window))
+        good += ctl.good(ctl.records(start_s=window[0], end_s=window[1]))
+        fifo_good += ref.good(ref.records(start_s=window[0], end_s=window[1]))
+        lines.append(f"seed {seed}: others' P99 TTFT alone {base * 1000:.0f} ms, beside the flood "
+                     f"{slowdowns[-1] * base * 1000:.0f} ms ({slowdowns[-1]:.2f}x); FIFO {fifo_slowdowns[-1]:.2f}x")
+    lines += [f"worst {max(slowdowns):.2f}x, mean {float(np.mean(slowdowns)):.2f}x; within target over the seeds "
+              f"{good} (FIFO {fifo_good}); busy >= {min(busy):.1%}",
+              "last seed: " + _work_line("control", ctl, *window), "last seed: " + _work_line("FIFO", ref, *window)]
+    passed = max(slowdowns) < 1.1 and good >= fifo_good and min(busy) >= 0.8
+    return Verdict("noisy_tenant", "others' P99 TTFT with a tenant at 10x its share < 1.1x without it, on each of "
+                   f"{len(NOISY_SEEDS)} seeds; work conserved", passed, tuple(lines),
+                   (("control_slowdown", max(slowdowns)), ("control_mean_slowdown", float(np.mean(slowdowns))),
+                    ("fifo_slowdown", min(fifo_slowdowns)), ("control_busy", min(busy)),
+                    ("good", float(good)), ("fifo_good", float(fifo_good))))
 
 
 def cold_start() -> Verdict:
