@@ -46,6 +46,17 @@ def test_decaying_rate_reads_a_steady_stream_and_halves_each_half_life() -> None
     assert rate.rate(42.0) == pytest.approx(at_40 / 2, rel=1e-6)
 
 
+def test_reading_a_decaying_rate_changes_nothing() -> None:
+    rate, untouched = DecayingRate(half_life_s=2.0), DecayingRate(half_life_s=2.0)
+    for item in (rate, untouched):
+        item.add(0.0, 4.0)
+    assert rate.rate(10.0) < rate.rate(1.0)  # a later read first, then an earlier one
+    assert rate.amount(1.0) == untouched.amount(1.0)
+    rate.add(3.0, 1.0)
+    untouched.add(3.0, 1.0)
+    assert rate.rate(5.0) == untouched.rate(5.0)
+
+
 def _stream(shares: TenantShares, tier: str, rates: dict[str, float], served: float, seconds: float = 30.0,
             start_s: float = 0.0, dispatched: float | None = None) -> float:
     """Arrivals at `rates` (work a second, per tenant), `served` work a second finished and

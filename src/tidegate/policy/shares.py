@@ -56,23 +56,19 @@ class DecayingRate:
         self._at_s: float | None = None
 
     def add(self, now_s: float, amount: float) -> None:
-        self._decay(now_s)
-        self._value += amount
-
-    def rate(self, now_s: float) -> float:
-        self._decay(now_s)
-        return self._value / self._tau_s
-
-    def amount(self, now_s: float) -> float:
-        """The amount arrived, each part decayed by its age."""
-        self._decay(now_s)
-        return self._value
-
-    def _decay(self, now_s: float) -> None:
-        if self._at_s is not None and now_s > self._at_s:
-            self._value *= math.exp(-(now_s - self._at_s) / self._tau_s)
+        self._value = self.amount(now_s) + amount
         if self._at_s is None or now_s > self._at_s:
             self._at_s = now_s
+
+    def rate(self, now_s: float) -> float:
+        """A query: reading changes nothing."""
+        return self.amount(now_s) / self._tau_s
+
+    def amount(self, now_s: float) -> float:
+        """The amount arrived, each part decayed by its age (a query)."""
+        if self._at_s is not None and now_s > self._at_s:
+            return self._value * math.exp(-(now_s - self._at_s) / self._tau_s)
+        return self._value
 
 
 def fair_rate(demands: Mapping[str, float], weights: Mapping[str, float], capacity: float) -> float:
@@ -119,8 +115,13 @@ class TenantShares:
         self._verdicts: dict[str, tuple[float, frozenset[str]]] = {}
 
     def on_arrival(self, now_s: float, tier: str, tenant: str, work: float) -> None:
-        """Work (tokens reserved) admitted for `tenant` in `tier`, whether it is served or not."""
+        """Work (tokens reserved) admitted for `tenant` in `tier`, whether it is served or not;
+        tenants of the tier whose rate has decayed to nearly nothing are forgotten."""
         tenants = self._arrivals.setdefault(tier, {})
+        if tenant not in tenants:  # a newcomer: the time to drop those gone quiet (a verdict skips them anyway)
+            floor = self.FORGET_BELOW * self.service_rate(now_s, tier)
+            for gone in [name for name, rate in tenants.items() if rate.rate(now_s) <= floor]:
+                del tenants[gone], self._requests[tier][gone]
         self._first_arrival_s.setdefault(tier, now_s)
         for rates, amount in ((tenants, work), (self._requests.setdefault(tier, {}), 1.0)):
             rate = rates.get(tenant)
@@ -184,10 +185,8 @@ class TenantShares:
             verdict = self._verdicts[tier] = (now_s, frozenset())
             return verdict
         capacity = self.service_rate(now_s, tier)
-        demands = {tenant: rate.rate(now_s) for tenant, rate in tenants.items()}
-        for tenant, demand in list(demands.items()):
-            if demand <= self.FORGET_BELOW * capacity:
-                del tenants[tenant], demands[tenant], self._requests[tier][tenant]
+        demands = {tenant: demand for tenant, rate in tenants.items()
+                   if (demand := rate.rate(now_s)) > self.FORGET_BELOW * capacity}
         level = fair_rate(demands, self._weights, capacity)
         # a tenant gone quiet (its requests, decayed by age, add up to under half of one: about
         # none in the last half-life) is no one to stand out from: next to its rate of nearly
