@@ -62,3 +62,9 @@ def test_a_slowed_replica_shows_about_twice_the_slope_with_the_pool_busy() -> No
     assert abs(verdict.value("ratio_before") - 1.0) <= 0.25, verdict.figures
     assert abs(verdict.value("ratio_from_16s") / 2.0 - 1.0) <= 0.25, verdict.figures
     assert verdict.value("busy") >= 0.8, verdict.figures
+
+
+def test_a_killed_replica_costs_what_it_held_and_a_few_probes_with_the_others_busy() -> None:
+    verdict = scenarios.replica_killed()
+    assert verdict.passed, verdict.figures
+    assert verdict.value("sent_to_dead") <= 4, verdict.figures  # one probe per cool-down, doubling from 5 s

@@ -55,7 +55,8 @@ without it; a rule no scenario needs does not belong here):
 7. Routing among replicas that fit: the least predicted engine TTFT; routable (health, breaker);
    a retried request never returns to the replica that failed it.
    (`test_a_retry_goes_first_and_never_to_the_replica_that_failed_it`,
-   `test_every_replica_down_refuses_every_waiting_request`; no replica-killed scenario yet)
+   `test_every_replica_down_refuses_every_waiting_request`; `replica_killed`: its breaker opens on
+   the failures of the requests it held, and only a probe each cool-down goes to it after)
 """
 
 from __future__ import annotations

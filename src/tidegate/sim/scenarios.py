@@ -27,8 +27,8 @@ from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import TierTable, default_tiers
 from tidegate.sim.capacity import saturated_rps
 from tidegate.sim.fifo import FifoDispatcher
-from tidegate.sim.harness import (ClosedLoopClients, Harness, RequestRecord, RunResult, ScenarioEvent, SlowReplica,
-                                  TrafficClass, make_requests)
+from tidegate.sim.harness import (ClosedLoopClients, Harness, KillReplica, RequestRecord, RunResult, ScenarioEvent,
+                                  SlowReplica, TrafficClass, make_requests)
 from tidegate.sim.replica import ReplicaSpec, StepCostModel
 from tidegate.sim.seam import Dispatcher, SimRequest
 
@@ -376,8 +376,43 @@ def slowed_replica() -> Verdict:
                     ("ratio_from_16s", float(np.mean([r for t, r in ratios if t >= 16])))))
 
 
+def replica_killed() -> Verdict:
+    """One of three replicas dies 20 s into a 70 % load, which leaves the two others at about 105 %:
+    the requests it held are lost in both arms, the breaker stops sending it more after a few
+    (probes aside), the two left stay busy, critical stays within its target, and at least FIFO's
+    requests are served within target."""
+    requests = mixed(0.7 * capacity_rps(3), 60.0, (("a", "standard", 0.8), ("b", "critical", 0.2)), seed=81)
+    killed_at_s, window = 20.0, (20.0, 50.0)
+    events = (KillReplica(killed_at_s, "r0"),)
+    ctl = run(controller, 3, requests, events=events, probes_s=window)
+    ref = run(fifo, 3, requests, events=events, probes_s=window)
+
+    def sent_to_dead(run_: ScenarioRun) -> int:
+        return sum(1 for r in run_.result.records if r.replica_id == "r0" and r.dispatch_s is not None
+                   and r.dispatch_s >= killed_at_s)
+
+    def held_when_killed(run_: ScenarioRun) -> int:
+        return sum(1 for r in run_.result.records if r.replica_id == "r0" and r.failed_s is not None
+                   and r.dispatch_s is not None and r.dispatch_s < killed_at_s)
+
+    tiers = default_tiers()
+    critical_p99 = ctl.p99_ttft_s(ctl.records("critical", *window))
+    passed = (sent_to_dead(ctl) <= 10 and critical_p99 <= tiers["critical"].ttft_target_s
+              and _conserves(ctl, ref, *window))
+    return Verdict("replica_killed", "one of three replicas killed at 70 % load: few sent to it after, critical "
+                   "within target, work conserved", passed,
+                   (f"lost with it: {held_when_killed(ctl)} (FIFO {held_when_killed(ref)}); sent to it after it died: "
+                    f"{sent_to_dead(ctl)} (FIFO {sent_to_dead(ref)}); critical P99 TTFT {critical_p99 * 1000:.0f} ms "
+                    f"(FIFO {ref.p99_ttft_s(ref.records('critical', *window)) * 1000:.0f} ms)",
+                    _work_line("control", ctl, *window), _work_line("FIFO", ref, *window)),
+                   (("sent_to_dead", float(sent_to_dead(ctl))), ("critical_p99_s", critical_p99),
+                    ("good", float(ctl.good(ctl.records(start_s=window[0], end_s=window[1])))),
+                    ("fifo_good", float(ref.good(ref.records(start_s=window[0], end_s=window[1])))),
+                    ("busy", ctl.busy(*window))))
+
+
 SCENARIOS: tuple[Callable[[], Verdict], ...] = (goodput, critical_burst, noisy_tenant, cold_start, burst_after_idle,
-                                                retry_storm, slowed_replica)
+                                                retry_storm, slowed_replica, replica_killed)
 
 
 def run_all() -> tuple[Verdict, ...]:
