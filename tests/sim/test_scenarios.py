@@ -9,7 +9,7 @@ with 512: the work budget keeps the engines' batches a little smaller than FIFO'
 slowed replica's fitted slope (bar: 2x +-25 % within 10 s, and staying; it gets there in about 16 s
 and wanders 1.9x-2.5x: a 16-sample line fitted to TTFTs that also carry decode work is noisy);
 `bench/overload_scenarios.py` prints the verdicts. (The slowed replica's bar is met since each
-replica's TTFT line is the pool's at its own measured speed: within 2x +-25 % from +8 s.)
+replica's TTFT line is the pool's at its own measured speed: within 2x +-25 % from +3 s.)
 """
 
 from __future__ import annotations

@@ -96,6 +96,11 @@ def pool_line(speeds: Sequence[ReplicaSpeed], factors: Sequence[float] | None = 
     steadier than a slope fitted to its own few points: in `slowed_replica` a replica's own line
     read a 2x slowdown as anything from 1.3x to 2.5x, since each TTFT also carries decode work.
     """
+    measured = [speed for speed in speeds if speed.samples > 0]
+    if len(measured) == 1:  # one replica alone is the pool's speed (the common case: a line, no rounds)
+        only = measured[0]
+        line = fit_line(only.samples, only.tokens, only.engine_s, only.tokens_sq, only.tokens_engine_s)
+        return line, (1.0,) * len(speeds)
     current = list(factors) if factors is not None and len(factors) == len(speeds) else [1.0] * len(speeds)
     line: TtftFit | None = None
     for _ in range(rounds):
