@@ -28,9 +28,9 @@ without it; a rule no scenario needs does not belong here):
    it, so the target is the tightest among tiers active lately. (`burst_after_idle`, `goodput`;
    `test_a_request_predicted_past_its_engine_budget_waits`,
    `test_a_request_is_not_sent_where_it_would_start_past_what_is_left_of_its_target`.) A slowed
-X
-   the slowdown and stays there (1.8x-2.0x from +16 s); a line fitted per replica took 16 s and
-   then wandered 1.3x-2.5x, each replica's few TTFTs carrying decode work as noise.
+   replica's budget follows its speed: `slowed_replica` reads 2x within +-25 % from 3 s after
+   the slowdown and stays there (1.8x-2.0x); a line fitted per replica took 16 s and then
+   wandered 1.3x-2.5x, each replica's few TTFTs carrying decode work as noise.
    (`test_a_replica_that_turns_twice_as_slow_shows_it_within_its_memory`)
 4. Work conservation: a replica with nothing of that level (or, on an engine ignoring priority,
    nothing at all) waiting for prefill always takes the next request, whatever the budget. The
