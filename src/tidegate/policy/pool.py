@@ -411,9 +411,7 @@ class PoolController:
                     dequeue_skip: frozenset[str] | None = None, whole: bool | None = None) -> Assignment | None:
         """`whole`: the request reports no first token (None: look it up in `_whole`)."""
         tier = self.tiers[request.tier]
-        level = 2 * tier.rank
-        if self._shares is not None and request.tenant in self._shares.over_share(now_s, tier.name):
-            level += 1  # ServiceClass.DEMOTED (`engine_level`)
+        level = self.engine_level(tier.name, self.service_class(now_s, tier.name, request.tenant))
         # what is left of its TTFT target after its wait so far (rule 3): an engine that would
         # start it later has no use for it now
         left_s = request.enqueued_at_s + tier.ttft_target_s - now_s
