@@ -200,22 +200,29 @@ async def test_the_engine_priority_is_the_controllers_level() -> None:
     assert [t.priority for t in tickets] == [0, 4, 2]
 
 
-async def test_a_first_token_frees_the_work_budget_for_the_next_request() -> None:
-    """Rule 3 live: before a first token is measured one prefill at a time; the first token both
-    frees the replica's prefill queue and teaches its TTFT line."""
+async def test_a_first_token_teaches_the_budget_that_then_holds_back_a_long_prompt() -> None:
+    """Rules 3 and 4 live: nothing measured, no budget (only slots); the first token teaches the
+    replica's TTFT line, and then a long prompt that would start past its engine budget behind
+    another's prefill waits until that prefill is done."""
     clock = FakeClock()
     runtime, pool = _runtime(slot_limit=8, clock=clock)
     who = Identity("t", None)
     first = runtime.admit(clock(), "a", who, "m", _BODY)
     await runtime.acquire(first)
-    second = asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), "b", who, "m", _BODY)))
-    await asyncio.sleep(0)
-    assert not second.done()
     assert math.isnan(_metric(runtime, "tidegate_replica_work_budget_tokens", pool="m", replica="r0"))
     clock.now_s += 0.1
-    runtime.first_token(first)
-    assert (await asyncio.wait_for(second, 1.0)) is pool.replicas[0]
-    assert _metric(runtime, "tidegate_replica_work_budget_tokens", pool="m", replica="r0") > 0
+    runtime.first_token(first)  # ~6 prompt tokens in 0.1 s
+    budget = _metric(runtime, "tidegate_replica_work_budget_tokens", pool="m", replica="r0")
+    assert 0 < budget < 1000
+    second = runtime.admit(clock(), "b", who, "m", _BODY)
+    await runtime.acquire(second)  # the prefill queue was empty: it goes at once
+    long_prompt = {**_BODY, "messages": [{"role": "user", "content": "x" * 4 * 1000}]}
+    third = asyncio.ensure_future(runtime.acquire(runtime.admit(clock(), "c", who, "m", long_prompt)))
+    await asyncio.sleep(0)
+    assert not third.done()
+    clock.now_s += 0.1
+    runtime.first_token(second)
+    assert (await asyncio.wait_for(third, 1.0)) is pool.replicas[0]
 
 
 async def test_request_past_its_deadline_is_answered_by_the_timer() -> None:

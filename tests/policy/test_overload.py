@@ -132,7 +132,7 @@ def _roomy_tiers() -> TierTable:
 
 def test_a_displaced_request_is_answered_and_a_better_one_takes_its_place() -> None:
     full = _roomy_tiers()
-    pools = {"big": PoolPolicies.create("big", PoolController((PoolReplica("b"),), full,
+    pools = {"big": PoolPolicies.create("big", PoolController((PoolReplica("b", max_requests=1),), full,
                                                               settings=PoolSettings(max_queued=1)))}
     control = OverloadControl(full, RateLimiter(), pools)
     _take_the_slot(control)
@@ -146,8 +146,8 @@ def test_a_displaced_request_is_answered_and_a_better_one_takes_its_place() -> N
 
 def test_a_displaced_request_moves_to_the_fallback_pool_once() -> None:
     full = _roomy_tiers()
-    small = PoolController((PoolReplica("s"),), full, settings=PoolSettings(max_queued=1))
-    pools = {"big": PoolPolicies.create("big", PoolController((PoolReplica("b"),), full,
+    small = PoolController((PoolReplica("s", max_requests=1),), full, settings=PoolSettings(max_queued=1))
+    pools = {"big": PoolPolicies.create("big", PoolController((PoolReplica("b", max_requests=1),), full,
                                                               settings=PoolSettings(max_queued=1)),
                                         LadderConfig(fallback_pool="small")),
              "small": PoolPolicies.create("small", small)}

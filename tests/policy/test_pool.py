@@ -62,11 +62,12 @@ def test_no_routable_replica_refuses_at_arrival() -> None:
     assert ctl.on_arrival(0.0, request(1)).reason == REFUSED_NO_REPLICA
 
 
-def test_an_empty_prefill_queue_takes_one_request_before_anything_is_known() -> None:
-    """Rule 4 (work conservation): no fit yet, yet the idle replica is never left idle."""
-    ctl = controller()
-    arrive_all(ctl, request(1), request(2))
-    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [1]
+def test_before_anything_is_measured_a_replica_takes_what_its_slots_allow() -> None:
+    """Rules 4 and 5: no fit yet, no budget either; only the slots hold a cold replica back."""
+    ctl = controller(PoolReplica("r0", max_requests=2))
+    arrive_all(ctl, request(1, prompt_tokens=3000), request(2, prompt_tokens=3000), request(3))
+    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [1, 2]
+    assert ctl.queued == 1
 
 
 def test_a_request_predicted_past_its_engine_budget_waits() -> None:
@@ -94,11 +95,8 @@ def test_headroom_lets_a_better_request_past_a_full_replica() -> None:
     """Rule 5: sheddable requests fill `max_requests`; a critical one still starts at once."""
     ctl = controller(PoolReplica("r0", max_requests=2, headroom=1))
     arrive_all(ctl, request(1, "sheddable"), request(2, "sheddable"), request(3, "sheddable"))
-    capacity(ctl, 0.0)
-    ctl.on_first_token(0.1, 1)
-    assert [a.request_id for a in capacity(ctl, 0.1).assignments] == [2]
+    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [1, 2]
     arrive_all(ctl, request(4, "critical"), now_s=0.2)
-    ctl.on_first_token(0.2, 2)
     assert [a.request_id for a in capacity(ctl, 0.2).assignments] == [4]
     assert ctl.queued == 1  # the third sheddable one waits: headroom is not for its level
 
@@ -192,7 +190,7 @@ def test_every_replica_down_refuses_every_waiting_request() -> None:
 
 
 def test_queries_change_nothing() -> None:
-    ctl = controller()
+    ctl = controller(PoolReplica("r0", max_requests=1))
     arrive_all(ctl, request(1), request(2))
     before = ctl.snapshot(0.0)
     ctl.service_class(0.0, "standard", "t")
@@ -225,16 +223,16 @@ def test_whole_answers_before_any_fit_are_bounded_by_slots_alone() -> None:
 
 
 def test_arrival_reports_the_predicted_pressure() -> None:
-    ctl = controller()
+    ctl = controller(PoolReplica("r0", max_requests=1))
     ctl.on_arrival(0.0, request(1))
     decision = ctl.on_arrival(0.0, request(2))
     assert decision.verdict is ArrivalVerdict.QUEUED and decision.pressure == 0.0
 
 
 def test_a_request_that_finds_nobody_waiting_is_assigned_at_arrival() -> None:
-    """Rule 1 with an empty queue: no queueing round trip; the next one, with the prefill queue
-    no longer empty and nothing yet measured, waits (rule 3)."""
-    ctl = controller()
+    """Rule 1 with an empty queue: no queueing round trip; the next one, with the replica's one
+    slot taken, waits (rule 5), and so does the one after it, behind it."""
+    ctl = controller(PoolReplica("r0", max_requests=1))
     first = ctl.on_arrival(0.0, request(1))
     assert first.verdict is ArrivalVerdict.ASSIGNED and first.assignment == Assignment(1, "r0", 2)
     assert first.predicted_wait_s == 0.0

@@ -52,7 +52,7 @@ def test_long_prompt_burst_after_idle_keeps_critical_within_target_from_the_firs
 
 
 def test_a_retry_storm_serves_about_fifos_good_work_with_the_replicas_busy() -> None:
-    verdict = scenarios.retry_storm()
+    verdict = scenarios.retry_storm(scenarios.STORM_SEEDS[:3])  # the bench sums all eight
     assert verdict.value("good_64") >= 0.98 * verdict.value("fifo_good_64"), verdict.figures
     assert verdict.value("good_512") >= 0.95 * verdict.value("fifo_good_512"), verdict.figures
     assert min(verdict.value("busy_64"), verdict.value("busy_512")) >= 0.8, verdict.figures

@@ -88,6 +88,11 @@ class ScenarioRun:
         return sum(1 for r in records if r.served and r.ttft_s is not None
                    and r.ttft_s <= self.tiers[r.tier].ttft_target_s)
 
+    def completed_good(self, start_s: float, end_s: float) -> int:
+        """Requests that finished in [start_s, end_s) with a TTFT within their tier's target."""
+        return sum(1 for r in self.result.records if r.finish_s is not None and start_s <= r.finish_s < end_s
+                   and r.ttft_s is not None and r.ttft_s <= self.tiers[r.tier].ttft_target_s)
+
     def served(self, records: Sequence[RequestRecord] | None = None) -> int:
         return sum(1 for r in (self.result.records if records is None else records) if r.served)
 
@@ -301,37 +306,41 @@ def burst_after_idle() -> Verdict:
                    (("critical_p99_s", p99), ("critical_goodput_rps", critical_good_rps), ("needed_rps", needed_rps)))
 
 
-def retry_storm() -> Verdict:
+def retry_storm(seeds: Sequence[int] | None = None) -> Verdict:
     """64 and 512 closed-loop clients that resend 20 ms after every refusal (benchmark tools, naive
-    SDK loops): requests completed within target >= FIFO's in the same storm, summed over three
-    seeds. A saturated storm is chaotic: one changed decision early on changes which requests get
-    through later, and one seed's count moved by 8 % when only the order of two dispatches at the
-    first instant changed, so a single seed cannot tell the two apart."""
+    SDK loops): requests completed within target during the storm >= FIFO's, summed over eight
+    seeds. Counted by completion, not arrival: clients stop at the storm's end, and counting the
+    requests that arrived during it credits whichever arm still holds the longer queue then with
+    work done after the storm (FIFO held 118 requests at the end, control 97, over three seeds). A
+    saturated storm is chaotic: one changed decision early on changes which requests get through
+    later (one seed's count moved 8 % when only the order of two dispatches at the first instant
+    changed; per seed the two arms differ by up to 19), so a few seeds cannot tell them apart."""
+    seeds = STORM_SEEDS if seeds is None else seeds
     duration_s = 20.0
     window = (2.0, duration_s)
     lines, values, passed = [], [], True
     for count in (64, 512):
         good = fifo_good = sent = fifo_sent = 0
         busy: list[float] = []
-        for seed in STORM_SEEDS:
+        for seed in seeds:
             clients = ClosedLoopClients(count, chat("storm", "standard"), 0.0, duration_s, seed=seed)
             ctl = run(controller, REPLICAS, (), clients=clients, probes_s=window)
             ref = run(fifo, REPLICAS, (), clients=clients, probes_s=window)
-            good += ctl.good(ctl.records(start_s=window[0]))
-            fifo_good += ref.good(ref.records(start_s=window[0]))
+            good += ctl.completed_good(*window)
+            fifo_good += ref.completed_good(*window)
             sent, fifo_sent = sent + len(ctl.result.records), fifo_sent + len(ref.result.records)
             busy.append(ctl.busy(*window))
         passed = passed and good >= fifo_good and min(busy) >= 0.8
-        lines += [f"{count} clients, {len(STORM_SEEDS)} seeds: within target {good} (FIFO {fifo_good}); "
+        lines += [f"{count} clients, {len(seeds)} seeds: completed within target {good} (FIFO {fifo_good}); "
                   f"requests sent {sent} (FIFO {fifo_sent})",
                   "  last seed: " + _work_line("control", ctl, *window), "  last seed: " + _work_line("FIFO", ref, *window)]
         values += [(f"good_{count}", float(good)), (f"fifo_good_{count}", float(fifo_good)),
                    (f"busy_{count}", min(busy))]
-    return Verdict("retry_storm", "closed-loop retry storm (64, 512 clients): within target >= FIFO; replicas busy",
-                   passed, tuple(lines), tuple(values))
+    return Verdict("retry_storm", "closed-loop retry storm (64, 512 clients): completed within target >= FIFO; "
+                   "replicas busy", passed, tuple(lines), tuple(values))
 
 
-STORM_SEEDS = (61, 62, 63)
+STORM_SEEDS = (61, 62, 63, 64, 65, 66, 67, 68)
 
 SLOWED_AT_S = 20.0
 
