@@ -93,10 +93,6 @@ def test_connections_are_kept_alive_and_reused(clean_mock) -> None:
 
 
 def test_cli_replays_the_trace_compressed(clean_mock, tmp_path) -> None:
-    from tidegate.loadgen.trace import default_trace_path
-
-    if not default_trace_path().exists():
-        pytest.skip("the Azure trace is not beside the repository")
     code = main(["bench", "--url", clean_mock, "--arrival", "trace", "--speedup", "600", "--requests", "40",
                  "--no-stream", "--no-progress", "--quiet", "--no-plots", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "report.json").read_text())

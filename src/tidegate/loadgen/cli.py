@@ -68,8 +68,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     load.add_argument("--surge-length-s", type=float, default=10.0)
     load.add_argument("--amplitude", type=float, default=0.5, help="diurnal: swing as a fraction of the mean")
     load.add_argument("--period-s", type=float, default=60.0, help="diurnal: one 'day' in seconds")
-    load.add_argument("--trace", help="trace CSV (Azure LLM format); default ../shared/traces/azure-llm-2023-conv.csv "
-                                      "beside the repository, or $TIDEGATE_TRACE")
+    load.add_argument("--trace", help="trace CSV, plain or .gz (Azure LLM format); default $TIDEGATE_TRACE, else "
+                                      "the Azure conversation trace shipped in the package")
     load.add_argument("--speedup", type=float, default=1.0, help="trace: time compression factor")
     load.add_argument("--rate-scale", type=float, default=1.0, help="trace: thin (<1) or duplicate (>1) requests")
 

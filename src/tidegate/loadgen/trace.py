@@ -8,8 +8,10 @@ The bundled real trace is "Azure LLM inference trace 2023, from Patel et al., Sp
 from __future__ import annotations
 
 import datetime as _dt
+import gzip
 import os
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Iterable
 
@@ -105,16 +107,17 @@ def parse_azure_trace(lines: Iterable[str]) -> Trace:
 
 
 def load_azure_trace(path: str | os.PathLike[str]) -> Trace:
-    with open(path, encoding="utf-8") as handle:
+    """A trace file, plain or gzipped (by its `.gz` suffix)."""
+    opener = gzip.open if str(path).endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
         return parse_azure_trace(handle)
 
 
-def default_trace_path(repo_root: Path | None = None) -> Path:
-    """`$TIDEGATE_TRACE`, else `../shared/traces/azure-llm-2023-conv.csv` beside the repository."""
+def default_trace_path() -> Path:
+    """`$TIDEGATE_TRACE`, else the Azure conversation trace shipped in the package."""
     if os.environ.get(TRACE_ENV):
         return Path(os.environ[TRACE_ENV])
-    root = repo_root if repo_root is not None else Path(__file__).resolve().parents[3]
-    return root.parent / "shared" / "traces" / "azure-llm-2023-conv.csv"
+    return Path(str(resources.files("tidegate") / "data" / "azure-llm-2023-conv.csv.gz"))
 
 
 def per_minute_counts(offsets_s: np.ndarray, minute_s: float = 60.0) -> np.ndarray:

@@ -30,23 +30,45 @@ _SAMPLED_TOKEN = 1
 
 @dataclass(frozen=True, slots=True)
 class StepCostModel:
-    """step_s = base + prefill tokens + decode batch + context, each linear (DistServe's form).
+    """step_s = base + prefill tokens + decode batch + context, each linear (DistServe's form),
+    except that a measured profile may give the decode batch's cost point by point
+    (`decode_s_by_batch`), where the engine's is not linear in the batch.
 
     Defaults fitted to tiny-random-llama (fp32, 1 torch thread, the engine's ModelRunner) from one
     short measurement on a shared 2-core machine, so within perhaps 20 %:
       decode batch 1 / 8 / 32 at ~10 tokens of context: 15 / 26 / 56 ms per step;
       decode batch 8 at ~1,000 tokens of context: 73 ms;
       one prefill of 32 / 96 / 256 tokens: 60 / 143 / 313 ms.
-    Refit for another model or machine; the form matters more than the figures here.
+    Refit for another model or machine (`tidegate sim calibrate`); the form matters more than
+    the figures here.
     """
 
     base_s: float = 0.014  # a step's fixed cost: weights read once per step, Python, sampling
     prefill_s_per_token: float = 0.0012  # each prompt token computed in the step
     decode_s_per_seq: float = 0.0013  # each sequence decoding one token in the step
     context_s_per_token: float = 6e-6  # attention: each scheduled sequence's context length, summed
+    # (batch, cost of its decoding sequences) measured, by batch: interpolated between points; past
+    # the last, its slope goes on (at least `decode_s_per_seq`); below the first, pro rata. Empty:
+    # `decode_s_per_seq` x batch. On tiny-random-llama, 1 thread, a decode of 2 or 4 sequences cost
+    # more than one of 8 (18, 25 and 16 ms a step: torch's small-matrix kernels), which no line fits.
+    decode_s_by_batch: tuple[tuple[int, float], ...] = ()
+
+    def decode_s(self, batch: int) -> float:
+        """What `batch` decoding sequences add to a step."""
+        table = self.decode_s_by_batch
+        if not table or batch <= 0:
+            return self.decode_s_per_seq * batch
+        first_batch, first_s = table[0]
+        if batch <= first_batch:
+            return first_s * batch / first_batch
+        for (low_batch, low_s), (high_batch, high_s) in zip(table, table[1:]):
+            if batch <= high_batch:
+                return low_s + (high_s - low_s) * (batch - low_batch) / (high_batch - low_batch)
+        last_batch, last_s = table[-1]
+        return last_s + self.decode_s_per_seq * (batch - last_batch)
 
     def step_s(self, prefill_tokens: int, decode_batch: int, sum_context_tokens: int) -> float:
-        return (self.base_s + self.prefill_s_per_token * prefill_tokens + self.decode_s_per_seq * decode_batch
+        return (self.base_s + self.prefill_s_per_token * prefill_tokens + self.decode_s(decode_batch)
                 + self.context_s_per_token * sum_context_tokens)
 
     def batch_step_s(self, batch: ScheduledBatch) -> float:

@@ -1,0 +1,138 @@
+"""`tidegate sim calibrate`: measure a running engine's step times from outside, fit a profile.
+
+Works against any OpenAI-compatible server that streams `/v1/completions` and takes a prompt as
+token ids (the embedded engine, vLLM, SGLang): each prompt is random token ids (from 10 to 249, in
+every vocabulary, the embedded engine's 259 byte tokens included), so a prefix cache cannot make a
+repeat look cheap, and `ignore_eos` makes every stream as long as asked.
+- prefill: each prompt length of the grid sent alone, `repeats` times; its TTFT (median);
+- decode: B streams sent together at each batch size and context of the grid; once every one has
+  its first token and before any ends, the gap between two tokens is one decode step of batch B
+  (median of those gaps).
+The fit and its held-out error are `sim.costfit`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+import orjson
+
+from tidegate.sim.costfit import DecodeSample, PrefillSample, fit_with_held_out
+from tidegate.sim.profile import ReplicaProfile
+
+__all__ = ["CalibrationGrid", "measure", "calibrate"]
+
+
+@dataclass(frozen=True, slots=True)
+class CalibrationGrid:
+    prompt_tokens: tuple[int, ...] = (8, 32, 64, 96, 160, 256, 384)
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    contexts: tuple[int, ...] = (16, 256)
+    decode_tokens: int = 24  # generated per stream in a decode measurement
+    repeats: int = 3
+
+
+@dataclass(slots=True)
+class _Stream:
+    sent_s: float
+    token_times_s: list[float]
+    prompt_tokens: int = 0
+
+
+async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> _Stream:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    result = _Stream(time.perf_counter(), [])
+    async with session.post(url + "/v1/completions", data=orjson.dumps(body),
+                            headers={"Content-Type": "application/json"}) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{url}: HTTP {response.status}: {(await response.text())[:300]}")
+        async for line in response.content:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            chunk = orjson.loads(line[6:])
+            if chunk.get("choices"):
+                result.token_times_s.append(time.perf_counter())
+            if chunk.get("usage"):
+                result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+    return result
+
+
+async def measure(url: str, model: str, grid: CalibrationGrid = CalibrationGrid(), *, max_batch_tokens: int,
+                  seed: int = 0,
+                  token_range: tuple[int, int] = (10, 250),
+                  progress: Callable[[str], None] = lambda _: None) -> list[PrefillSample | DecodeSample]:
+    """The grid's samples, ordered by shape (prefills by length, then decodes by batch and context)."""
+    rng = np.random.default_rng(seed)
+
+    def prompt(tokens: int) -> list[int]:
+        return [int(t) for t in rng.integers(*token_range, size=tokens)]
+
+    samples: list[PrefillSample | DecodeSample] = []
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        await _stream(session, url, model, prompt(8), 2)  # warm the connection and the engine
+        for tokens in grid.prompt_tokens:
+            ttfts = []
+            for _ in range(grid.repeats):
+                stream = await _stream(session, url, model, prompt(tokens), 1)
+                _check_prompt(stream, tokens)
+                ttfts.append(stream.token_times_s[0] - stream.sent_s)
+            samples.append(PrefillSample(tokens, statistics.median(ttfts)))
+            progress(f"prefill {tokens} tokens: TTFT {samples[-1].ttft_s * 1000:.1f} ms")
+        for context in grid.contexts:
+            for batch in grid.batches:
+                # every stream must still decode once the last one's prompt is in: the prompts go
+                # through the token budget one after another first
+                tokens = grid.decode_tokens + -(-batch * context // max_batch_tokens) + batch
+                samples.append(await _decode(session, url, model, [prompt(context) for _ in range(batch)], tokens))
+                progress(f"decode batch {batch} at context {context}: step {samples[-1].step_s * 1000:.1f} ms")
+    return samples
+
+
+async def _decode(session: aiohttp.ClientSession, url: str, model: str, prompts: Sequence[list[int]],
+                  decode_tokens: int) -> DecodeSample:
+    streams = await asyncio.gather(*(_stream(session, url, model, p, decode_tokens) for p in prompts))
+    for stream, p in zip(streams, prompts):
+        _check_prompt(stream, len(p))
+        if len(stream.token_times_s) < decode_tokens:
+            raise RuntimeError(f"{url}: a stream ended after {len(stream.token_times_s)} of {decode_tokens} tokens "
+                               "(does the server honour ignore_eos?)")
+    all_started_s = max(s.token_times_s[0] for s in streams)
+    first_end_s = min(s.token_times_s[-1] for s in streams)
+    gaps, positions = [], []
+    for stream in streams:
+        times = stream.token_times_s
+        for index in range(1, len(times)):
+            if times[index - 1] >= all_started_s and times[index] <= first_end_s:
+                gaps.append(times[index] - times[index - 1])
+                positions.append(index)
+    if len(gaps) < 3:
+        raise RuntimeError("too few steps with every stream decoding: raise decode_tokens")
+    context = len(prompts[0]) + float(np.mean(positions))
+    return DecodeSample(len(prompts), context, statistics.median(gaps))
+
+
+def _check_prompt(stream: _Stream, tokens: int) -> None:
+    if not stream.token_times_s:
+        raise RuntimeError("the server streamed no token")
+    if stream.prompt_tokens and stream.prompt_tokens != tokens:
+        raise RuntimeError(f"sent {tokens} prompt token ids, the server counted {stream.prompt_tokens}")
+
+
+def calibrate(url: str, model: str, *, name: str, description: str, max_num_seqs: int, max_batch_tokens: int,
+              kv_cache_tokens: int, cold_start_s: float, grid: CalibrationGrid = CalibrationGrid(), seed: int = 0,
+              progress: Callable[[str], None] = lambda _: None) -> ReplicaProfile:
+    """Measures the server at `url` and returns its fitted profile (with the held-out error)."""
+    samples = asyncio.run(measure(url, model, grid, max_batch_tokens=max_batch_tokens, seed=seed, progress=progress))
+    fit, error = fit_with_held_out(samples, max_batch_tokens)
+    return ReplicaProfile(name, description, estimate=False,
+                          sources=(f"tidegate sim calibrate against {model}: {len(samples)} shapes",),
+                          cost=fit.model, max_num_seqs=max_num_seqs, max_batch_tokens=max_batch_tokens,
+                          kv_cache_tokens=kv_cache_tokens, cold_start_s=cold_start_s, fit=error)

@@ -1,0 +1,144 @@
+"""Fitting the step cost model to what a running engine was measured to do.
+
+Two kinds of measurement, both readable from outside any OpenAI-compatible engine:
+- a prompt of N tokens sent alone: its time to first token is the sum of the steps that prefilled
+  it. Which steps those are (chunks of the token budget) comes from the engine's own scheduler,
+  run here on the same shape, so the fit and the simulator chunk alike;
+- B streams decoding together at a context of C tokens: the gap between two tokens of a stream is
+  one decode step of batch B.
+Each is linear in the model's costs (`StepCostModel`: a step's fixed cost, a prefill token's, a
+context token's, and the decode batch's at each batch size measured), so they are fitted together
+by least squares on relative error (a 15 ms step counts as much as a 1 s prefill), costs kept >= 0.
+A measured TTFT also carries the request's trip through HTTP (about a millisecond here): it is not
+fitted apart, since with prompts of one step it cannot be told from a step's fixed cost, and
+trying made the fixed cost come out 0 on tiny-random-llama. It counts in the fixed cost.
+How well the model predicts shapes it was not fitted on is measured by holding every third
+sample out, fitting on the rest; the profile is then fitted on all of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tidegate.engine.kv_cache import BlockManager
+from tidegate.engine.scheduler import Scheduler, SchedulerConfig
+from tidegate.engine.sequence import SamplingParams
+from tidegate.engine.sequence import Sequence as EngineSequence
+from tidegate.sim.profile import FitError
+from tidegate.sim.replica import StepCostModel
+
+__all__ = ["PrefillSample", "DecodeSample", "CostFit", "prefill_steps", "fit_cost_model", "predict_s",
+           "fit_with_held_out"]
+
+_PROMPT_TOKEN = 7  # any token: a modelled prompt's content does not matter
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillSample:
+    prompt_tokens: int
+    ttft_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeSample:
+    batch: int  # sequences decoding together
+    context_tokens: float  # mean context of a sequence over the measured steps (prompt + output so far)
+    step_s: float
+
+
+Sample = PrefillSample | DecodeSample
+
+
+@dataclass(frozen=True, slots=True)
+class CostFit:
+    model: StepCostModel
+
+
+def prefill_steps(prompt_tokens: int, max_batch_tokens: int) -> list[tuple[int, int]]:
+    """(prefill tokens, summed context) of each step that prefills a prompt sent alone, as the
+    engine's scheduler chunks it."""
+    config = SchedulerConfig(max_num_seqs=1, max_batch_tokens=max_batch_tokens)
+    scheduler = Scheduler(config, BlockManager(prompt_tokens + 64))
+    scheduler.add(EngineSequence(seq_id=0, prompt_token_ids=[_PROMPT_TOKEN] * prompt_tokens,
+                                 params=SamplingParams(max_tokens=1, ignore_eos=True)))
+    steps = []
+    while scheduler.has_work:
+        batch = scheduler.schedule()
+        steps.append((sum(c.num_tokens for c in batch.chunks), sum(c.start + c.num_tokens for c in batch.chunks)))
+        scheduler.update(batch, [_PROMPT_TOKEN for c in batch.chunks if c.samples])
+    return steps
+
+
+def predict_s(fit: CostFit, sample: Sample, max_batch_tokens: int) -> float:
+    """The sample's time as the fitted model (the simulator's) gives it."""
+    model = fit.model
+    if isinstance(sample, PrefillSample):
+        return sum(model.step_s(tokens, 0, context)
+                                         for tokens, context in prefill_steps(sample.prompt_tokens, max_batch_tokens))
+    return model.step_s(0, sample.batch, sample.batch * (sample.context_tokens + 1.0))  # type: ignore[arg-type]
+
+
+def fit_cost_model(samples: Sequence[Sample], max_batch_tokens: int) -> CostFit:
+    """Least squares on relative error, every cost >= 0 (a cost fitted negative is dropped to 0 and
+    the rest refitted: noise must not make a longer batch cheaper).
+
+    Unknowns: the fixed cost of a step, the cost of a prefill token and of a context token, and
+    the decode cost at each batch size measured (`decode_s_by_batch`; the
+    slope between its last two points carries it past them, as `decode_s_per_seq`)."""
+    prefills = [s for s in samples if isinstance(s, PrefillSample)]
+    decodes = [s for s in samples if isinstance(s, DecodeSample)]
+    if not prefills or not decodes:
+        raise ValueError("need both prefill and decode samples")
+    batches = sorted({s.batch for s in decodes})
+    rows, times = [], []
+    for sample in prefills:
+        steps = prefill_steps(sample.prompt_tokens, max_batch_tokens)
+        rows.append([float(len(steps)), float(sum(t for t, _ in steps)), float(sum(c for _, c in steps))]
+                    + [0.0] * len(batches))
+        times.append(sample.ttft_s)
+    for sample in decodes:
+        one_hot = [1.0 if b == sample.batch else 0.0 for b in batches]
+        rows.append([1.0, 0.0, sample.batch * (sample.context_tokens + 1.0)] + one_hot)
+        times.append(sample.step_s)
+    times_s = np.asarray(times, dtype=np.float64)
+    if (times_s <= 0).any():
+        raise ValueError("measured times must be > 0")
+    design = np.asarray(rows, dtype=np.float64) / times_s[:, None]
+    target = np.ones(len(times_s))
+    free = list(range(design.shape[1]))
+    coefficients = np.zeros(design.shape[1])
+    while free:
+        solution, *_ = np.linalg.lstsq(design[:, free], target, rcond=None)
+        if (solution >= 0).all():
+            coefficients[free] = solution
+            break
+        del free[int(np.argmin(solution))]
+    base, prefill, context = (float(c) for c in coefficients[:3])
+    if base <= 0:
+        raise ValueError("the fit found no fixed cost per step: measure more shapes")
+    table = tuple((b, float(t)) for b, t in zip(batches, coefficients[3:]))
+    if len(table) >= 2:
+        (low_b, low_t), (high_b, high_t) = table[-2], table[-1]
+        per_seq = max(0.0, (high_t - low_t) / (high_b - low_b))
+    else:
+        per_seq = table[0][1] / table[0][0]
+    return CostFit(StepCostModel(base, prefill, per_seq, context, decode_s_by_batch=table))
+
+
+def fit_with_held_out(samples: Sequence[Sample], max_batch_tokens: int) -> tuple[CostFit, FitError]:
+    """The fit on all samples, and the relative errors on every third sample of a fit without them
+    (samples in the order given: pass them ordered by shape so the held-out ones interleave)."""
+    held_out = [s for i, s in enumerate(samples) if i % 3 == 2]
+    fitted_on = [s for i, s in enumerate(samples) if i % 3 != 2]
+    partial = fit_cost_model(fitted_on, max_batch_tokens)
+    errors = [abs(predict_s(partial, s, max_batch_tokens) / _measured_s(s) - 1.0) for s in held_out]
+    error = FitError(len(held_out), float(np.mean(errors)) if errors else float("nan"),
+                     float(np.max(errors)) if errors else float("nan"), len(fitted_on))
+    return fit_cost_model(samples, max_batch_tokens), error
+
+
+def _measured_s(sample: Sample) -> float:
+    return sample.ttft_s if isinstance(sample, PrefillSample) else sample.step_s

@@ -1,0 +1,204 @@
+"""`tidegate sim`: calibrate a replica profile against a running engine, or simulate a pool on it.
+
+    tidegate sim calibrate --url http://127.0.0.1:8001 --model tiny-random-llama --out my.json
+    tidegate sim run --profile tiny-random-llama-cpu --replicas 2 --speedup 60 --duration-s 600
+    tidegate sim run --config serve.yaml --profile P --trace T --rate-scale 2 --fifo
+    tidegate sim profiles
+
+`run` drives the pool controller `tidegate serve` would build from the same config (tiers, limits,
+slot limits, isolation) through modelled replicas of the profile, on virtual time, and prints per
+tier TTFT percentiles, goodput and refusals, and per replica utilisation; `--fifo` runs overload
+control off beside it. A run is a function of its inputs and `--seed`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from tidegate.config import ConfigError, GatewayConfig, load_config
+from tidegate.loadgen.arrivals import Poisson
+from tidegate.loadgen.mix import LengthDistribution
+from tidegate.loadgen.trace import AZURE_TRACE_CREDIT, default_trace_path, load_azure_trace
+from tidegate.policy.pool import PoolController, PoolSettings
+from tidegate.sim.fifo import FifoDispatcher
+from tidegate.sim.harness import Harness, TrafficClass, make_requests, requests_from_trace
+from tidegate.sim.profile import ReplicaProfile, load_profile, save_profile, shipped_profiles
+from tidegate.sim.report import format_summary, summarize
+from tidegate.sim.seam import SimRequest
+
+__all__ = ["configure_parser", "run"]
+
+
+def configure_parser(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
+    cal = sub.add_parser("calibrate", help="measure a running engine and write its replica profile")
+    cal.add_argument("--url", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8001")
+    cal.add_argument("--model", required=True, help="the model name the server answers to")
+    cal.add_argument("--out", required=True, help="profile file to write (JSON)")
+    cal.add_argument("--name", help="the profile's name (default: the file's stem)")
+    cal.add_argument("--description", default="", help="what was measured: engine, model, machine")
+    cal.add_argument("--max-num-seqs", type=int, default=64, help="the engine's sequence limit")
+    cal.add_argument("--max-batch-tokens", type=int, default=96, help="the engine's per-step token budget")
+    cal.add_argument("--kv-cache-tokens", type=int, default=32768, help="the engine's KV-cache capacity")
+    cal.add_argument("--cold-start-s", type=float, default=0.0, help="measured time from start to ready")
+    cal.add_argument("--prompt-tokens", type=_ints, help="prefill grid, e.g. 8,32,96,256")
+    cal.add_argument("--batches", type=_ints, help="decode batch sizes, e.g. 1,4,16")
+    cal.add_argument("--contexts", type=_ints, help="decode contexts in tokens, e.g. 16,256")
+    cal.add_argument("--repeats", type=int, default=3)
+    cal.add_argument("--seed", type=int, default=0)
+    sub.add_parser("profiles", help="list the shipped replica profiles")
+    sim = sub.add_parser("run", help="simulate a pool on a replica profile")
+    sim.add_argument("--profile", default="tiny-random-llama-cpu", help="shipped profile name or profile file")
+    sim.add_argument("--config", help="a `tidegate serve` YAML: tiers, limits, slot limits, pool size")
+    sim.add_argument("--pool", help="the config's pool to simulate (default: its first)")
+    sim.add_argument("--replicas", type=int, help="replicas (default: the config's, else 2)")
+    sim.add_argument("--trace", nargs="?", const="", help="replay an Azure-format trace (default: the shipped one)")
+    sim.add_argument("--speedup", type=float, default=1.0, help="trace: time compression")
+    sim.add_argument("--rate-scale", type=float, default=1.0, help="trace: thin (<1) or duplicate (>1) requests")
+    sim.add_argument("--rate", type=float, help="Poisson arrivals at this rate (requests/s) instead of a trace")
+    sim.add_argument("--prompt-tokens", type=_ints, default=(64, 1024), help="Poisson: uniform prompt range")
+    sim.add_argument("--output-tokens", type=_ints, default=(32, 256), help="Poisson: uniform output range")
+    sim.add_argument("--duration-s", type=float, help="arrivals in the first DURATION seconds (virtual)")
+    sim.add_argument("--mix", default="", help="tiers by share, e.g. critical:0.2,standard:0.8 "
+                                                "(default: all the default tier)")
+    sim.add_argument("--fifo", action="store_true", help="also run with overload control off")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--out", help="write summary.json here (a directory)")
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.sim_command == "calibrate":
+            return _calibrate(args)
+        if args.sim_command == "profiles":
+            for name in shipped_profiles():
+                profile = load_profile(name)
+                print(f"{name:<28} {'estimate' if profile.estimate else 'measured':<9} {profile.description}")
+            return 0
+        return _simulate(args)
+    except (ValueError, ConfigError, OSError, RuntimeError) as error:
+        print(f"tidegate sim: {error}", file=sys.stderr)
+        return 2
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from tidegate.calibration import CalibrationGrid, calibrate  # aiohttp only when measuring
+
+    defaults = CalibrationGrid()
+    grid = CalibrationGrid(prompt_tokens=args.prompt_tokens or defaults.prompt_tokens,
+                           batches=args.batches or defaults.batches, contexts=args.contexts or defaults.contexts,
+                           repeats=args.repeats)
+    profile = calibrate(args.url.rstrip("/").removesuffix("/v1"), args.model, name=args.name or Path(args.out).stem,
+                        description=args.description, max_num_seqs=args.max_num_seqs,
+                        max_batch_tokens=args.max_batch_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                        cold_start_s=args.cold_start_s, grid=grid, seed=args.seed,
+                        progress=lambda line: print(line, file=sys.stderr))
+    save_profile(profile, args.out)
+    cost, fit = profile.cost, profile.fit
+    print(f"step_s = {cost.base_s * 1000:.2f} ms + {cost.prefill_s_per_token * 1e6:.1f} us x prefill tokens "
+          f"+ {cost.decode_s_per_seq * 1e6:.1f} us x decoding sequences + {cost.context_s_per_token * 1e9:.1f} ns "
+          f"x context tokens")
+    if fit is not None:
+        print(f"held-out shapes: {fit.held_out_samples}, relative error mean {fit.held_out_mean:.1%}, "
+              f"max {fit.held_out_max:.1%} (fitted on {fit.fitted_samples})")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def _requests(args: argparse.Namespace, tiers: list[tuple[str, float]]) -> tuple[SimRequest, ...]:
+    if args.rate is not None:
+        duration_s = args.duration_s or 60.0
+        prompt, output = (LengthDistribution("uniform", *_pair(r)) for r in (args.prompt_tokens, args.output_tokens))
+        classes = [TrafficClass("sim", tier, share, prompt, output) for tier, share in tiers]
+        return make_requests(Poisson(args.rate), duration_s, classes, args.seed)
+    path = Path(args.trace) if args.trace else default_trace_path()
+    trace = load_azure_trace(path).scaled(np.random.default_rng(args.seed), speedup=args.speedup,
+                                          rate_scale=args.rate_scale)
+    requests = requests_from_trace(trace, tenant="trace", tier=tiers[0][0])
+    if args.duration_s is not None:
+        requests = tuple(r for r in requests if r.arrival_s < args.duration_s)
+    if len(tiers) > 1:
+        rng = np.random.default_rng(args.seed + 1)
+        shares = np.asarray([s for _, s in tiers])
+        which = rng.choice(len(tiers), size=len(requests), p=shares / shares.sum())
+        requests = tuple(SimRequest(r.request_id, r.arrival_s, r.tenant, tiers[k][0], r.prompt_tokens,
+                                    r.output_tokens) for r, k in zip(requests, which))
+    print(f"trace: {path.name} ({AZURE_TRACE_CREDIT}), {len(requests)} requests", file=sys.stderr)
+    return requests
+
+
+def _pair(values: tuple[int, ...]) -> tuple[int, int]:
+    if len(values) != 2 or values[0] > values[1]:
+        raise ValueError(f"expected LOW,HIGH, got {values}")
+    return values[0], values[1]
+
+
+def _mix(text: str, default_tier: str) -> list[tuple[str, float]]:
+    if not text:
+        return [(default_tier, 1.0)]
+    mix = []
+    for part in text.split(","):
+        tier, _, share = part.partition(":")
+        try:
+            mix.append((tier.strip(), float(share)))
+        except ValueError:
+            raise ValueError(f"--mix: expected TIER:SHARE, got {part!r}") from None
+    return mix
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    config = load_config(args.config) if args.config else GatewayConfig.model_validate({"pools": [
+        {"name": "sim", "backends": [{"type": "embedded", "model": "tiny-random-llama", "count": 2}]}]})
+    pool = next((p for p in config.pools if p.name == args.pool), None) if args.pool else config.pools[0]
+    if pool is None:
+        raise ValueError(f"no pool {args.pool!r} in {args.config}")
+    profile: ReplicaProfile = load_profile(args.profile)
+    backend = pool.backends[0]
+    count = args.replicas or sum(getattr(b, "count", 1) for b in pool.backends)
+    ids = [f"r{i}" for i in range(count)]
+    overload = config.overload
+    tiers = overload.tiers.table()
+    mix = _mix(args.mix, tiers.default.name)
+    for tier, _ in mix:
+        if tier not in tiers:
+            raise ValueError(f"--mix: unknown tier {tier!r}")
+    requests = _requests(args, mix)
+    orders_by_priority = getattr(backend, "forward_priority", True)
+    limits = overload.limits
+    isolation = limits.isolation if overload.auth_enabled else None
+    controller = PoolController([limits.pool_replica(i, backend.slot_limit, orders_by_priority) for i in ids], tiers,
+                                PoolSettings(engine_share=limits.engine_share, max_queued=limits.max_queued),
+                                shares=isolation.shares(None) if isolation is not None else None)
+    arms = [("overload control", controller)]
+    if args.fifo:
+        arms.append(("FIFO", FifoDispatcher(ids, tiers, slot_limit=backend.slot_limit)))
+    report = {"profile": profile.name, "replicas": count, "requests": len(requests), "seed": args.seed, "runs": {}}
+    print(f"profile {profile.name} ({'estimate' if profile.estimate else 'measured'}), {count} replicas, "
+          f"slot limit {backend.slot_limit}, {len(requests)} requests")
+    for label, dispatcher in arms:
+        result = Harness([profile.spec(i) for i in ids], dispatcher).run(requests)
+        summary = summarize(result, tiers)
+        print(f"\n{label}\n{format_summary(summary)}")
+        report["runs"][label] = asdict(summary)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+        print(f"\nwrote {out / 'summary.json'}")
+    return 0

@@ -1,0 +1,109 @@
+"""Replica profiles as files, and the cost model fitted back from step times."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tidegate.sim.costfit import DecodeSample, PrefillSample, fit_cost_model, fit_with_held_out, predict_s, CostFit
+from tidegate.sim.harness import Harness
+from tidegate.sim.fifo import FifoDispatcher
+from tidegate.sim.capacity import patient_tiers
+from tidegate.sim.profile import ReplicaProfile, load_profile, save_profile, shipped_profiles
+from tidegate.sim.replica import StepCostModel
+from tidegate.sim.seam import SimRequest
+
+TRUE = StepCostModel(base_s=0.014, prefill_s_per_token=0.0012, decode_s_per_seq=0.0013, context_s_per_token=6e-6)
+BUDGET = 96
+
+
+def test_every_shipped_profile_loads_and_names_its_sources() -> None:
+    names = shipped_profiles()
+    assert "tiny-random-llama-cpu" in names and "llama-3-8b-h100-80gb" in names
+    for name in names:
+        profile = load_profile(name)
+        assert profile.name == name and profile.sources
+        assert profile.estimate == ("estimate" in profile.description)  # labelled where it is one
+        assert profile.spec("r0").scheduler.max_batch_tokens == profile.max_batch_tokens
+
+
+def test_a_profile_survives_a_round_trip_through_its_file(tmp_path) -> None:
+    profile = load_profile("llama-3-8b-a100-80gb")
+    save_profile(profile, tmp_path / "p.json")
+    assert load_profile(tmp_path / "p.json") == profile
+
+
+def test_a_bad_profile_is_refused_with_its_path(tmp_path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 1, "name": "x"}')
+    with pytest.raises(ValueError, match="bad.json"):
+        load_profile(bad)
+    with pytest.raises(ValueError, match="no shipped profile"):
+        load_profile("no-such-profile")
+
+
+def test_a_prompt_alone_takes_in_the_simulator_what_the_fit_predicts_for_it() -> None:
+    """costfit chunks a prompt as the modelled replica does: same scheduler, same costs."""
+    profile = load_profile("tiny-random-llama-cpu")
+    fit = CostFit(profile.cost)
+    for tokens in (1, 40, 96, 97, 250, 1000):
+        result = Harness([profile.spec("r0")], FifoDispatcher(["r0"], patient_tiers(), slot_limit=1)).run(
+            [SimRequest(0, 0.0, "t", "standard", tokens, 1)])
+        ttft_s = result.records[0].ttft_s
+        assert ttft_s == pytest.approx(predict_s(fit, PrefillSample(tokens, 1.0), profile.max_batch_tokens), rel=1e-9)
+
+
+def _samples(noise: float, seed: int = 0) -> list[PrefillSample | DecodeSample]:
+    rng = np.random.default_rng(seed)
+    truth = CostFit(TRUE)
+    samples: list[PrefillSample | DecodeSample] = []
+    for tokens in (8, 32, 64, 96, 160, 256, 384):
+        samples.append(PrefillSample(tokens, 1.0))
+    for context in (16, 256):
+        for batch in (1, 2, 4, 8, 16, 32):
+            samples.append(DecodeSample(batch, context + 12.0, 1.0))
+    out = []
+    for s in samples:
+        t = predict_s(truth, s, BUDGET) * (1 + noise * rng.standard_normal())
+        out.append(PrefillSample(s.prompt_tokens, t) if isinstance(s, PrefillSample)
+                   else DecodeSample(s.batch, s.context_tokens, t))
+    return out
+
+
+def test_the_fit_recovers_the_costs_that_made_the_step_times() -> None:
+    fit = fit_cost_model(_samples(0.0), BUDGET)
+    for name in ("base_s", "prefill_s_per_token", "decode_s_per_seq", "context_s_per_token"):
+        assert getattr(fit.model, name) == pytest.approx(getattr(TRUE, name), rel=1e-6)
+
+
+def test_with_noisy_times_the_held_out_shapes_are_predicted_within_their_noise() -> None:
+    fit, error = fit_with_held_out(_samples(0.03), BUDGET)
+    assert error.held_out_samples == 6 and error.fitted_samples == 13
+    assert error.held_out_max < 0.1
+    assert min(fit.model.base_s, fit.model.prefill_s_per_token, fit.model.decode_s_per_seq) > 0
+
+
+def test_a_cost_fitted_negative_is_held_at_zero() -> None:
+    # decode steps that do not grow with context: the context cost would come out slightly negative
+    samples = [s if isinstance(s, PrefillSample) else DecodeSample(s.batch, s.context_tokens,
+                                                                    0.014 + 0.0013 * s.batch)
+               for s in _samples(0.0)]
+    fit = fit_cost_model(samples, BUDGET)
+    assert fit.model.context_s_per_token >= 0 and fit.model.base_s > 0
+
+
+def test_a_measured_decode_table_is_interpolated_and_carried_past_its_ends() -> None:
+    cost = StepCostModel(base_s=0.01, decode_s_per_seq=0.001, context_s_per_token=0.0,
+                         decode_s_by_batch=((2, 0.008), (4, 0.016), (8, 0.006)))
+    assert cost.decode_s(1) == pytest.approx(0.004)  # pro rata below the first point
+    assert cost.decode_s(3) == pytest.approx(0.012)
+    assert cost.decode_s(6) == pytest.approx(0.011)  # not monotone: as measured
+    assert cost.decode_s(10) == pytest.approx(0.008)  # past the last: decode_s_per_seq a sequence
+    assert cost.step_s(0, 0, 0) == pytest.approx(0.01)
+
+
+def test_a_table_out_of_order_is_refused() -> None:
+    profile = load_profile("tiny-random-llama-cpu")
+    with pytest.raises(ValueError, match="increasing"):
+        ReplicaProfile(**{**{f: getattr(profile, f) for f in profile.__slots__},
+                          "cost": StepCostModel(decode_s_by_batch=((4, 0.01), (2, 0.02)))})

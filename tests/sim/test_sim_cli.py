@@ -1,0 +1,71 @@
+"""`tidegate sim`: profiles, a simulated run from the command line, and calibration against a real engine."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import pytest
+
+from tidegate.cli import main
+from tidegate.sim.profile import load_profile
+from tests.support import ManagedProcess, free_port, start_process, tidegate_argv
+
+
+def test_profiles_are_listed_with_whether_they_are_estimates(capsys) -> None:
+    assert main(["sim", "profiles"]) == 0
+    out = capsys.readouterr().out
+    assert "tiny-random-llama-cpu" in out and "measured" in out and "estimate" in out
+
+
+def test_a_run_is_a_function_of_its_inputs_and_prints_both_arms(tmp_path, capsys) -> None:
+    argv = ["sim", "run", "--profile", "tiny-random-llama-cpu", "--replicas", "2", "--rate", "6", "--duration-s", "20",
+            "--prompt-tokens", "16,200", "--output-tokens", "8,64", "--mix", "critical:0.2,standard:0.8", "--fifo"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    out = capsys.readouterr().out
+    assert "overload control" in out and "FIFO" in out and "critical" in out and "busy" in out
+    assert main([*argv, "--out", str(tmp_path / "b")]) == 0
+    first, second = ((tmp_path / d / "summary.json").read_bytes() for d in "ab")
+    assert first == second  # byte-identical
+    report = json.loads(first)
+    run = report["runs"]["overload control"]
+    assert sum(t["arrived"] for t in run["tiers"]) == report["requests"] > 80
+    assert len(run["replicas"]) == 2
+
+
+def test_the_shipped_trace_replays_compressed(capsys) -> None:
+    assert main(["sim", "run", "--trace", "--speedup", "60", "--duration-s", "30", "--replicas", "2"]) == 0
+    assert "standard" in capsys.readouterr().out
+
+
+def test_bad_input_is_a_clear_error_not_a_traceback(capsys) -> None:
+    assert main(["sim", "run", "--profile", "nope", "--rate", "1"]) == 2
+    assert "no shipped profile" in capsys.readouterr().err
+    assert main(["sim", "run", "--rate", "1", "--mix", "gold:1"]) == 2
+    assert "unknown tier" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[str]:
+    port = free_port()
+    argv = tidegate_argv("engine", "--model", "tiny-random-llama", "--port", str(port), "--threads", "1",
+                         "--kv-cache-tokens", "8192")
+    process: ManagedProcess = start_process(argv, ready_url=f"http://127.0.0.1:{port}/health", timeout_s=120)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        process.stop()
+
+
+@pytest.mark.slow
+def test_calibrating_a_real_engine_writes_a_profile_with_its_held_out_error(engine: str, tmp_path, capsys) -> None:
+    out = tmp_path / "measured.json"
+    code = main(["sim", "calibrate", "--url", engine + "/v1", "--model", "tiny-random-llama", "--out", str(out),
+                 "--prompt-tokens", "8,48,96,150,200,300", "--batches", "1,4,8", "--contexts", "8,128",
+                 "--repeats", "1", "--kv-cache-tokens", "8192"])
+    assert code == 0
+    profile = load_profile(out)
+    assert profile.name == "measured" and not profile.estimate and profile.kv_cache_tokens == 8192
+    assert profile.cost.base_s > 0 and profile.cost.prefill_s_per_token > 0
+    assert profile.fit is not None and profile.fit.held_out_samples == 4
+    assert "held-out shapes: 4" in capsys.readouterr().out
