@@ -32,20 +32,28 @@ from tidegate.sim.profile import ReplicaProfile, load_profile, save_profile, shi
 from tidegate.sim.report import format_summary, summarize
 from tidegate.sim.seam import SimRequest
 
-__all__ = ["configure_parser", "run"]
+__all__ = ["configure_parser", "run", "pool_controller"]
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="sim_command", metavar="SUBCOMMAND", required=True)
     cal = sub.add_parser("calibrate", help="measure a running engine and write its replica profile")
-    cal.add_argument("--url", required=True, help="the engine's base URL, e.g. http://127.0.0.1:8001")
-    cal.add_argument("--model", required=True, help="the model name the server answers to")
+    cal.add_argument("--url", action="append",
+                     help="an engine's base URL, e.g. http://127.0.0.1:8001; repeat it for replicas that share a "
+                          "host: they are measured at once, as they run")
+    cal.add_argument("--model", help="the model name the server answers to (with --url)")
+    cal.add_argument("--step-log", nargs="+", help="instead of probing a server: fit on the steps engines logged "
+                                                   "while serving (`tidegate engine --step-log`)")
+    cal.add_argument("--attention-cost-tokens", type=int,
+                     help="the engine's budget charge per prefill token at context c is 1 + c / this "
+                          "(the embedded engine states it)")
     cal.add_argument("--out", required=True, help="profile file to write (JSON)")
     cal.add_argument("--name", help="the profile's name (default: the file's stem)")
     cal.add_argument("--description", default="", help="what was measured: engine, model, machine")
-    cal.add_argument("--max-num-seqs", type=int, default=64, help="the engine's sequence limit")
-    cal.add_argument("--max-batch-tokens", type=int, default=96, help="the engine's per-step token budget")
-    cal.add_argument("--kv-cache-tokens", type=int, default=32768, help="the engine's KV-cache capacity")
+    # the embedded engine states its limits on /v1/models; give them for other servers
+    cal.add_argument("--max-num-seqs", type=int, help="the engine's sequence limit (vLLM: max_num_seqs)")
+    cal.add_argument("--max-batch-tokens", type=int, help="its per-step token budget (vLLM: max_num_batched_tokens)")
+    cal.add_argument("--kv-cache-tokens", type=int, help="its KV-cache capacity in tokens")
     cal.add_argument("--cold-start-s", type=float, default=0.0, help="measured time from start to ready")
     cal.add_argument("--prompt-tokens", type=_ints, help="prefill grid, e.g. 8,32,96,256")
     cal.add_argument("--batches", type=_ints, help="decode batch sizes, e.g. 1,4,16")
@@ -98,18 +106,34 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _calibrate(args: argparse.Namespace) -> int:
-    from tidegate.calibration import CalibrationGrid, calibrate  # aiohttp only when measuring
+    from tidegate.calibration import CalibrationGrid, calibrate, calibrate_from_step_logs  # aiohttp only here
+
+    if args.step_log:
+        profile = calibrate_from_step_logs(args.step_log, name=args.name or Path(args.out).stem,
+                                           description=args.description, max_num_seqs=args.max_num_seqs,
+                                           max_batch_tokens=args.max_batch_tokens,
+                                           kv_cache_tokens=args.kv_cache_tokens,
+                                           attention_cost_tokens=args.attention_cost_tokens,
+                                           cold_start_s=args.cold_start_s)
+        return _wrote(profile, args.out)
+    if not args.url or not args.model:
+        raise ValueError("give --url and --model (a running engine), or --step-log")
 
     defaults = CalibrationGrid()
     grid = CalibrationGrid(prompt_tokens=args.prompt_tokens or defaults.prompt_tokens,
                            batches=args.batches or defaults.batches, contexts=args.contexts or defaults.contexts,
                            repeats=args.repeats)
-    profile = calibrate(args.url.rstrip("/").removesuffix("/v1"), args.model, name=args.name or Path(args.out).stem,
+    profile = calibrate([url.rstrip("/").removesuffix("/v1") for url in args.url], args.model, name=args.name or Path(args.out).stem,
                         description=args.description, max_num_seqs=args.max_num_seqs,
                         max_batch_tokens=args.max_batch_tokens, kv_cache_tokens=args.kv_cache_tokens,
+                        attention_cost_tokens=args.attention_cost_tokens,
                         cold_start_s=args.cold_start_s, grid=grid, seed=args.seed,
                         progress=lambda line: print(line, file=sys.stderr))
-    save_profile(profile, args.out)
+    return _wrote(profile, args.out)
+
+
+def _wrote(profile: ReplicaProfile, out: str) -> int:
+    save_profile(profile, out)
     cost, fit = profile.cost, profile.fit
     print(f"step_s = {cost.base_s * 1000:.2f} ms + {cost.prefill_s_per_token * 1e6:.1f} us x prefill tokens "
           f"+ {cost.decode_s_per_seq * 1e6:.1f} us x decoding sequences + {cost.context_s_per_token * 1e9:.1f} ns "
@@ -117,7 +141,7 @@ def _calibrate(args: argparse.Namespace) -> int:
     if fit is not None:
         print(f"held-out shapes: {fit.held_out_samples}, relative error mean {fit.held_out_mean:.1%}, "
               f"max {fit.held_out_max:.1%} (fitted on {fit.fitted_samples})")
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 
@@ -162,35 +186,46 @@ def _mix(text: str, default_tier: str) -> list[tuple[str, float]]:
     return mix
 
 
+def pool_controller(config: GatewayConfig, pool_name: str | None, replica_ids: list[str]) -> tuple[PoolController, int]:
+    """The controller `tidegate serve` builds for the pool (its first by default), over these
+    replicas, and the pool's slot limit (what FIFO holds per replica)."""
+    pool = next((p for p in config.pools if p.name == pool_name), None) if pool_name else config.pools[0]
+    if pool is None:
+        raise ValueError(f"no pool {pool_name!r} in the config")
+    backend = pool.backends[0]
+    orders_by_priority = getattr(backend, "forward_priority", True)  # embedded engines order by it
+    overload = config.overload
+    limits = overload.limits
+    isolation = limits.isolation if overload.auth_enabled else None
+    controller = PoolController([limits.pool_replica(i, backend.slot_limit, orders_by_priority) for i in replica_ids],
+                                overload.tiers.table(),
+                                PoolSettings(engine_share=limits.engine_share, max_queued=limits.max_queued),
+                                shares=isolation.shares(None) if isolation is not None else None)
+    return controller, backend.slot_limit
+
+
 def _simulate(args: argparse.Namespace) -> int:
     config = load_config(args.config) if args.config else GatewayConfig.model_validate({"pools": [
         {"name": "sim", "backends": [{"type": "embedded", "model": "tiny-random-llama", "count": 2}]}]})
+    profile: ReplicaProfile = load_profile(args.profile)
     pool = next((p for p in config.pools if p.name == args.pool), None) if args.pool else config.pools[0]
     if pool is None:
         raise ValueError(f"no pool {args.pool!r} in {args.config}")
-    profile: ReplicaProfile = load_profile(args.profile)
-    backend = pool.backends[0]
     count = args.replicas or sum(getattr(b, "count", 1) for b in pool.backends)
     ids = [f"r{i}" for i in range(count)]
-    overload = config.overload
-    tiers = overload.tiers.table()
+    tiers = config.overload.tiers.table()
     mix = _mix(args.mix, tiers.default.name)
     for tier, _ in mix:
         if tier not in tiers:
             raise ValueError(f"--mix: unknown tier {tier!r}")
     requests = _requests(args, mix)
-    orders_by_priority = getattr(backend, "forward_priority", True)
-    limits = overload.limits
-    isolation = limits.isolation if overload.auth_enabled else None
-    controller = PoolController([limits.pool_replica(i, backend.slot_limit, orders_by_priority) for i in ids], tiers,
-                                PoolSettings(engine_share=limits.engine_share, max_queued=limits.max_queued),
-                                shares=isolation.shares(None) if isolation is not None else None)
+    controller, slot_limit = pool_controller(config, pool.name, ids)
     arms = [("overload control", controller)]
     if args.fifo:
-        arms.append(("FIFO", FifoDispatcher(ids, tiers, slot_limit=backend.slot_limit)))
+        arms.append(("FIFO", FifoDispatcher(ids, tiers, slot_limit=slot_limit)))
     report = {"profile": profile.name, "replicas": count, "requests": len(requests), "seed": args.seed, "runs": {}}
     print(f"profile {profile.name} ({'estimate' if profile.estimate else 'measured'}), {count} replicas, "
-          f"slot limit {backend.slot_limit}, {len(requests)} requests")
+          f"slot limit {slot_limit}, {len(requests)} requests")
     for label, dispatcher in arms:
         result = Harness([profile.spec(i) for i in ids], dispatcher).run(requests)
         summary = summarize(result, tiers)

@@ -50,7 +50,8 @@ def test_a_prompt_alone_takes_in_the_simulator_what_the_fit_predicts_for_it() ->
         result = Harness([profile.spec("r0")], FifoDispatcher(["r0"], patient_tiers(), slot_limit=1)).run(
             [SimRequest(0, 0.0, "t", "standard", tokens, 1)])
         ttft_s = result.records[0].ttft_s
-        assert ttft_s == pytest.approx(predict_s(fit, PrefillSample(tokens, 1.0), profile.max_batch_tokens), rel=1e-9)
+        assert ttft_s == pytest.approx(predict_s(fit, PrefillSample(tokens, 1.0), profile.max_batch_tokens,
+                                                 profile.attention_cost_tokens), rel=1e-9)
 
 
 def _samples(noise: float, seed: int = 0) -> list[PrefillSample | DecodeSample]:
@@ -107,3 +108,33 @@ def test_a_table_out_of_order_is_refused() -> None:
     with pytest.raises(ValueError, match="increasing"):
         ReplicaProfile(**{**{f: getattr(profile, f) for f in profile.__slots__},
                           "cost": StepCostModel(decode_s_by_batch=((4, 0.01), (2, 0.02)))})
+
+
+def test_logged_steps_fit_the_costs_that_made_them(tmp_path) -> None:
+    """`tidegate sim calibrate --step-log`: a log written as the engine writes it, read back, fitted."""
+    from tidegate.cli import main
+
+    rng = np.random.default_rng(3)
+    lines = []
+    for index in range(3000):
+        prefill = int(rng.choice([0, 0, 40, 96]))
+        decodes = int(rng.integers(0 if prefill else 1, 33))
+        context = int(decodes * rng.integers(20, 300) + prefill * 2)
+        step_s = TRUE.step_s(prefill, decodes, context) * (1 + 0.02 * rng.standard_normal())
+        lines.append(f"{index * 0.1:.6f},{step_s:.6f},{prefill},{decodes},{context}")
+    log = tmp_path / "steps.csv"
+    log.write_text("\n".join(lines) + "\n")
+    assert main(["sim", "calibrate", "--step-log", str(log), "--out", str(tmp_path / "p.json")]) == 0
+    cost = load_profile(tmp_path / "p.json").cost
+    assert cost.base_s == pytest.approx(TRUE.base_s, rel=0.1)
+    assert cost.prefill_s_per_token == pytest.approx(TRUE.prefill_s_per_token, rel=0.05)
+    assert cost.decode_s(16) == pytest.approx(TRUE.decode_s(16), rel=0.1)
+    fit = load_profile(tmp_path / "p.json").fit
+    assert fit is not None and fit.held_out_max < 0.05  # shapes: means of many steps
+
+
+def test_a_bad_step_log_line_is_named() -> None:
+    from tidegate.sim.costfit import read_step_log
+
+    with pytest.raises(ValueError, match="line 2"):
+        read_step_log(["0.1,0.02,0,4,100", "oops"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -46,10 +47,15 @@ def test_bad_input_is_a_clear_error_not_a_traceback(capsys) -> None:
 
 
 @pytest.fixture(scope="module")
-def engine() -> Iterator[str]:
+def step_log_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("steps")
+
+
+@pytest.fixture(scope="module")
+def engine(step_log_dir: Path) -> Iterator[str]:
     port = free_port()
     argv = tidegate_argv("engine", "--model", "tiny-random-llama", "--port", str(port), "--threads", "1",
-                         "--kv-cache-tokens", "8192")
+                         "--kv-cache-tokens", "8192", "--step-log", str(step_log_dir / "steps-{pid}.csv"))
     process: ManagedProcess = start_process(argv, ready_url=f"http://127.0.0.1:{port}/health", timeout_s=120)
     try:
         yield f"http://127.0.0.1:{port}"
@@ -65,7 +71,28 @@ def test_calibrating_a_real_engine_writes_a_profile_with_its_held_out_error(engi
                  "--repeats", "1", "--kv-cache-tokens", "8192"])
     assert code == 0
     profile = load_profile(out)
+    # the limits the engine states on /v1/models
     assert profile.name == "measured" and not profile.estimate and profile.kv_cache_tokens == 8192
+    assert profile.max_batch_tokens == 96 and profile.attention_cost_tokens and profile.attention_cost_tokens > 100
     assert profile.cost.base_s > 0 and profile.cost.prefill_s_per_token > 0
     assert profile.fit is not None and profile.fit.held_out_samples == 4
     assert "held-out shapes: 4" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_steps_an_engine_logged_while_serving_fit_a_profile_too(engine: str, step_log_dir: Path,
+                                                                     tmp_path, capsys) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=engine + "/v1", api_key="unused")
+    for tokens in (5, 40):  # some steps of each kind, whatever ran before
+        client.completions.create(model="tiny-random-llama", prompt="x" * tokens * 4, max_tokens=tokens,
+                                  extra_body={"ignore_eos": True})
+    logs = sorted(step_log_dir.glob("steps-*.csv"))
+    assert len(logs) == 1  # line-buffered: readable while the engine runs
+    lines = logs[0].read_text().splitlines()
+    assert len(lines) >= 45 and all(len(line.split(",")) == 5 for line in lines)
+    out = tmp_path / "in-situ.json"
+    assert main(["sim", "calibrate", "--step-log", str(logs[0]), "--out", str(out)]) == 0
+    profile = load_profile(out)
+    assert profile.cost.base_s > 0 and "logged while serving" in profile.sources[0]

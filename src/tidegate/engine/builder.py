@@ -59,6 +59,11 @@ def build_generation_engine(options: EngineOptions, metrics: EngineMetrics | Non
         "max_model_len": max_total_tokens,
         "dtype": dtype,
         "quantize": options.quantize,
+        # the scheduler's limits, for `tidegate sim calibrate` (and anyone sizing a pool)
+        "max_num_seqs": config.max_num_seqs,
+        "max_batch_tokens": config.max_batch_tokens,
+        "kv_cache_tokens": blocks.capacity_tokens,
+        "attention_cost_tokens": config.attention_cost_tokens,
     }
     return BuiltEngine(EngineLoop(Scheduler(config, blocks), runner, metrics), loaded.tokenizer, loaded.name,
                        max_total_tokens, card)

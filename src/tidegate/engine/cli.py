@@ -38,6 +38,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                         help="larger request bodies get 413 (default 4 MiB, the gateway's default limit; "
                              "`tidegate serve` sets it above its server.max_body_bytes)")
+    parser.add_argument("--step-log", help="write one CSV line per engine step here (start_s, step_s, prefill "
+                                           "tokens, decoding sequences, summed context); {pid} is replaced by the "
+                                           "process id. For `tidegate sim calibrate --step-log`")
     parser.add_argument("--drain-timeout", type=float, default=30.0,
                         help="seconds SIGTERM waits for in-flight requests before exiting")
 
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     # The engine thread re-takes the GIL after every torch op; with the default 5 ms switch
     # interval it can wait that long behind the HTTP thread, many times per step
     sys.setswitchinterval(float(os.environ.get("TIDEGATE_ENGINE_SWITCH_INTERVAL_S", "0.0005")))
-    return _serve(options, args.host, args.port, args.drain_timeout)
+    return _serve(options, args.host, args.port, args.drain_timeout, args.step_log)
 
 
 class _HttpThread:
@@ -108,7 +111,7 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
         return asyncio.new_event_loop()
 
 
-def _serve(options, host: str, port: int, drain_timeout_s: float) -> int:  # type: ignore[no-untyped-def]
+def _serve(options, host: str, port: int, drain_timeout_s: float, step_log: str | None = None) -> int:  # type: ignore[no-untyped-def]
     from tidegate.engine.server import EngineServer
 
     server = EngineServer(options)
@@ -140,8 +143,12 @@ def _serve(options, host: str, port: int, drain_timeout_s: float) -> int:  # typ
 
             built = build_generation_engine(options, server.metrics)  # torch in the main thread
             http.loop.call_soon_threadsafe(server.attach_generation, built)
+            if step_log is not None:
+                built.loop.step_log = open(step_log.replace("{pid}", str(os.getpid())), "a", buffering=1)
             if not stopping.is_set():
                 built.loop.run_forever(http.loop)
+            if built.loop.step_log is not None:
+                built.loop.step_log.close()
     except Exception:
         log.exception("loading %s failed", options.model)
         http.shutdown()

@@ -15,7 +15,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TextIO
 
 from tidegate.engine.metrics import EngineMetrics
 from tidegate.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
@@ -53,6 +53,9 @@ class EngineLoop:
         # (slowdown - 1) x its own time, so the replica runs `slowdown` times slower at every batch
         # size, as on a slower machine; for measuring how the gateway's limits follow a slow replica.
         self.slowdown = 1.0
+        # `tidegate engine --step-log`: one CSV line a step (start, seconds, prefill tokens, decoding
+        # sequences, summed context), what `tidegate sim calibrate --step-log` fits a profile on
+        self.step_log: TextIO | None = None
 
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         """Runs the loop in a new thread (tests; the CLI calls `run_forever` from its main thread)."""
@@ -134,11 +137,17 @@ class EngineLoop:
 
     def _run_step(self) -> list[StepOutput]:
         batch = self._scheduler.schedule()
+        started_s = time.perf_counter()
         try:
             outputs = self._scheduler.update(batch, self._runner.run(batch))
         except Exception:  # a failing step must not kill the thread: fail its sequences, keep serving
             log.exception("engine step failed; aborting its %d sequences", len(batch.chunks))
             outputs = [o for c in batch.chunks if (o := self._scheduler.abort(c.seq.seq_id)) is not None]
+        if self.step_log is not None:
+            decodes = batch.num_decodes
+            self.step_log.write(f"{started_s:.6f},{time.perf_counter() - started_s:.6f},"
+                                f"{sum(c.num_tokens for c in batch.chunks[decodes:])},{decodes},"
+                                f"{sum(c.start + c.num_tokens for c in batch.chunks)}\n")
         if self._metrics is not None:
             self._metrics.step_batch_size.observe(len(batch.chunks))
         return outputs

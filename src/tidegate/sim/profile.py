@@ -46,6 +46,9 @@ class ReplicaProfile:
     kv_cache_tokens: int
     cold_start_s: float  # from "replica requested" to "ready": process start, weights load, warm-up
     fit: FitError | None = None
+    # the engine's budget charge for a prefill token at context c is 1 + c / this (the embedded
+    # engine's `SchedulerConfig.attention_cost_tokens`); None: 1 a token
+    attention_cost_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_batch_tokens < 1 or self.kv_cache_tokens < 1 or self.cold_start_s < 0:
@@ -62,7 +65,8 @@ class ReplicaProfile:
     def spec(self, replica_id: str) -> ReplicaSpec:
         """A modelled replica of this profile."""
         return ReplicaSpec(replica_id, scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
-                                                                 max_batch_tokens=self.max_batch_tokens),
+                                                                 max_batch_tokens=self.max_batch_tokens,
+                                                                 attention_cost_tokens=self.attention_cost_tokens),
                            kv_cache_tokens=self.kv_cache_tokens, cost=self.cost)
 
     def to_json(self) -> str:
