@@ -87,3 +87,30 @@ def test_priority_from_the_dispatcher_reaches_the_engine_scheduler() -> None:
     result = Harness([spec], dispatcher).run(requests)
     sheddable, critical = result.records
     assert critical.first_token_s < sheddable.first_token_s
+
+
+def test_stretches_of_decode_steps_give_the_records_of_one_step_at_a_time() -> None:
+    """Stretches are an optimisation only: with arrivals cutting them, a slow-down and a death
+    among them, every record is the one stepping one step at a time gives (to rounding)."""
+    from dataclasses import replace as replaced
+
+    from tidegate.policy.pool import PoolController, PoolReplica
+    from tidegate.policy.tiers import default_tiers
+    from tidegate.sim.harness import Harness, KillReplica, SlowReplica
+    from tidegate.sim.scenarios import mixed, replica_spec
+
+    requests = mixed(12.0, 30.0, (("a", "standard", 0.7), ("b", "critical", 0.3)), seed=5)
+    events = (SlowReplica(8.0, "r1", 2.0), KillReplica(20.0, "r2"))
+    runs = []
+    for stretches in (True, False):
+        specs = [replaced(replica_spec(f"r{i}"), decode_stretches=stretches) for i in range(3)]
+        controller = PoolController([PoolReplica(f"r{i}", 32, 16) for i in range(3)], default_tiers())
+        runs.append(Harness(specs, controller).run(requests, events))
+    fast, slow = runs
+    assert sum(r.steps for r in fast.replicas) == sum(r.steps for r in slow.replicas)
+    assert [r.generated_tokens for r in fast.replicas] == [r.generated_tokens for r in slow.replicas]
+    for a, b in zip(fast.records, slow.records):
+        assert (a.replica_id, a.refused_reason, a.failure_reason) == (b.replica_id, b.refused_reason, b.failure_reason)
+        for name in ("dispatch_s", "first_token_s", "finish_s", "failed_s"):
+            x, y = getattr(a, name), getattr(b, name)
+            assert (x is None) == (y is None) and (x is None or abs(x - y) < 1e-6), (a.request_id, name, x, y)

@@ -5,6 +5,16 @@ engine's (`tidegate.engine.scheduler`), so the simulator cannot drift from them.
 duration is modelled. One step is one event: schedule it, hold the virtual clock for its cost,
 then apply its outputs (one generated token per sampling sequence) and report first tokens,
 finishes and failures to the listener.
+
+Except where nothing can change but the clock: while every running sequence decodes, nothing
+waiting can be admitted and the KV cache holds them all, step after step is the same batch one
+token longer, until the first of them finishes. Those steps are one event (a *stretch*), their
+time summed in closed form, so a run's cost grows with requests rather than tokens; the step
+that finishes a sequence runs through the scheduler again. A request submitted, a slow-down or a
+death during a stretch cuts it at the step in progress, where the engine would have seen it.
+Records match stepping one step at a time to floating-point rounding
+(`test_stretches_of_decode_steps_give_the_records_of_one_step_at_a_time`). Mid-stretch, `load`
+reports the KV use of the stretch's start.
 """
 
 from __future__ import annotations
@@ -85,6 +95,27 @@ class ReplicaSpec:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_cache_tokens: int = 32768  # the embedded engine server's default
     cost: StepCostModel = field(default_factory=StepCostModel)
+    decode_stretches: bool = True  # False: every step an event (the reference the stretches are tested against)
+
+
+@dataclass(slots=True)
+class _Stretch:
+    """Decode steps taken as one event: step j (from 0) lasts first_s + growth_s * j."""
+
+    start_s: float
+    steps: int
+    first_s: float
+    growth_s: float
+
+    def elapsed_s(self, steps: int) -> float:
+        return steps * self.first_s + self.growth_s * steps * (steps - 1) / 2
+
+    def steps_done(self, now_s: float) -> int:
+        """Steps finished by `now_s` (the next one is in progress)."""
+        done = 0
+        while done < self.steps and self.elapsed_s(done + 1) <= now_s - self.start_s:
+            done += 1
+        return done
 
 
 class ReplicaListener(Protocol):
@@ -103,6 +134,7 @@ class ModelledReplica:
         self.alive = True
         self.slowdown = 1.0  # step durations are multiplied by this
         self._next_step: EventHandle | None = None  # a step started or about to start
+        self._stretch: _Stretch | None = None  # the decode stretch `_next_step` ends, if it is one
         self._busy_since_s: float | None = None
         # counters for the report
         self.busy_s = 0.0  # time with at least one sequence running or waiting
@@ -132,6 +164,7 @@ class ModelledReplica:
                                   request_id, FAILURE_TOO_LONG)
             return
         params = SamplingParams(max_tokens=max(output_tokens, 1), ignore_eos=True)
+        self._cut_stretch()  # the engine sees it at the end of the step in progress
         self.scheduler.add(Sequence(seq_id=request_id, prompt_token_ids=[_SAMPLED_TOKEN + 6] * prompt_tokens,
                                     params=params, priority=priority))
         self._mark_busy()
@@ -141,6 +174,7 @@ class ModelledReplica:
         """Every step from the next one takes `factor` times its modelled cost (1 restores)."""
         if factor <= 0:
             raise ValueError(f"slow-down factor must be > 0, got {factor}")
+        self._cut_stretch()
         self.slowdown = factor
 
     def kill(self) -> None:
@@ -151,6 +185,11 @@ class ModelledReplica:
         if self._next_step is not None:
             self._next_step.cancel()
             self._next_step = None
+        if self._stretch is not None:  # its steps done by now were taken; their tokens die with it
+            done = self._stretch.steps_done(self._loop.now_s)
+            self.steps += done
+            self.generated_tokens += done * len(self.scheduler.running)
+            self._stretch = None
         lost = [seq.seq_id for seq in (*self.scheduler.running, *self.scheduler.waiting)]
         for seq_id in lost:
             self.scheduler.abort(seq_id)
@@ -168,6 +207,10 @@ class ModelledReplica:
             self._next_step = self._loop.call_later(0.0, self._start_step)
 
     def _start_step(self) -> None:
+        steps = self._stretchable_steps()
+        if steps >= 2:
+            self._start_stretch(steps)
+            return
         # the scheduler preempts inside `schedule` and keeps the victims waiting: count them there
         preempted_before = self._preemptions_held()
         batch = self.scheduler.schedule()
@@ -193,6 +236,70 @@ class ModelledReplica:
                 self._listener.on_finish(now_s, self.replica_id, output.seq_id)
         if not self.scheduler.has_work:
             self._mark_idle()
+        self._wake()
+
+    # ---- decode stretches ----------------------------------------------------------------------
+
+    def _stretchable_steps(self) -> int:
+        """Decode steps from now in which the scheduler could only decode every running sequence,
+        none of them finishing: 0 when the next step may differ from the one after it."""
+        if not self.spec.decode_stretches:
+            return 0
+        scheduler = self.scheduler
+        running = scheduler.running
+        if not running or len(running) > scheduler.config.max_batch_tokens:
+            return 0
+        if any(not seq.is_decoding for seq in running):
+            return 0
+        blocks = scheduler.blocks
+        if scheduler.waiting:
+            # a waiting prompt stays out while the engine is full, or the KV cache cannot hold it
+            # (decodes only take blocks), until a sequence finishes
+            head = min(scheduler.waiting, key=lambda seq: (seq.priority, seq.arrival_index))
+            if len(running) < scheduler.config.max_num_seqs and blocks.can_hold(head, head.num_tokens):
+                return 0
+        steps = min(seq.params.max_tokens - len(seq.output_token_ids) for seq in running) - 1
+        # every sequence's KV must grow without a preemption
+        while steps >= 2 and sum(blocks.blocks_needed(seq, seq.num_computed_tokens + steps) for seq in running) \
+                > blocks.num_free_blocks:
+            steps //= 2
+        return steps
+
+    def _start_stretch(self, steps: int) -> None:
+        running = self.scheduler.running
+        cost, batch = self.spec.cost, len(running)
+        context = sum(seq.num_tokens for seq in running)  # a decode's context: its tokens so far
+        stretch = _Stretch(self._loop.now_s, steps,
+                           cost.step_s(0, batch, context) * self.slowdown,
+                           cost.context_s_per_token * batch * self.slowdown)
+        self._stretch = stretch
+        self._next_step = self._loop.call_later(stretch.elapsed_s(steps), self._end_stretch)
+
+    def _cut_stretch(self) -> None:
+        """Ends the stretch at the step in progress (an event the engine sees between steps)."""
+        stretch = self._stretch
+        if stretch is None:
+            return
+        cut = min(stretch.steps_done(self._loop.now_s) + 1, stretch.steps)
+        if cut == stretch.steps:
+            return
+        assert self._next_step is not None
+        self._next_step.cancel()
+        stretch.steps = cut
+        self._next_step = self._loop.call_at(stretch.start_s + stretch.elapsed_s(cut), self._end_stretch)
+
+    def _end_stretch(self) -> None:
+        stretch = self._stretch
+        assert stretch is not None
+        self._stretch = self._next_step = None
+        running = self.scheduler.running
+        blocks = self.scheduler.blocks
+        for seq in running:  # what `steps` decode steps of the scheduler do to each sequence
+            blocks.grow(seq, seq.num_computed_tokens + stretch.steps)
+            seq.num_computed_tokens += stretch.steps
+            seq.output_token_ids.extend([_SAMPLED_TOKEN] * stretch.steps)
+        self.steps += stretch.steps
+        self.generated_tokens += stretch.steps * len(running)
         self._wake()
 
     def _preemptions_held(self) -> int:
