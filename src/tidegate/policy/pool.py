@@ -302,10 +302,11 @@ class PoolController:
 
     def on_capacity(self, now_s: float, loads: Mapping[str, ReplicaLoad] = {}) -> Dispatch:
         """Hand what can go to the replicas that can take it; refuse what can no longer be served."""
-        for replica in self._order:
-            replica.breaker = replica.breaker.current(now_s)
-            if replica.config.replica_id in loads:
-                replica.load = loads[replica.config.replica_id]
+        for replica in self._order:  # a closed breaker stays closed by time alone
+            if replica.breaker.state is not BreakerState.CLOSED:
+                replica.breaker = replica.breaker.current(now_s)
+        for replica_id, load in loads.items():
+            self._replicas[replica_id].load = load
         self._expire(now_s)
         self._assume_prefills_done(now_s)
         self._demote_slots_of_new_floods(now_s)

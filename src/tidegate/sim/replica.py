@@ -135,6 +135,7 @@ class ModelledReplica:
         self.slowdown = 1.0  # step durations are multiplied by this
         self._next_step: EventHandle | None = None  # a step started or about to start
         self._stretch: _Stretch | None = None  # the decode stretch `_next_step` ends, if it is one
+        self._load: ReplicaLoad | None = None  # `load`, until the scheduler's state changes
         self._busy_since_s: float | None = None
         # counters for the report
         self.busy_s = 0.0  # time with at least one sequence running or waiting
@@ -144,12 +145,13 @@ class ModelledReplica:
 
     @property
     def load(self) -> ReplicaLoad:
-        """What a live engine's /metrics would say now."""
-        return ReplicaLoad(
-            running_sequences=len(self.scheduler.running),
-            waiting_sequences=len(self.scheduler.waiting),
-            kv_cache_usage=self.scheduler.blocks.usage,
-        )
+        """What a live engine's /metrics would say now (built again only after the scheduler's
+        state changed: the harness reads every replica's at every event)."""
+        if self._load is None:
+            self._load = ReplicaLoad(running_sequences=len(self.scheduler.running),
+                                     waiting_sequences=len(self.scheduler.waiting),
+                                     kv_cache_usage=self.scheduler.blocks.usage)
+        return self._load
 
     def submit(self, request_id: int, prompt_tokens: int, output_tokens: int, priority: int = 0) -> None:
         """Hands a request to the engine; it joins the next step (same-instant arrivals batch)."""
@@ -167,6 +169,7 @@ class ModelledReplica:
         self._cut_stretch()  # the engine sees it at the end of the step in progress
         self.scheduler.add(Sequence(seq_id=request_id, prompt_token_ids=[_SAMPLED_TOKEN + 6] * prompt_tokens,
                                     params=params, priority=priority))
+        self._load = None
         self._mark_busy()
         self._wake()
 
@@ -193,6 +196,7 @@ class ModelledReplica:
         lost = [seq.seq_id for seq in (*self.scheduler.running, *self.scheduler.waiting)]
         for seq_id in lost:
             self.scheduler.abort(seq_id)
+        self._load = None
         self._mark_idle()
         for seq_id in lost:
             self._listener.on_failure(self._loop.now_s, self.replica_id, seq_id, FAILURE_KILLED)
@@ -214,6 +218,7 @@ class ModelledReplica:
         # the scheduler preempts inside `schedule` and keeps the victims waiting: count them there
         preempted_before = self._preemptions_held()
         batch = self.scheduler.schedule()
+        self._load = None
         self.preemptions += self._preemptions_held() - preempted_before
         if batch.is_empty:
             # nothing can run (cannot happen with prompts that fit the cache): idle till a submit
@@ -227,6 +232,7 @@ class ModelledReplica:
         self.steps += 1
         sampled = [_SAMPLED_TOKEN for chunk in batch.chunks if chunk.samples]
         outputs = self.scheduler.update(batch, sampled)
+        self._load = None
         self.generated_tokens += len(sampled)
         now_s = self._loop.now_s
         for output in outputs:
@@ -298,6 +304,7 @@ class ModelledReplica:
             blocks.grow(seq, seq.num_computed_tokens + stretch.steps)
             seq.num_computed_tokens += stretch.steps
             seq.output_token_ids.extend([_SAMPLED_TOKEN] * stretch.steps)
+        self._load = None
         self.steps += stretch.steps
         self.generated_tokens += stretch.steps * len(running)
         self._wake()
