@@ -169,6 +169,11 @@ class Scheduler:
                 outputs.append(self._finish(seq, reason, token))
         return outputs
 
+    def prefill_chunk(self, start: int, remaining: int, budget: int) -> int:
+        """Tokens a chunked prefill at position `start`, with `remaining` to go, gets from `budget`
+        (a query: the simulator plans steps ahead with it)."""
+        return min(remaining, self._tokens_affordable(start, budget))
+
     def _chunk_size(self, seq: Sequence, budget: int, has_prefill: bool) -> int:
         remaining = seq.num_uncomputed_tokens
         if self.config.chunked_prefill:

@@ -6,19 +6,21 @@ duration is modelled. One step is one event: schedule it, hold the virtual clock
 then apply its outputs (one generated token per sampling sequence) and report first tokens,
 finishes and failures to the listener.
 
-Except where nothing can change but the clock: while every running sequence decodes, nothing
-waiting can be admitted and the KV cache holds them all, step after step is the same batch one
-token longer, until the first of them finishes. Those steps are one event (a *stretch*), their
-time summed in closed form, so a run's cost grows with requests rather than tokens; the step
-that finishes a sequence runs through the scheduler again. A request submitted, a slow-down or a
-death during a stretch cuts it at the step in progress, where the engine would have seen it.
-Records match stepping one step at a time to floating-point rounding
-(`test_stretches_of_decode_steps_give_the_records_of_one_step_at_a_time`). Mid-stretch, `load`
-reports the KV use of the stretch's start.
+Except where nothing can change but the clock: while every running sequence decodes (or one of
+them prefills, after all the decodes in the engine's order, with chunks that fill the step's
+budget), nothing waiting can be admitted and the KV cache holds them all, the steps ahead are
+known: the same sequences, one token longer and one chunk further each time, until a sequence
+finishes or the prompt reaches its last chunk. Those steps are one event (a *stretch*), their
+times summed ahead; the step that finishes a sequence or a prompt runs through the scheduler
+again. A request submitted, a slow-down or a death during a stretch cuts it at the step in
+progress, where the engine would have seen it. Records match stepping one step at a time to
+floating-point rounding (`test_stretches_of_decode_steps_give_the_records_of_one_step_at_a_time`).
+Mid-stretch, `load` reports the KV use of the stretch's start.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -100,22 +102,25 @@ class ReplicaSpec:
 
 @dataclass(slots=True)
 class _Stretch:
-    """Decode steps taken as one event: step j (from 0) lasts first_s + growth_s * j."""
+    """Steps taken as one event: step j ends `ends_s[j]` after `start_s`; each decodes every
+    running sequence but `prefilling`, which gets `chunks[j]` prompt tokens."""
 
     start_s: float
-    steps: int
-    first_s: float
-    growth_s: float
+    ends_s: list[float]
+    prefilling: Sequence | None
+    chunks: list[int]
 
-    def elapsed_s(self, steps: int) -> float:
-        return steps * self.first_s + self.growth_s * steps * (steps - 1) / 2
+    @property
+    def steps(self) -> int:
+        return len(self.ends_s)
 
     def steps_done(self, now_s: float) -> int:
         """Steps finished by `now_s` (the next one is in progress)."""
-        done = 0
-        while done < self.steps and self.elapsed_s(done + 1) <= now_s - self.start_s:
-            done += 1
-        return done
+        return bisect.bisect_right(self.ends_s, now_s - self.start_s)
+
+    def cut(self, steps: int) -> None:
+        del self.ends_s[steps:]
+        del self.chunks[steps:]
 
 
 class ReplicaListener(Protocol):
@@ -189,9 +194,7 @@ class ModelledReplica:
             self._next_step.cancel()
             self._next_step = None
         if self._stretch is not None:  # its steps done by now were taken; their tokens die with it
-            done = self._stretch.steps_done(self._loop.now_s)
-            self.steps += done
-            self.generated_tokens += done * len(self.scheduler.running)
+            self._apply(self._stretch, self._stretch.steps_done(self._loop.now_s))
             self._stretch = None
         lost = [seq.seq_id for seq in (*self.scheduler.running, *self.scheduler.waiting)]
         for seq_id in lost:
@@ -211,9 +214,9 @@ class ModelledReplica:
             self._next_step = self._loop.call_later(0.0, self._start_step)
 
     def _start_step(self) -> None:
-        steps = self._stretchable_steps()
-        if steps >= 2:
-            self._start_stretch(steps)
+        stretch = self._plan_stretch()
+        if stretch is not None:
+            self._start_stretch(stretch)
             return
         # the scheduler preempts inside `schedule` and keeps the victims waiting: count them there
         preempted_before = self._preemptions_held()
@@ -244,42 +247,71 @@ class ModelledReplica:
             self._mark_idle()
         self._wake()
 
-    # ---- decode stretches ----------------------------------------------------------------------
+    # ---- stretches ---------------------------------------------------------------------------
 
-    def _stretchable_steps(self) -> int:
-        """Decode steps from now in which the scheduler could only decode every running sequence,
-        none of them finishing: 0 when the next step may differ from the one after it."""
-        if not self.spec.decode_stretches:
-            return 0
+    def _plan_stretch(self) -> _Stretch | None:
+        """The steps from now in which the scheduler could only decode every running sequence and
+        give the one prefilling (if any) a chunk filling the rest of the budget, with no sequence
+        finishing, no prompt reaching its last chunk and nothing admitted; None when fewer than two."""
         scheduler = self.scheduler
+        config = scheduler.config
         running = scheduler.running
-        if not running or len(running) > scheduler.config.max_batch_tokens:
-            return 0
-        if any(not seq.is_decoding for seq in running):
-            return 0
+        if not self.spec.decode_stretches or not running:
+            return None
+        prefilling = [seq for seq in running if not seq.is_decoding]
+        decoding = len(running) - len(prefilling)
+        if len(prefilling) > 1 or decoding > config.max_batch_tokens - len(prefilling):
+            return None
+        prompt = prefilling[0] if prefilling else None
+        if prompt is not None and (not config.chunked_prefill
+                                   or any(seq.priority > prompt.priority for seq in running if seq is not prompt)):
+            return None  # its chunk would come before a decode in the engine's order
         blocks = scheduler.blocks
         if scheduler.waiting:
             # a waiting prompt stays out while the engine is full, or the KV cache cannot hold it
             # (decodes only take blocks), until a sequence finishes
             head = min(scheduler.waiting, key=lambda seq: (seq.priority, seq.arrival_index))
-            if len(running) < scheduler.config.max_num_seqs and blocks.can_hold(head, head.num_tokens):
-                return 0
-        steps = min(seq.params.max_tokens - len(seq.output_token_ids) for seq in running) - 1
+            if len(running) < config.max_num_seqs and blocks.can_hold(head, head.num_tokens):
+                return None
+        limit = min((seq.params.max_tokens - len(seq.output_token_ids) for seq in running if seq is not prompt),
+                    default=1 << 30) - 1
+        chunks: list[int] = []
+        if prompt is not None:
+            start, remaining = prompt.num_computed_tokens, prompt.num_uncomputed_tokens
+            while len(chunks) < limit:
+                chunk = scheduler.prefill_chunk(start, remaining, config.max_batch_tokens - decoding)
+                if chunk >= remaining:
+                    break  # its last chunk samples a first token: the scheduler's step
+                chunks.append(chunk)
+                start, remaining = start + chunk, remaining - chunk
+            limit = len(chunks)
+        else:
+            chunks = [0] * max(limit, 0)
         # every sequence's KV must grow without a preemption
-        while steps >= 2 and sum(blocks.blocks_needed(seq, seq.num_computed_tokens + steps) for seq in running) \
-                > blocks.num_free_blocks:
-            steps //= 2
-        return steps
+        while len(chunks) >= 2 and self._blocks_needed(blocks, running, prompt, chunks) > blocks.num_free_blocks:
+            del chunks[len(chunks) // 2:]
+        if len(chunks) < 2:
+            return None
+        cost, ends_s, elapsed_s = self.spec.cost, [], 0.0
+        context = sum(seq.num_tokens for seq in running if seq is not prompt)  # a decode's: its tokens so far
+        prompt_at = prompt.num_computed_tokens if prompt is not None else 0
+        for chunk in chunks:
+            elapsed_s += cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0)) * self.slowdown
+            ends_s.append(elapsed_s)
+            context += decoding
+            prompt_at += chunk
+        return _Stretch(self._loop.now_s, ends_s, prompt, chunks)
 
-    def _start_stretch(self, steps: int) -> None:
-        running = self.scheduler.running
-        cost, batch = self.spec.cost, len(running)
-        context = sum(seq.num_tokens for seq in running)  # a decode's context: its tokens so far
-        stretch = _Stretch(self._loop.now_s, steps,
-                           cost.step_s(0, batch, context) * self.slowdown,
-                           cost.context_s_per_token * batch * self.slowdown)
+    @staticmethod
+    def _blocks_needed(blocks: BlockManager, running: list[Sequence], prompt: Sequence | None,
+                       chunks: list[int]) -> int:
+        grown = sum(chunks)
+        return sum(blocks.blocks_needed(seq, seq.num_computed_tokens + (grown if seq is prompt else len(chunks)))
+                   for seq in running)
+
+    def _start_stretch(self, stretch: _Stretch) -> None:
         self._stretch = stretch
-        self._next_step = self._loop.call_later(stretch.elapsed_s(steps), self._end_stretch)
+        self._next_step = self._loop.call_later(stretch.ends_s[-1], self._end_stretch)
 
     def _cut_stretch(self) -> None:
         """Ends the stretch at the step in progress (an event the engine sees between steps)."""
@@ -291,23 +323,32 @@ class ModelledReplica:
             return
         assert self._next_step is not None
         self._next_step.cancel()
-        stretch.steps = cut
-        self._next_step = self._loop.call_at(stretch.start_s + stretch.elapsed_s(cut), self._end_stretch)
+        stretch.cut(cut)
+        self._next_step = self._loop.call_at(stretch.start_s + stretch.ends_s[-1], self._end_stretch)
 
     def _end_stretch(self) -> None:
         stretch = self._stretch
         assert stretch is not None
         self._stretch = self._next_step = None
-        running = self.scheduler.running
-        blocks = self.scheduler.blocks
-        for seq in running:  # what `steps` decode steps of the scheduler do to each sequence
-            blocks.grow(seq, seq.num_computed_tokens + stretch.steps)
-            seq.num_computed_tokens += stretch.steps
-            seq.output_token_ids.extend([_SAMPLED_TOKEN] * stretch.steps)
-        self._load = None
-        self.steps += stretch.steps
-        self.generated_tokens += stretch.steps * len(running)
+        self._apply(stretch, stretch.steps)
         self._wake()
+
+    def _apply(self, stretch: _Stretch, steps: int) -> None:
+        """What `steps` steps of the scheduler do to the sequences, and the counters."""
+        blocks = self.scheduler.blocks
+        running = self.scheduler.running
+        prefilled = sum(stretch.chunks[:steps])
+        for seq in running:
+            if seq is stretch.prefilling:
+                blocks.grow(seq, seq.num_computed_tokens + prefilled)
+                seq.num_computed_tokens += prefilled
+            else:
+                blocks.grow(seq, seq.num_computed_tokens + steps)
+                seq.num_computed_tokens += steps
+                seq.output_token_ids.extend([_SAMPLED_TOKEN] * steps)
+        self._load = None
+        self.steps += steps
+        self.generated_tokens += steps * (len(running) - (stretch.prefilling is not None))
 
     def _preemptions_held(self) -> int:
         return sum(seq.num_preemptions for seq in (*self.scheduler.running, *self.scheduler.waiting))
