@@ -96,3 +96,19 @@ def test_the_steps_an_engine_logged_while_serving_fit_a_profile_too(engine: str,
     assert main(["sim", "calibrate", "--step-log", str(logs[0]), "--out", str(out)]) == 0
     profile = load_profile(out)
     assert profile.cost.base_s > 0 and "logged while serving" in profile.sources[0]
+
+
+def test_the_progress_bar_changes_nothing_in_the_run() -> None:
+    from tidegate.policy.tiers import default_tiers
+    from tidegate.sim.harness import Harness
+    from tidegate.sim.report import summarize
+    from tidegate.sim.scenarios import controller, mixed, replica_spec
+    from tidegate.sim_cli import _run_with_progress
+
+    requests = mixed(8.0, 20.0, (("a", "standard", 1.0),), seed=3)
+    results = []
+    for with_bar in (True, False):
+        harness = Harness([replica_spec("r0"), replica_spec("r1")], controller(["r0", "r1"], default_tiers()))
+        results.append(_run_with_progress(harness, requests, "x") if with_bar else harness.run(requests))
+    assert results[0].records == results[1].records
+    assert summarize(results[0], default_tiers()) == summarize(results[1], default_tiers())
