@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import statistics
-import time
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,8 +27,8 @@ from typing import Any
 
 import aiohttp
 import numpy as np
-import orjson
 
+from tidegate.engine.benchkit import StreamResult, stream_completion
 from tidegate.engine.scheduler import SchedulerConfig
 from tidegate.sim.costfit import DecodeSample, PrefillSample, fit_with_held_out, read_step_log
 from tidegate.sim.profile import ReplicaProfile
@@ -46,30 +45,10 @@ class CalibrationGrid:
     repeats: int = 3
 
 
-@dataclass(slots=True)
-class _Stream:
-    sent_s: float
-    token_times_s: list[float]
-    prompt_tokens: int = 0
-
-
-async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int], max_tokens: int) -> _Stream:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True}}
-    result = _Stream(time.perf_counter(), [])
-    async with session.post(url + "/v1/completions", data=orjson.dumps(body),
-                            headers={"Content-Type": "application/json"}) as response:
-        if response.status != 200:
-            raise RuntimeError(f"{url}: HTTP {response.status}: {(await response.text())[:300]}")
-        async for line in response.content:
-            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                continue
-            chunk = orjson.loads(line[6:])
-            if chunk.get("choices"):
-                result.token_times_s.append(time.perf_counter())
-            if chunk.get("usage"):
-                result.prompt_tokens = chunk["usage"]["prompt_tokens"]
-    return result
+async def _stream(session: aiohttp.ClientSession, url: str, model: str, prompt: list[int],
+                  max_tokens: int) -> StreamResult:
+    return await stream_completion(session, url, {"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                                                  "ignore_eos": True, "temperature": 0})
 
 
 async def measure(urls: Sequence[str], model: str, grid: CalibrationGrid = CalibrationGrid(), *,
@@ -87,7 +66,7 @@ async def measure(urls: Sequence[str], model: str, grid: CalibrationGrid = Calib
         for _ in range(grid.repeats):
             stream = await _stream(session, url, model, prompt(tokens), 1)
             _check_prompt(stream, tokens)
-            ttfts.append(stream.token_times_s[0] - stream.sent_s)
+            ttfts.append(stream.token_times_s[0] - stream.start_s)
         return statistics.median(ttfts)
 
     samples: list[PrefillSample | DecodeSample] = []
@@ -136,7 +115,7 @@ async def _decode(session: aiohttp.ClientSession, url: str, model: str, prompts:
     return DecodeSample(len(prompts), context, statistics.fmean(gaps[trim:len(gaps) - trim]))
 
 
-def _check_prompt(stream: _Stream, tokens: int) -> None:
+def _check_prompt(stream: StreamResult, tokens: int) -> None:
     if not stream.token_times_s:
         raise RuntimeError("the server streamed no token")
     if stream.prompt_tokens and stream.prompt_tokens != tokens:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tidegate.config import ConfigError, GatewayConfig, load_config
+from tidegate.config import ConfigError, GatewayConfig, PoolConfig, load_config
 from tidegate.loadgen.arrivals import Poisson
 from tidegate.loadgen.mix import LengthDistribution
 from tidegate.loadgen.trace import AZURE_TRACE_CREDIT, default_trace_path, load_azure_trace
@@ -188,13 +188,18 @@ def _mix(text: str, default_tier: str) -> list[tuple[str, float]]:
     return mix
 
 
-def pool_controller(config: GatewayConfig, pool_name: str | None, replica_ids: list[str]) -> tuple[PoolController, int]:
-    """The controller `tidegate serve` builds for the pool (its first by default), over these
-    replicas, and the pool's slot limit (what FIFO holds per replica)."""
+def _pool(config: GatewayConfig, pool_name: str | None) -> PoolConfig:
+    """The named pool of the config, its first by default."""
     pool = next((p for p in config.pools if p.name == pool_name), None) if pool_name else config.pools[0]
     if pool is None:
         raise ValueError(f"no pool {pool_name!r} in the config")
-    backend = pool.backends[0]
+    return pool
+
+
+def pool_controller(config: GatewayConfig, pool_name: str | None, replica_ids: list[str]) -> tuple[PoolController, int]:
+    """The controller `tidegate serve` builds for the pool (its first by default), over these
+    replicas, and the pool's slot limit (what FIFO holds per replica)."""
+    backend = _pool(config, pool_name).backends[0]
     orders_by_priority = getattr(backend, "forward_priority", True)  # embedded engines order by it
     overload = config.overload
     limits = overload.limits
@@ -225,9 +230,7 @@ def _simulate(args: argparse.Namespace) -> int:
     config = load_config(args.config) if args.config else GatewayConfig.model_validate({"pools": [
         {"name": "sim", "backends": [{"type": "embedded", "model": "tiny-random-llama", "count": 2}]}]})
     profile: ReplicaProfile = load_profile(args.profile)
-    pool = next((p for p in config.pools if p.name == args.pool), None) if args.pool else config.pools[0]
-    if pool is None:
-        raise ValueError(f"no pool {args.pool!r} in {args.config}")
+    pool = _pool(config, args.pool)
     count = args.replicas or sum(getattr(b, "count", 1) for b in pool.backends)
     ids = [f"r{i}" for i in range(count)]
     tiers = config.overload.tiers.table()

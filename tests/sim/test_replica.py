@@ -103,7 +103,7 @@ def test_stretches_of_decode_steps_give_the_records_of_one_step_at_a_time() -> N
     events = (SlowReplica(8.0, "r1", 2.0), KillReplica(20.0, "r2"))
     runs = []
     for stretches in (True, False):
-        specs = [replaced(replica_spec(f"r{i}"), decode_stretches=stretches) for i in range(3)]
+        specs = [replaced(replica_spec(f"r{i}"), stretches=stretches) for i in range(3)]
         controller = PoolController([PoolReplica(f"r{i}", 32, 16) for i in range(3)], default_tiers())
         runs.append(Harness(specs, controller).run(requests, events))
     fast, slow = runs

@@ -28,6 +28,7 @@ class StreamResult:
     token_times_s: list[float] = field(default_factory=list)  # arrival time of each chunk
     completion_tokens: int = 0
     start_s: float = 0.0
+    prompt_tokens: int = 0  # as the server counted them (0: it reported no usage)
 
     def gaps_s(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times_s, self.token_times_s[1:])]
@@ -72,11 +73,14 @@ def engine_process(engine_args: list[str], timeout_s: float = 120.0) -> Iterator
 
 
 async def stream_completion(session, base: str, body: dict) -> StreamResult:  # type: ignore[no-untyped-def]
-    """POSTs a streaming /v1/completions request and records when each token's chunk arrives."""
+    """POSTs a streaming /v1/completions request and records when each token's chunk arrives.
+    Raises RuntimeError with the server's answer when it is not a 200."""
     result = StreamResult(start_s=time.perf_counter())
     payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
-    async with session.post(base + "/v1/completions", data=orjson.dumps(payload)) as response:
-        response.raise_for_status()
+    async with session.post(base + "/v1/completions", data=orjson.dumps(payload),
+                            headers={"Content-Type": "application/json"}) as response:
+        if response.status != 200:
+            raise RuntimeError(f"{base}: HTTP {response.status}: {(await response.text())[:300]}")
         async for line in response.content:
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
@@ -85,4 +89,5 @@ async def stream_completion(session, base: str, body: dict) -> StreamResult:  # 
                 result.token_times_s.append(time.perf_counter())
             if chunk.get("usage"):
                 result.completion_tokens = chunk["usage"]["completion_tokens"]
+                result.prompt_tokens = chunk["usage"]["prompt_tokens"]
     return result

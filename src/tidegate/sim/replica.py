@@ -97,7 +97,7 @@ class ReplicaSpec:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_cache_tokens: int = 32768  # the embedded engine server's default
     cost: StepCostModel = field(default_factory=StepCostModel)
-    decode_stretches: bool = True  # False: every step an event (the reference the stretches are tested against)
+    stretches: bool = True  # False: every step an event (the reference stretches are tested against)
 
 
 @dataclass(slots=True)
@@ -256,7 +256,7 @@ class ModelledReplica:
         scheduler = self.scheduler
         config = scheduler.config
         running = scheduler.running
-        if not self.spec.decode_stretches or not running:
+        if not self.spec.stretches or not running:
             return None
         prefilling = [seq for seq in running if not seq.is_decoding]
         decoding = len(running) - len(prefilling)
