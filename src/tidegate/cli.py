@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "engine": ("tidegate.engine.cli", "run one embedded engine worker (one replica)"),
     "mock-upstream": ("tidegate.mock.cli", "run a mock OpenAI-compatible upstream with latency models"),
     "bench": ("tidegate.loadgen.cli", "load-generate against an OpenAI-compatible endpoint"),
+    "report": ("tidegate.loadgen.report_cli", "show a bench or sim report again, or compare two side by side"),
     "sim": ("tidegate.sim_cli", "simulate a pool on a replica profile; calibrate a profile against an engine"),
 }
 

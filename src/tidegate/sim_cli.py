@@ -26,11 +26,13 @@ from tidegate.loadgen.arrivals import Poisson
 from tidegate.loadgen.mix import LengthDistribution
 from tidegate.loadgen.trace import AZURE_TRACE_CREDIT, default_trace_path, load_azure_trace
 from tidegate.policy.pool import PoolController, PoolSettings
+from tidegate.policy.tiers import TierTable
 from tidegate.sim.fifo import FifoDispatcher
 from tidegate.sim.harness import Harness, RunResult, TrafficClass, make_requests, requests_from_trace
 from tidegate.sim.profile import ReplicaProfile, load_profile, save_profile, shipped_profiles
 from tidegate.sim.report import format_summary, summarize
 from tidegate.sim.seam import SimRequest
+from tidegate.sim_report import probe_times
 
 __all__ = ["configure_parser", "run", "pool_controller"]
 
@@ -77,7 +79,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                                                 "(default: all the default tier)")
     sim.add_argument("--fifo", action="store_true", help="also run with overload control off")
     sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--out", help="write summary.json here (a directory)")
+    sim.add_argument("--out", help="a directory for report.json and records.jsonl (the schema of `tidegate bench`), "
+                                   "plots, and summary.json (the per-replica figures printed)")
+    sim.add_argument("--no-plots", action="store_true", help="with --out: no PNG plots")
     sim.add_argument("--no-progress", action="store_true",
                      help="no progress bar (shown on a terminal for runs of 10,000 requests and more)")
 
@@ -211,7 +215,8 @@ def pool_controller(config: GatewayConfig, pool_name: str | None, replica_ids: l
     return controller, backend.slot_limit
 
 
-def _run_with_progress(harness: Harness, requests: tuple[SimRequest, ...], label: str) -> RunResult:
+def _run_with_progress(harness: Harness, requests: tuple[SimRequest, ...], label: str,
+                       probes_s: tuple[float, ...] = ()) -> RunResult:
     """The run, with a bar over its arrivals' virtual time (ticks every 1 % of it; they change
     nothing else, so the records are those of a run without them)."""
     from rich.console import Console
@@ -223,7 +228,7 @@ def _run_with_progress(harness: Harness, requests: tuple[SimRequest, ...], label
         task = progress.add_task(label, total=last_s or 1.0)
         for index in range(1, 101):
             harness.loop.call_at(last_s * index / 100, lambda: progress.update(task, completed=harness.loop.now_s))
-        return harness.run(requests)
+        return harness.run(requests, probes_s=probes_s)
 
 
 def _simulate(args: argparse.Namespace) -> int:
@@ -247,18 +252,38 @@ def _simulate(args: argparse.Namespace) -> int:
     print(f"profile {profile.name} ({'estimate' if profile.estimate else 'measured'}), {count} replicas, "
           f"slot limit {slot_limit}, {len(requests)} requests")
     show_progress = not args.no_progress and sys.stderr.isatty() and len(requests) >= 10_000
+    probes_s = probe_times(max((r.arrival_s for r in requests), default=0.0)) if args.out else ()
+    results: dict[str, RunResult] = {}
     for label, dispatcher in arms:
         harness = Harness([profile.spec(i) for i in ids], dispatcher)
         if show_progress:
-            result = _run_with_progress(harness, requests, label)
+            results[label] = _run_with_progress(harness, requests, label, probes_s)
         else:
-            result = harness.run(requests)
-        summary = summarize(result, tiers)
+            results[label] = harness.run(requests, probes_s=probes_s)
+        summary = summarize(results[label], tiers)
         print(f"\n{label}\n{format_summary(summary)}")
         report["runs"][label] = asdict(summary)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
-        print(f"\nwrote {out / 'summary.json'}")
+        _write(args, Path(args.out), report, results, tiers, pool.name)
     return 0
+
+
+def _write(args: argparse.Namespace, out: Path, summary: dict, results: dict[str, RunResult], tiers: TierTable,
+           pool: str) -> None:
+    from tidegate.loadgen.report import write_report
+    from tidegate.sim_report import sim_report
+
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    # the inputs only: where it was written would make two runs' reports differ
+    config = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_") and key != "out"}
+    config["simulated"] = {"profile": summary["profile"], "replicas": summary["replicas"]}
+    credits = (AZURE_TRACE_CREDIT,) if args.rate is None else ()
+    report, bench_result = sim_report(results, tiers, pool=pool, config=config, credits=credits)
+    path = write_report(report, bench_result, out)
+    if not args.no_plots:
+        from tidegate.loadgen.plots import write_plots
+
+        write_plots(report, out)
+    print(f"\nwrote {path} (the schema of `tidegate bench`; compare with `tidegate report compare`) "
+          f"and {out / 'summary.json'}")

@@ -117,6 +117,23 @@ def test_cli_writes_a_report_with_plots(clean_mock, tmp_path) -> None:
     assert (tmp_path / "latency.png").stat().st_size > 0
 
 
+def test_cli_judges_each_tier_by_its_target_in_a_serve_config(clean_mock, tmp_path) -> None:
+    config = tmp_path / "serve.yaml"
+    # critical's target is far under any answer's time, sheddable's far over: goodput splits by tier
+    config.write_text("pools: [{name: p, backends: [{type: upstream, url: 'http://127.0.0.1:1/v1'}]}]\n"
+                      "tiers:\n  levels:\n"
+                      "    critical: {rank: 0, queue_bound: 10, max_queue_wait_s: 0.0001, ttft_target_s: 0.0001}\n"
+                      "    sheddable: {rank: 1, queue_bound: 10, max_queue_wait_s: 60, ttft_target_s: 60}\n"
+                      "  default: sheddable\n")
+    code = main(["bench", "--url", clean_mock, "--requests", "20", "--rate", "50", "--tenant", "a:ka:critical:1",
+                 "--tenant", "b:kb:sheddable:1", "--config", str(config), "--no-progress", "--quiet", "--no-plots",
+                 "--out", str(tmp_path / "out")])
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    good = {s["tier"]: (s["good"], s["succeeded"]) for s in report["summaries"]}
+    assert code == 0 and good["critical"][0] == 0 and good["sheddable"][0] == good["sheddable"][1] > 0
+    assert {t["name"] for t in report["tiers"]} == {"critical", "sheddable"}
+
+
 def test_report_never_contains_api_keys(clean_mock, tmp_path) -> None:
     main(["bench", "--url", clean_mock, "--requests", "2", "--tenant", "a:sk-secret-123:critical:1",
           "--no-progress", "--quiet", "--no-plots", "--out", str(tmp_path)])

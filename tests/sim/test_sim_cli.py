@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from tidegate.cli import main
+from tidegate.loadgen.report import REQUIRED_KEYS
+from tidegate.loadgen.report_cli import load_report
 from tidegate.sim.profile import load_profile
 from tests.support import ManagedProcess, free_port, start_process, tidegate_argv
 
@@ -28,10 +30,33 @@ def test_a_run_is_a_function_of_its_inputs_and_prints_both_arms(tmp_path, capsys
     assert main([*argv, "--out", str(tmp_path / "b")]) == 0
     first, second = ((tmp_path / d / "summary.json").read_bytes() for d in "ab")
     assert first == second  # byte-identical
+    assert (tmp_path / "a" / "report.json").read_bytes() == (tmp_path / "b" / "report.json").read_bytes()
+    assert (tmp_path / "a" / "records.jsonl").read_bytes() == (tmp_path / "b" / "records.jsonl").read_bytes()
     report = json.loads(first)
     run = report["runs"]["overload control"]
     assert sum(t["arrived"] for t in run["tiers"]) == report["requests"] > 80
     assert len(run["replicas"]) == 2
+
+
+def test_a_simulated_run_writes_the_bench_report_schema_and_plots(tmp_path) -> None:
+    argv = ["sim", "run", "--rate", "6", "--duration-s", "20", "--prompt-tokens", "16,200", "--output-tokens", "8,64",
+            "--mix", "critical:0.3,sheddable:0.7", "--fifo", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    report = load_report(tmp_path / "report.json")
+    assert set(REQUIRED_KEYS) <= set(report) and report["targets"] == ["overload control", "FIFO"]
+    assert {t["name"]: t["ttft_target_ms"] for t in report["tiers"]}["critical"] == 3000.0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    for target, arm in enumerate(("overload control", "FIFO")):
+        tiers = {t["tier"]: t for t in summary["runs"][arm]["tiers"]}
+        for group in (s for s in report["summaries"] if s["target"] == target and s["tier"] != "all"):
+            tier = tiers[group["tier"]]  # the same requests, judged the same way, in both documents
+            assert (group["requests"], group["succeeded"], group["good"]) == (tier["arrived"], tier["served"],
+                                                                              tier["good"])
+            assert group["statuses"].get("503", 0) == tier["refused"]
+    series = {m["series"].split("{")[0] for m in report["metrics"]}
+    assert {"tidegate_queue_depth", "tidegate_replica_outstanding", "tidegate_sim_replica_busy_ratio"} <= series
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("latency.png", "load.png", "replicas.png",
+                                                                 "timeline.png"))
 
 
 def test_the_shipped_trace_replays_compressed(capsys) -> None:
@@ -98,7 +123,7 @@ def test_the_steps_an_engine_logged_while_serving_fit_a_profile_too(engine: str,
     assert profile.cost.base_s > 0 and "logged while serving" in profile.sources[0]
 
 
-def test_the_progress_bar_changes_nothing_in_the_run() -> None:
+def test_the_progress_bar_and_the_probes_change_nothing_in_the_run() -> None:
     from tidegate.policy.tiers import default_tiers
     from tidegate.sim.harness import Harness
     from tidegate.sim.report import summarize
@@ -111,4 +136,9 @@ def test_the_progress_bar_changes_nothing_in_the_run() -> None:
         harness = Harness([replica_spec("r0"), replica_spec("r1")], controller(["r0", "r1"], default_tiers()))
         results.append(_run_with_progress(harness, requests, "x") if with_bar else harness.run(requests))
     assert results[0].records == results[1].records
+    # nor do the probes that sample the run for the report's replica and queue series
+    harness = Harness([replica_spec("r0"), replica_spec("r1")], controller(["r0", "r1"], default_tiers()))
+    probed = harness.run(requests, probes_s=tuple(float(t) for t in range(20)))
+    assert probed.records == results[1].records and len(probed.probes) == 20
+    assert min(p.queued for p in probed.probes) >= 0 and max(sum(p.sequences) for p in probed.probes) > 0
     assert summarize(results[0], default_tiers()) == summarize(results[1], default_tiers())

@@ -83,6 +83,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     report = parser.add_argument_group("report")
     report.add_argument("--slo-ttft-ms", type=float)
     report.add_argument("--slo-tpot-ms", type=float)
+    report.add_argument("--config", help="the target's `tidegate serve` YAML: judge each tier's requests by that "
+                                         "tier's TTFT target, as the gateway counts goodput (and as `tidegate sim` "
+                                         "does); --slo-* then apply to tiers it does not name")
     report.add_argument("--scrape-metrics", action="store_true", help="scrape the target's /metrics every second")
     report.add_argument("--metric", action="append", default=[], metavar="SUBSTRING",
                         help="metric names to keep when scraping (repeatable; default queue/replica/kv/...)")
@@ -202,10 +205,12 @@ def run(args: argparse.Namespace) -> int:
         print("tidegate bench: --url is required (or --scenario)", file=sys.stderr)
         return 2
     try:
-        targets = tuple(parse_url(u) for u in [args.url or "http://127.0.0.1:8000", args.compare] if u)
+        names = [u for u in [args.url or "http://127.0.0.1:8000", args.compare] if u]
+        targets = tuple(parse_url(u) for u in names)
         for endpoint in targets:
             check_target_allowed(endpoint, args.allow_remote_host)
         _validate(args)
+        per_tier = _tier_slos(args.config) if args.config else {}
         planned = _plan(args, np.random.default_rng(args.seed))
         if args.model is None:
             args.model = first_listed_model(targets[0], planned.plan)
@@ -232,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     report_config["load"] = planned.load
     report = build_report(result, config=report_config, slo=slo, targets=len(targets),
                           lag_threshold_ms=args.lag_warn_ms, credits=planned.credits, open_loop=not args.concurrency,
-                          phases=planned.phases)
+                          phases=planned.phases, tier_slos=per_tier, target_names=names)
     if not args.quiet:
         print_summary(report)
     if args.out:
@@ -244,6 +249,14 @@ def run(args: argparse.Namespace) -> int:
             write_plots(report, out)
         print(f"report: {path}")
     return 0
+
+
+def _tier_slos(path: str) -> dict:
+    """Each tier's SLO from a serve config (a bad file raises ConfigError, a ValueError)."""
+    from tidegate.config import load_config
+    from tidegate.loadgen.stats import tier_slos
+
+    return tier_slos(load_config(path).overload.tiers.table())
 
 
 def _raise_fd_limit() -> None:

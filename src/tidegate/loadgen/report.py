@@ -4,6 +4,10 @@ report.json (schema "tidegate.bench.report/1"):
   schema          "tidegate.bench.report/1"
   created_unix    float, when the run started
   config          the command line as a mapping (targets, arrivals, mix, SLOs, ...)
+  targets         what each target index names (a URL, or a simulated arm such as "FIFO")
+  tiers           [{name, ttft_target_ms, tpot_target_ms}]: the tiers' own SLOs, when known (from a
+                  `tidegate serve` config); a tier's requests are judged by its SLO, others by the
+                  command line's
   credits         list of strings (e.g. the trace's credit when a trace was replayed)
   elapsed_s       first send to last completion
   connections_opened  TCP connections the generator opened
@@ -29,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import orjson
 
@@ -42,7 +46,7 @@ __all__ = ["SCHEMA", "REQUIRED_KEYS", "build_report", "write_report", "print_sum
 SCHEMA = "tidegate.bench.report/1"
 Phase = tuple[str, float, float]  # name, start_s, end_s (by scheduled send time)
 REQUIRED_KEYS = (
-    "schema", "created_unix", "config", "credits", "elapsed_s", "connections_opened", "peak_in_flight",
+    "schema", "created_unix", "config", "targets", "tiers", "credits", "elapsed_s", "connections_opened", "peak_in_flight",
     "schedule_lag",
     "warnings", "summaries", "comparison", "phases", "timeline", "metrics", "records_file",
 )
@@ -62,25 +66,33 @@ def _lookup(summary: dict, path: str) -> Any:
     return value
 
 
-def _summaries(records: Sequence[RequestRecord], slo: Slo, targets: int, elapsed_s: float) -> list[GroupSummary]:
+def _summaries(records: Sequence[RequestRecord], slo: Slo, tier_slos: Mapping[str, Slo], targets: int,
+               elapsed_s: float) -> list[GroupSummary]:
     groups: list[GroupSummary] = []
     for target in range(targets):
         mine = [r for r in records if r.target == target]
-        groups.append(summarize(mine, target=target, tier="all", elapsed_s=elapsed_s, slo=slo))
+        groups.append(summarize(mine, target=target, tier="all", elapsed_s=elapsed_s, slo=slo, tier_slos=tier_slos))
         for tier in sorted({r.tier for r in mine}):
             tiered = [r for r in mine if r.tier == tier]
-            groups.append(summarize(tiered, target=target, tier=tier, elapsed_s=elapsed_s, slo=slo))
+            groups.append(summarize(tiered, target=target, tier=tier, elapsed_s=elapsed_s, slo=slo,
+                                    tier_slos=tier_slos))
     return groups
 
 
-def _phases(result: RunResult, phases: Sequence[Phase], slo: Slo, targets: int) -> list[dict[str, Any]]:
+def _phases(result: RunResult, phases: Sequence[Phase], slo: Slo, tier_slos: Mapping[str, Slo],
+            targets: int) -> list[dict[str, Any]]:
     out = []
     for name, start_s, end_s in phases:
         sent_in = [r for r in result.records if start_s <= r.scheduled_s < end_s]
         span = max(min(end_s, result.elapsed_s) - start_s, 1e-9)
+        summaries = _summaries(sent_in, slo, tier_slos, targets, span)
         out.append({"name": name, "start_s": start_s, "end_s": end_s,
-                    "summaries": [dataclasses.asdict(s) for s in _summaries(sent_in, slo, targets, span)]})
+                    "summaries": [dataclasses.asdict(s) for s in summaries]})
     return out
+
+
+def _ms_or_none(value_s: float | None) -> float | None:
+    return None if value_s is None else value_s * 1000
 
 
 def build_report(
@@ -93,8 +105,11 @@ def build_report(
     credits: Sequence[str] = (),
     open_loop: bool = True,
     phases: Sequence[Phase] = (),
+    tier_slos: Mapping[str, Slo] | None = None,
+    target_names: Sequence[str] = (),
 ) -> dict[str, Any]:
-    summaries = [dataclasses.asdict(s) for s in _summaries(result.records, slo, targets, result.elapsed_s)]
+    tier_slos = dict(tier_slos or {})
+    summaries = [dataclasses.asdict(s) for s in _summaries(result.records, slo, tier_slos, targets, result.elapsed_s)]
     lag = lag_summary(result.records, lag_threshold_ms)
     warnings: list[str] = []
     if open_loop and lag.behind_schedule:
@@ -117,6 +132,9 @@ def build_report(
         "schema": SCHEMA,
         "created_unix": result.started_at_unix,
         "config": config,
+        "targets": list(target_names) or [f"target {t}" for t in range(targets)],
+        "tiers": [{"name": name, "ttft_target_ms": _ms_or_none(tier_slo.ttft_s),
+                   "tpot_target_ms": _ms_or_none(tier_slo.tpot_s)} for name, tier_slo in tier_slos.items()],
         "credits": list(credits),
         "elapsed_s": result.elapsed_s,
         "connections_opened": result.connections_opened,
@@ -125,7 +143,7 @@ def build_report(
         "warnings": warnings,
         "summaries": summaries,
         "comparison": comparison,
-        "phases": _phases(result, phases, slo, targets),
+        "phases": _phases(result, phases, slo, tier_slos, targets),
         "timeline": [timeline([r for r in result.records if r.target == t]) for t in range(targets)],
         "metrics": [dataclasses.asdict(m) for m in result.metrics],
         "records_file": "records.jsonl",
@@ -173,7 +191,9 @@ def print_summary(report: dict[str, Any], console=None) -> None:
 
     # wide enough for every column when piped to a file (rich assumes 80 otherwise)
     console = console or Console(width=None if sys.stdout.isatty() else 180)
-    console.print(_table("tidegate bench", report["summaries"]))
+    names = report.get("targets") or []
+    title = "tidegate bench" + ("" if len(names) < 2 else ": " + ", ".join(f"target {i} = {n}" for i, n in enumerate(names)))
+    console.print(_table(title, report["summaries"]))
     for phase in report["phases"]:
         console.print(_table(f"phase {phase['name']}: sent in [{phase['start_s']:g}, {phase['end_s']:g}) s",
                              phase["summaries"]))

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from tidegate.loadgen.records import RequestRecord
 
 __all__ = ["Slo", "Percentiles", "GroupSummary", "LagSummary", "summarize", "lag_summary", "meets_slo",
-           "timeline", "PERCENTILES"]
+           "timeline", "tier_slos", "PERCENTILES"]
 
 PERCENTILES = (50, 90, 99)
 
@@ -89,10 +89,14 @@ def _mean(values: Sequence[float]) -> float | None:
     return float(np.mean(values)) if values else None
 
 
-def summarize(records: Sequence[RequestRecord], *, target: int, tier: str, elapsed_s: float, slo: Slo) -> GroupSummary:
+def summarize(records: Sequence[RequestRecord], *, target: int, tier: str, elapsed_s: float, slo: Slo,
+              tier_slos: Mapping[str, Slo] | None = None) -> GroupSummary:
+    """`tier_slos`: a tier's own SLO (its TTFT target) for its requests; `slo` for the others."""
     ok = [r for r in records if r.ok]
     duration = max(elapsed_s, 1e-9)
-    good = sum(1 for r in records if meets_slo(r, slo)) if slo.given else None
+    tier_slos = tier_slos or {}
+    judged = slo.given or any(s.given for s in tier_slos.values())
+    good = sum(1 for r in records if meets_slo(r, tier_slos.get(r.tier, slo))) if judged else None
     reported = [r.prompt_tokens for r in ok if r.prompt_tokens is not None]
     return GroupSummary(
         target=target,
@@ -140,14 +144,15 @@ def lag_summary(records: Sequence[RequestRecord], threshold_ms: float) -> LagSum
 
 
 def timeline(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> list[dict]:
-    """Per bucket of send time: sent, ok, rejected (429/503), errors, TTFT p50/p99; and completions
-    and output tokens by completion time."""
+    """Per bucket of send time: sent, ok, rejected (429/503), errors, TTFT p50/p99 (overall, and per
+    tier as `ttft_by_tier: {tier: [p50_ms, p99_ms]}`); and completions and output tokens by
+    completion time."""
     if not records:
         return []
     last = max(r.sent_s + (r.e2e_s or 0.0) for r in records)
     buckets = [
         {"t_s": i * bucket_s, "sent": 0, "ok": 0, "rejected": 0, "errors": 0, "degraded": 0,
-         "completed": 0, "output_tokens": 0, "_ttft": []}
+         "completed": 0, "output_tokens": 0, "_ttft": [], "_by_tier": {}}
         for i in range(int(last // bucket_s) + 1)
     ]
     for r in records:
@@ -157,6 +162,7 @@ def timeline(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> list[di
             sent["ok"] += 1
             if r.ttft_s is not None:
                 sent["_ttft"].append(r.ttft_s)
+                sent["_by_tier"].setdefault(r.tier, []).append(r.ttft_s)
             done = buckets[min(int((r.sent_s + (r.e2e_s or 0.0)) // bucket_s), len(buckets) - 1)]
             done["completed"] += 1
             done["output_tokens"] += r.completion_tokens or 0
@@ -170,4 +176,12 @@ def timeline(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> list[di
         ttft = bucket.pop("_ttft")
         bucket["ttft_p50_ms"] = float(np.percentile(ttft, 50)) * 1000 if ttft else None
         bucket["ttft_p99_ms"] = float(np.percentile(ttft, 99)) * 1000 if ttft else None
+        bucket["ttft_by_tier"] = {tier: [float(v) * 1000 for v in np.percentile(values, (50, 99))]
+                                  for tier, values in sorted(bucket.pop("_by_tier").items())}
     return buckets
+
+
+def tier_slos(tiers: Iterable) -> dict[str, Slo]:
+    """Each configured tier's SLO from its TTFT target (`policy.tiers.TierSpec`, or anything with
+    `name` and `ttft_target_s`): what the gateway itself counts as goodput."""
+    return {tier.name: Slo(ttft_s=tier.ttft_target_s) for tier in tiers}

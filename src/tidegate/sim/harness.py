@@ -19,8 +19,8 @@ from tidegate.sim.loop import EventHandle, EventLoop
 from tidegate.sim.replica import ModelledReplica, ReplicaSpec
 from tidegate.sim.seam import ArrivalVerdict, Assignment, Dispatch, Dispatcher, SimRequest
 
-__all__ = ["TrafficClass", "ClosedLoopClients", "KillReplica", "SlowReplica", "ScenarioEvent", "RequestRecord", "ReplicaStats", "RunResult",
-           "Harness", "make_requests", "requests_from_trace"]
+__all__ = ["TrafficClass", "ClosedLoopClients", "KillReplica", "SlowReplica", "ScenarioEvent", "RequestRecord",
+           "ReplicaStats", "Probe", "RunResult", "Harness", "make_requests", "requests_from_trace"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,19 +100,29 @@ class ReplicaStats:
 
 
 @dataclass(frozen=True, slots=True)
+class Probe:
+    """The run's state at one instant: what a scrape of the live gateway would show."""
+
+    t_s: float
+    busy_s: tuple[float, ...]  # each replica's busy time so far, in the order given
+    sequences: tuple[int, ...]  # each replica's running + waiting sequences
+    queued: int  # requests the dispatcher holds (arrived, neither sent to a replica nor refused)
+
+
+@dataclass(frozen=True, slots=True)
 class RunResult:
     records: tuple[RequestRecord, ...]  # by request id
     replicas: tuple[ReplicaStats, ...]  # in the order given
     end_s: float  # virtual time when the run stopped
-    busy_probes: tuple[tuple[float, tuple[float, ...]], ...] = ()  # (time, each replica's busy_s so far)
+    probes: tuple[Probe, ...] = ()  # at the times asked for, in time order
 
     def busy_fraction(self, start_s: float, end_s: float) -> float:
         """Mean busy fraction of the replicas between two probe times (of those alive at `end_s`)."""
-        probes = dict(self.busy_probes)
+        busy = {probe.t_s: probe.busy_s for probe in self.probes}
         alive = [i for i, stats in enumerate(self.replicas) if stats.alive]
         if not alive or end_s <= start_s:
             return 0.0
-        return sum(probes[end_s][i] - probes[start_s][i] for i in alive) / (len(alive) * (end_s - start_s))
+        return sum(busy[end_s][i] - busy[start_s][i] for i in alive) / (len(alive) * (end_s - start_s))
 
 
 def make_requests(arrivals: ArrivalProcess, duration_s: float, classes: Sequence[TrafficClass],
@@ -161,13 +171,14 @@ class Harness:
         self._client_rng = np.random.default_rng(0)
         self._client_ids: set[int] = set()
         self._next_id = 0
-        self._probes: list[tuple[float, tuple[float, ...]]] = []
+        self._probes: list[Probe] = []
+        self._queued = 0  # arrived - sent to a replica - refused: the dispatcher's queue
 
     def run(self, requests: Iterable[SimRequest], events: Iterable[ScenarioEvent] = (),
             until_s: float | None = None, clients: ClosedLoopClients | None = None,
             probes_s: Iterable[float] = ()) -> RunResult:
         """Until every request is settled (or until `until_s`, leaving the rest unsettled).
-        `probes_s`: times at which each replica's busy time so far is recorded."""
+        `probes_s`: times at which a `Probe` of the replicas and the queue is recorded."""
         for request in requests:
             self._schedule(request)
         for event in events:
@@ -215,7 +226,11 @@ class Harness:
 
     def _probe(self) -> None:
         now_s = self.loop.now_s
-        self._probes.append((now_s, tuple(r.busy_s_at(now_s) for r in self.replicas.values())))
+        replicas = self.replicas.values()
+        loads = [r.load if r.alive else None for r in replicas]
+        self._probes.append(Probe(now_s, tuple(r.busy_s_at(now_s) for r in replicas),
+                                  tuple(0 if load is None else load.running_sequences + load.waiting_sequences
+                                        for load in loads), self._queued))
 
     # ReplicaListener: a replica reports; the dispatcher hears it, then may fill the freed slot
     def on_first_token(self, now_s: float, replica_id: str, request_id: int) -> None:
@@ -240,13 +255,12 @@ class Harness:
         now_s = self.loop.now_s
         self._records[request.request_id] = RequestRecord(
             request.request_id, request.tenant, request.tier, request.prompt_tokens, request.output_tokens, now_s)
+        self._queued += 1
         decision = self.dispatcher.on_arrival(now_s, request.as_pool_request())
         for refusal in decision.displaced:
-            self._update(int(refusal.request_id), refused_s=now_s, refused_reason=refusal.reason)
-            self._settled(int(refusal.request_id), answered=False)
+            self._refuse(now_s, int(refusal.request_id), refusal.reason)
         if decision.verdict is ArrivalVerdict.REFUSED:
-            self._update(request.request_id, refused_s=now_s, refused_reason=decision.reason)
-            self._settled(request.request_id, answered=False)
+            self._refuse(now_s, request.request_id, decision.reason)
             return
         if decision.assignment is not None:
             self._submit(now_s, decision.assignment)
@@ -273,8 +287,7 @@ class Harness:
 
     def _carry_out(self, now_s: float, dispatch: Dispatch) -> None:
         for refusal in dispatch.refusals:
-            self._update(int(refusal.request_id), refused_s=now_s, refused_reason=refusal.reason)
-            self._settled(int(refusal.request_id), answered=False)
+            self._refuse(now_s, int(refusal.request_id), refusal.reason)
         for assignment in dispatch.assignments:
             self._submit(now_s, assignment)
         if self._wake is not None:
@@ -285,7 +298,13 @@ class Harness:
                 raise ValueError(f"wake_at_s {dispatch.wake_at_s} is not after now ({now_s}): it would spin")
             self._wake = self.loop.call_at(dispatch.wake_at_s, self._need_capacity)
 
+    def _refuse(self, now_s: float, request_id: int, reason: str | None) -> None:
+        self._queued -= 1
+        self._update(request_id, refused_s=now_s, refused_reason=reason)
+        self._settled(request_id, answered=False)
+
     def _submit(self, now_s: float, assignment: Assignment) -> None:
+        self._queued -= 1
         request = self._requests[int(assignment.request_id)]
         self._update(request.request_id, dispatch_s=now_s, replica_id=assignment.replica_id)
         self.replicas[assignment.replica_id].submit(request.request_id, request.prompt_tokens,
