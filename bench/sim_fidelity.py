@@ -44,7 +44,7 @@ from tidegate.sim.harness import RequestRecord as SimRecord  # noqa: E402
 from tidegate.calibration import calibrate_from_step_logs  # noqa: E402
 from tidegate.sim.profile import ReplicaProfile, load_profile  # noqa: E402
 from tidegate.sim.seam import SimRequest  # noqa: E402
-from tidegate.sim_cli import pool_controller  # noqa: E402
+from tidegate.simulate import pool_controller  # noqa: E402
 
 MODEL = "tiny-random-llama"
 PROMPT = LengthDistribution("uniform", 16, 256)

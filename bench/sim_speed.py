@@ -23,7 +23,7 @@ from tidegate.loadgen.trace import default_trace_path, load_azure_trace
 from tidegate.sim.capacity import saturated_rps
 from tidegate.sim.harness import Harness, requests_from_trace
 from tidegate.sim.profile import load_profile
-from tidegate.sim_cli import pool_controller
+from tidegate.simulate import pool_controller
 
 LOAD = 0.7
 

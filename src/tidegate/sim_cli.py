@@ -16,25 +16,20 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
-
-from tidegate.config import ConfigError, GatewayConfig, PoolConfig, load_config
-from tidegate.loadgen.arrivals import Poisson
-from tidegate.loadgen.mix import LengthDistribution
-from tidegate.loadgen.trace import AZURE_TRACE_CREDIT, default_trace_path, load_azure_trace
-from tidegate.policy.pool import PoolController, PoolSettings
-from tidegate.policy.tiers import TierTable
-from tidegate.sim.fifo import FifoDispatcher
-from tidegate.sim.harness import Harness, RunResult, TrafficClass, make_requests, requests_from_trace
+from tidegate.config import ConfigError
+from tidegate.loadgen.trace import AZURE_TRACE_CREDIT, default_trace_path
+from tidegate.sim.harness import Harness
 from tidegate.sim.profile import ReplicaProfile, load_profile, save_profile, shipped_profiles
-from tidegate.sim.report import format_summary, summarize
+from tidegate.sim.report import format_summary
 from tidegate.sim.seam import SimRequest
-from tidegate.sim_report import probe_times
+from tidegate.simulate import Simulation, SimulatedRun, poisson_requests, trace_requests
 
-__all__ = ["configure_parser", "run", "pool_controller"]
+__all__ = ["configure_parser", "run"]
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
@@ -151,24 +146,13 @@ def _wrote(profile: ReplicaProfile, out: str) -> int:
     return 0
 
 
-def _requests(args: argparse.Namespace, tiers: list[tuple[str, float]]) -> tuple[SimRequest, ...]:
+def _requests(args: argparse.Namespace, mix: dict[str, float]) -> tuple[SimRequest, ...]:
     if args.rate is not None:
-        duration_s = args.duration_s or 60.0
-        prompt, output = (LengthDistribution("uniform", *_pair(r)) for r in (args.prompt_tokens, args.output_tokens))
-        classes = [TrafficClass("sim", tier, share, prompt, output) for tier, share in tiers]
-        return make_requests(Poisson(args.rate), duration_s, classes, args.seed)
+        return poisson_requests(args.rate, args.duration_s or 60.0, mix=mix, prompt_tokens=_pair(args.prompt_tokens),
+                                output_tokens=_pair(args.output_tokens), seed=args.seed)
     path = Path(args.trace) if args.trace else default_trace_path()
-    trace = load_azure_trace(path).scaled(np.random.default_rng(args.seed), speedup=args.speedup,
-                                          rate_scale=args.rate_scale)
-    requests = requests_from_trace(trace, tenant="trace", tier=tiers[0][0])
-    if args.duration_s is not None:
-        requests = tuple(r for r in requests if r.arrival_s < args.duration_s)
-    if len(tiers) > 1:
-        rng = np.random.default_rng(args.seed + 1)
-        shares = np.asarray([s for _, s in tiers])
-        which = rng.choice(len(tiers), size=len(requests), p=shares / shares.sum())
-        requests = tuple(SimRequest(r.request_id, r.arrival_s, r.tenant, tiers[k][0], r.prompt_tokens,
-                                    r.output_tokens) for r, k in zip(requests, which))
+    requests = trace_requests(path, speedup=args.speedup, rate_scale=args.rate_scale, duration_s=args.duration_s,
+                              mix=mix, seed=args.seed)
     print(f"trace: {path.name} ({AZURE_TRACE_CREDIT}), {len(requests)} requests", file=sys.stderr)
     return requests
 
@@ -179,46 +163,24 @@ def _pair(values: tuple[int, ...]) -> tuple[int, int]:
     return values[0], values[1]
 
 
-def _mix(text: str, default_tier: str) -> list[tuple[str, float]]:
-    if not text:
-        return [(default_tier, 1.0)]
-    mix = []
-    for part in text.split(","):
+def _mix(text: str) -> dict[str, float]:
+    mix: dict[str, float] = {}
+    for part in filter(None, text.split(",")):
         tier, _, share = part.partition(":")
         try:
-            mix.append((tier.strip(), float(share)))
+            mix[tier.strip()] = float(share)
         except ValueError:
             raise ValueError(f"--mix: expected TIER:SHARE, got {part!r}") from None
     return mix
 
 
-def _pool(config: GatewayConfig, pool_name: str | None) -> PoolConfig:
-    """The named pool of the config, its first by default."""
-    pool = next((p for p in config.pools if p.name == pool_name), None) if pool_name else config.pools[0]
-    if pool is None:
-        raise ValueError(f"no pool {pool_name!r} in the config")
-    return pool
-
-
-def pool_controller(config: GatewayConfig, pool_name: str | None, replica_ids: list[str]) -> tuple[PoolController, int]:
-    """The controller `tidegate serve` builds for the pool (its first by default), over these
-    replicas, and the pool's slot limit (what FIFO holds per replica)."""
-    backend = _pool(config, pool_name).backends[0]
-    orders_by_priority = getattr(backend, "forward_priority", True)  # embedded engines order by it
-    overload = config.overload
-    limits = overload.limits
-    isolation = limits.isolation if overload.auth_enabled else None
-    controller = PoolController([limits.pool_replica(i, backend.slot_limit, orders_by_priority) for i in replica_ids],
-                                overload.tiers.table(),
-                                PoolSettings(engine_share=limits.engine_share, max_queued=limits.max_queued),
-                                shares=isolation.shares(None) if isolation is not None else None)
-    return controller, backend.slot_limit
-
-
-def _run_with_progress(harness: Harness, requests: tuple[SimRequest, ...], label: str,
-                       probes_s: tuple[float, ...] = ()) -> RunResult:
-    """The run, with a bar over its arrivals' virtual time (ticks every 1 % of it; they change
-    nothing else, so the records are those of a run without them)."""
+@contextmanager
+def _progress_bar(requests: tuple[SimRequest, ...], label: str, shown: bool) -> Iterator[Callable[[Harness], None] | None]:
+    """A bar over the arrivals' virtual time, as a `before_run` hook that schedules its ticks (every
+    1 % of it; they change nothing else, so the records are those of a run without them)."""
+    if not shown:
+        yield None
+        return
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -226,64 +188,40 @@ def _run_with_progress(harness: Harness, requests: tuple[SimRequest, ...], label
     with Progress(TextColumn(f"[bold]{label}"), BarColumn(), TextColumn("{task.percentage:>3.0f}% of arrivals"),
                   TimeElapsedColumn(), console=Console(stderr=True), transient=True) as progress:
         task = progress.add_task(label, total=last_s or 1.0)
-        for index in range(1, 101):
-            harness.loop.call_at(last_s * index / 100, lambda: progress.update(task, completed=harness.loop.now_s))
-        return harness.run(requests, probes_s=probes_s)
+
+        def schedule_ticks(harness: Harness) -> None:
+            for index in range(1, 101):
+                harness.loop.call_at(last_s * index / 100, lambda: progress.update(task, completed=harness.loop.now_s))
+
+        yield schedule_ticks
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    config = load_config(args.config) if args.config else GatewayConfig.model_validate({"pools": [
-        {"name": "sim", "backends": [{"type": "embedded", "model": "tiny-random-llama", "count": 2}]}]})
-    profile: ReplicaProfile = load_profile(args.profile)
-    pool = _pool(config, args.pool)
-    count = args.replicas or sum(getattr(b, "count", 1) for b in pool.backends)
-    ids = [f"r{i}" for i in range(count)]
-    tiers = config.overload.tiers.table()
-    mix = _mix(args.mix, tiers.default.name)
-    for tier, _ in mix:
-        if tier not in tiers:
+    simulation = Simulation(args.config, profile=args.profile, replicas=args.replicas, pool=args.pool)
+    mix = _mix(args.mix)
+    for tier in mix:
+        if tier not in simulation.tiers:
             raise ValueError(f"--mix: unknown tier {tier!r}")
-    requests = _requests(args, mix)
-    controller, slot_limit = pool_controller(config, pool.name, ids)
-    arms = [("overload control", controller)]
-    if args.fifo:
-        arms.append(("FIFO", FifoDispatcher(ids, tiers, slot_limit=slot_limit)))
-    report = {"profile": profile.name, "replicas": count, "requests": len(requests), "seed": args.seed, "runs": {}}
+    requests = _requests(args, mix or {simulation.tiers.default.name: 1.0})
+    profile, count = simulation.profile, len(simulation.replica_ids)
     print(f"profile {profile.name} ({'estimate' if profile.estimate else 'measured'}), {count} replicas, "
-          f"slot limit {slot_limit}, {len(requests)} requests")
-    show_progress = not args.no_progress and sys.stderr.isatty() and len(requests) >= 10_000
-    probes_s = probe_times(max((r.arrival_s for r in requests), default=0.0)) if args.out else ()
-    results: dict[str, RunResult] = {}
-    for label, dispatcher in arms:
-        harness = Harness([profile.spec(i) for i in ids], dispatcher)
-        if show_progress:
-            results[label] = _run_with_progress(harness, requests, label, probes_s)
-        else:
-            results[label] = harness.run(requests, probes_s=probes_s)
-        summary = summarize(results[label], tiers)
-        print(f"\n{label}\n{format_summary(summary)}")
-        report["runs"][label] = asdict(summary)
+          f"slot limit {simulation.slot_limit}, {len(requests)} requests")
+    shown = not args.no_progress and sys.stderr.isatty() and len(requests) >= 10_000
+    summary = {"profile": profile.name, "replicas": count, "requests": len(requests), "seed": args.seed, "runs": {}}
+    runs: dict[str, SimulatedRun] = {}
+    for label, fifo in (("overload control", False), ("FIFO", True))[:2 if args.fifo else 1]:
+        with _progress_bar(requests, label, shown) as before_run:
+            runs[label] = simulation.run(requests, fifo=fifo, before_run=before_run)
+        print(f"\n{label}\n{format_summary(runs[label].summary)}")
+        summary["runs"][label] = asdict(runs[label].summary)
     if args.out:
-        _write(args, Path(args.out), report, results, tiers, pool.name)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+        # the inputs only: where it was written would make two runs' reports differ
+        config = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_") and key != "out"}
+        path = simulation.write(runs, out, plots=not args.no_plots, config=config,
+                                credits=(AZURE_TRACE_CREDIT,) if args.rate is None else ())
+        print(f"\nwrote {path} (the schema of `tidegate bench`; compare with `tidegate report compare`) "
+              f"and {out / 'summary.json'}")
     return 0
-
-
-def _write(args: argparse.Namespace, out: Path, summary: dict, results: dict[str, RunResult], tiers: TierTable,
-           pool: str) -> None:
-    from tidegate.loadgen.report import write_report
-    from tidegate.sim_report import sim_report
-
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    # the inputs only: where it was written would make two runs' reports differ
-    config = {key: value for key, value in sorted(vars(args).items()) if not key.startswith("_") and key != "out"}
-    config["simulated"] = {"profile": summary["profile"], "replicas": summary["replicas"]}
-    credits = (AZURE_TRACE_CREDIT,) if args.rate is None else ()
-    report, bench_result = sim_report(results, tiers, pool=pool, config=config, credits=credits)
-    path = write_report(report, bench_result, out)
-    if not args.no_plots:
-        from tidegate.loadgen.plots import write_plots
-
-        write_plots(report, out)
-    print(f"\nwrote {path} (the schema of `tidegate bench`; compare with `tidegate report compare`) "
-          f"and {out / 'summary.json'}")

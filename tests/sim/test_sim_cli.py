@@ -124,21 +124,15 @@ def test_the_steps_an_engine_logged_while_serving_fit_a_profile_too(engine: str,
 
 
 def test_the_progress_bar_and_the_probes_change_nothing_in_the_run() -> None:
-    from tidegate.policy.tiers import default_tiers
-    from tidegate.sim.harness import Harness
-    from tidegate.sim.report import summarize
-    from tidegate.sim.scenarios import controller, mixed, replica_spec
-    from tidegate.sim_cli import _run_with_progress
+    from tidegate.sim_cli import _progress_bar
+    from tidegate.simulate import Simulation, poisson_requests
 
-    requests = mixed(8.0, 20.0, (("a", "standard", 1.0),), seed=3)
-    results = []
-    for with_bar in (True, False):
-        harness = Harness([replica_spec("r0"), replica_spec("r1")], controller(["r0", "r1"], default_tiers()))
-        results.append(_run_with_progress(harness, requests, "x") if with_bar else harness.run(requests))
-    assert results[0].records == results[1].records
-    # nor do the probes that sample the run for the report's replica and queue series
-    harness = Harness([replica_spec("r0"), replica_spec("r1")], controller(["r0", "r1"], default_tiers()))
-    probed = harness.run(requests, probes_s=tuple(float(t) for t in range(20)))
-    assert probed.records == results[1].records and len(probed.probes) == 20
-    assert min(p.queued for p in probed.probes) >= 0 and max(sum(p.sequences) for p in probed.probes) > 0
-    assert summarize(results[0], default_tiers()) == summarize(results[1], default_tiers())
+    simulation = Simulation(replicas=2)
+    requests = poisson_requests(8.0, 20.0, prompt_tokens=(64, 1024), output_tokens=(32, 256), seed=3)
+    with _progress_bar(requests, "x", shown=True) as before_run:
+        with_bar = simulation.run(requests, before_run=before_run)
+    plain = simulation.run(requests, probe=False)
+    assert with_bar.result.records == plain.result.records and with_bar.summary == plain.summary
+    probes = with_bar.result.probes  # sampled for the report's replica and queue series
+    assert len(probes) == 20 and not plain.result.probes
+    assert min(p.queued for p in probes) >= 0 and max(sum(p.sequences) for p in probes) > 0
