@@ -33,7 +33,7 @@ class ReplicaView:
 
     replica_id: str
     slot_limit: int
-    health: ReplicaHealth = ReplicaHealth.HEALTHY  # no active health checks in the simulator yet
+    health: ReplicaHealth = ReplicaHealth.HEALTHY  # a replica starting up is UNHEALTHY until ready
     breaker: Breaker = Breaker()
     outstanding: int = 0
     load: ReplicaLoad = ReplicaLoad()
@@ -118,6 +118,9 @@ class FifoDispatcher:
         view.outstanding -= 1
         view.breaker = view.breaker.on_failure(now_s, sent.sent_s, self.breaker_policy,
                                                may_eject=self._may_eject(now_s))
+
+    def on_replica_health(self, now_s: float, replica_id: str, health: ReplicaHealth) -> None:
+        self._by_id[replica_id].health = health
 
     # internals
     def _oldest(self) -> PoolRequest | None:

@@ -18,8 +18,10 @@ from tidegate.loadgen.trace import Trace
 from tidegate.sim.loop import EventHandle, EventLoop
 from tidegate.sim.replica import ModelledReplica, ReplicaSpec
 from tidegate.sim.seam import ArrivalVerdict, Assignment, Dispatch, Dispatcher, SimRequest
+from tidegate.types import ReplicaHealth
 
-__all__ = ["TrafficClass", "ClosedLoopClients", "KillReplica", "SlowReplica", "ScenarioEvent", "RequestRecord",
+__all__ = ["TrafficClass", "ClosedLoopClients", "KillReplica", "SlowReplica", "StartReplica", "ScenarioEvent",
+           "RequestRecord",
            "ReplicaStats", "Probe", "RunResult", "Harness", "make_requests", "requests_from_trace"]
 
 
@@ -60,7 +62,17 @@ class SlowReplica:
     factor: float  # step durations x factor from then on
 
 
-ScenarioEvent = KillReplica | SlowReplica
+@dataclass(frozen=True, slots=True)
+class StartReplica:
+    """The replica is requested at `at_s` and serves from `at_s + ` its spec's `cold_start_s`. A
+    replica whose first event is this one is down from the run's start (a scale-out); one killed
+    before it comes back (a respawn)."""
+
+    at_s: float
+    replica_id: str
+
+
+ScenarioEvent = KillReplica | SlowReplica | StartReplica
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +193,10 @@ class Harness:
         `probes_s`: times at which a `Probe` of the replicas and the queue is recorded."""
         for request in requests:
             self._schedule(request)
+        events = sorted(events, key=lambda e: e.at_s)
+        for replica_id in self._not_started(events):
+            self.replicas[replica_id].kill()  # holds nothing yet: nothing fails
+            self.dispatcher.on_replica_health(self.loop.now_s, replica_id, ReplicaHealth.UNHEALTHY)
         for event in events:
             self.loop.call_at(event.at_s, self._apply, event)
         for probe_s in probes_s:
@@ -266,12 +282,30 @@ class Harness:
             self._submit(now_s, decision.assignment)
         self._need_capacity()
 
+    @staticmethod
+    def _not_started(events: Sequence[ScenarioEvent]) -> list[str]:
+        """Replicas whose first event is a start: down until then."""
+        first: dict[str, ScenarioEvent] = {}
+        for event in events:
+            first.setdefault(event.replica_id, event)
+        return [replica_id for replica_id, event in first.items() if isinstance(event, StartReplica)]
+
     def _apply(self, event: ScenarioEvent) -> None:
         replica = self.replicas[event.replica_id]
         if isinstance(event, KillReplica):
             replica.kill()
-        else:
+        elif isinstance(event, SlowReplica):
             replica.slow_down(event.factor)
+        else:
+            if replica.alive:
+                raise ValueError(f"StartReplica at {event.at_s}: {event.replica_id} is already serving")
+            self.dispatcher.on_replica_health(self.loop.now_s, replica.replica_id, ReplicaHealth.UNHEALTHY)
+            self.loop.call_later(replica.spec.cold_start_s, self._ready, replica.replica_id)
+
+    def _ready(self, replica_id: str) -> None:
+        self.replicas[replica_id].start()
+        self.dispatcher.on_replica_health(self.loop.now_s, replica_id, ReplicaHealth.HEALTHY)
+        self._need_capacity()
 
     def _need_capacity(self) -> None:
         # several events at one instant (a step's finishes, a burst) make one call, after them all

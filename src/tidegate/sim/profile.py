@@ -67,7 +67,7 @@ class ReplicaProfile:
         return ReplicaSpec(replica_id, scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                                                  max_batch_tokens=self.max_batch_tokens,
                                                                  attention_cost_tokens=self.attention_cost_tokens),
-                           kv_cache_tokens=self.kv_cache_tokens, cost=self.cost)
+                           kv_cache_tokens=self.kv_cache_tokens, cost=self.cost, cold_start_s=self.cold_start_s)
 
     def to_json(self) -> str:
         data = {"version": PROFILE_VERSION, **asdict(self)}

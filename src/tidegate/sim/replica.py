@@ -98,6 +98,7 @@ class ReplicaSpec:
     kv_cache_tokens: int = 32768  # the embedded engine server's default
     cost: StepCostModel = field(default_factory=StepCostModel)
     stretches: bool = True  # False: every step an event (the reference stretches are tested against)
+    cold_start_s: float = 0.0  # from "replica requested" to "ready" (`StartReplica`)
 
 
 @dataclass(slots=True)
@@ -203,6 +204,15 @@ class ModelledReplica:
         self._mark_idle()
         for seq_id in lost:
             self._listener.on_failure(self._loop.now_s, self.replica_id, seq_id, FAILURE_KILLED)
+
+    def start(self) -> None:
+        """The replica is ready (its cold start is over): it serves from now, with an empty KV
+        cache; a killed replica comes back this way."""
+        if self.alive:
+            raise ValueError(f"replica {self.replica_id} is already serving")
+        self.scheduler = Scheduler(self.spec.scheduler, BlockManager(self.spec.kv_cache_tokens))
+        self.alive = True
+        self._load = None
 
     def busy_s_at(self, now_s: float) -> float:
         """Busy time up to now_s, counting a busy spell still open."""

@@ -7,6 +7,8 @@ It decides *that* a request goes to a replica; the body that drives it does the 
 Call order the harness keeps (so a dispatcher may rely on it):
 - `on_arrival` once per request, at its arrival time;
 - `on_first_token`, then `on_finish`, or `on_failure`, for each request it assigned;
+- `on_replica_health` UNHEALTHY for a replica that is not yet started (before any arrival) or is
+  being started again, HEALTHY when its cold start is over, as the live health checks would say;
 - `on_capacity` after every event that may free or need a slot or work budget (an arrival, a
   first token, a finish, a failure)
   and at the `wake_at_s` it last asked for; its assignments are sent at once, in order.
@@ -23,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from tidegate.types import (QUEUED, ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, Refusal,
-                            ReplicaLoad)
+                            ReplicaHealth, ReplicaLoad)
 
 __all__ = [
     "SimRequest",
@@ -64,3 +66,7 @@ class Dispatcher(Protocol):
     def on_finish(self, now_s: float, request_id: int) -> None: ...
 
     def on_failure(self, now_s: float, request_id: int, reason: str) -> None: ...
+
+    def on_replica_health(self, now_s: float, replica_id: str, health: ReplicaHealth) -> None:
+        """A replica stopped taking traffic (it is starting) or is ready (its cold start is over)."""
+        ...
