@@ -49,3 +49,27 @@ def test_starting_a_replica_that_serves_is_an_error() -> None:
     with pytest.raises(ValueError, match="already serving"):
         Harness(_specs(), _dispatchers()["fifo"]).run(mixed(2.0, 5.0, (("a", "standard", 1.0),), seed=1),
                                                        events=[StartReplica(1.0, "r0"), StartReplica(2.0, "r0")])
+
+
+def test_storm_clients_resend_the_same_request_and_draw_the_same_next_ones_whatever_the_dispatcher() -> None:
+    from tidegate.sim.harness import ClosedLoopClients
+    from tidegate.sim.scenarios import chat
+
+    clients = ClosedLoopClients(200, chat("storm", "standard"), 0.0, 5.0, seed=9)
+    runs = {kind: Harness(_specs(), dispatcher).run((), clients=clients) for kind, dispatcher in _dispatchers().items()}
+    ctl = runs["controller"].records
+    refused = [r for r in ctl if r.refused_reason]
+    assert refused  # 200 clients on 2 replicas: the controller refuses many
+    last_sent: dict[tuple[int, int], float] = {}
+    for record in ctl:
+        key = (record.prompt_tokens, record.output_tokens)
+        last_sent[key] = max(last_sent.get(key, 0.0), record.arrival_s)
+    for record in refused:  # sent again, unless the storm ended first
+        assert last_sent[(record.prompt_tokens, record.output_tokens)] > record.arrival_s or record.refused_s > 4.97
+
+    def answered_lengths(records):  # the answered requests' lengths, as a multiset
+        return sorted((r.prompt_tokens, r.output_tokens) for r in records if r.served)
+
+    # both arms draw each client's requests from that client's own stream: they served the same work
+    shared = set(answered_lengths(ctl)) & set(answered_lengths(runs["fifo"].records))
+    assert len(shared) >= 0.8 * min(len(answered_lengths(ctl)), len(answered_lengths(runs["fifo"].records)))

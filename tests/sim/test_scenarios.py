@@ -51,10 +51,11 @@ def test_long_prompt_burst_after_idle_keeps_critical_within_target_from_the_firs
     assert verdict.passed, verdict.figures
 
 
-def test_a_retry_storm_serves_about_fifos_good_work_with_the_replicas_busy() -> None:
+def test_a_retry_storm_serves_fifos_good_work_with_the_replicas_busy() -> None:
     verdict = scenarios.retry_storm(scenarios.STORM_SEEDS[:3])  # the bench sums all eight
-    assert verdict.value("good_64") >= 0.98 * verdict.value("fifo_good_64"), verdict.figures
-    assert verdict.value("good_512") >= 0.95 * verdict.value("fifo_good_512"), verdict.figures
+    assert verdict.passed, verdict.figures
+    for count in (64, 512):  # and the noise allowed stays small: ~1 % of the work
+        assert verdict.value(f"noise_{count}") <= 0.03 * verdict.value(f"fifo_good_{count}"), verdict.figures
     assert min(verdict.value("busy_64"), verdict.value("busy_512")) >= 0.8, verdict.figures
 
 

@@ -37,8 +37,11 @@ class TrafficClass:
 @dataclass(frozen=True, slots=True)
 class ClosedLoopClients:
     """`clients` clients that each keep one request in flight from `start_s` until `stop_s`: a new
-    one `think_s` after an answer, or `resend_s` after a refusal or failure (a retry storm: clients
-    that resend at once, as benchmark tools and naive SDK loops do, whatever Retry-After says)."""
+    one `think_s` after an answer, or the same one again `resend_s` after a refusal or failure (a
+    retry storm: clients that resend at once, as naive SDK loops and benchmark tools do, whatever
+    Retry-After says). Each client draws its requests' lengths from its own stream: its k-th
+    request is the same whatever the dispatcher did, so two arms of a scenario serve the same
+    work, compared request for request (common random numbers)."""
 
     clients: int
     traffic: TrafficClass
@@ -180,8 +183,8 @@ class Harness:
         self._capacity_pending = False
         self._wake: EventHandle | None = None
         self._clients: ClosedLoopClients | None = None
-        self._client_rng = np.random.default_rng(0)
-        self._client_ids: set[int] = set()
+        self._client_rngs: list[np.random.Generator] = []
+        self._client_of: dict[int, int] = {}  # a client's request in flight -> the client's index
         self._next_id = 0
         self._probes: list[Probe] = []
         self._queued = 0  # arrived - sent to a replica - refused: the dispatcher's queue
@@ -203,10 +206,10 @@ class Harness:
             self.loop.call_at(probe_s, self._probe)
         if clients is not None:
             self._clients = clients
-            self._client_rng = np.random.default_rng(clients.seed)
+            self._client_rngs = [np.random.default_rng([clients.seed, index]) for index in range(clients.clients)]
             self._next_id = max(self._requests, default=-1) + 1
-            for _ in range(clients.clients):
-                self.loop.call_at(clients.start_s, self._client_send)
+            for index in range(clients.clients):
+                self.loop.call_at(clients.start_s, self._client_send, index)
         if until_s is None:
             self.loop.run()
         else:
@@ -223,22 +226,30 @@ class Harness:
         self._requests[request.request_id] = request
         self.loop.call_at(request.arrival_s, self._arrive, request)
 
-    def _client_send(self) -> None:
+    def _client_send(self, client: int, again: SimRequest | None = None) -> None:
+        """Client `client` sends its next request, or `again` once more after a refusal."""
         clients, now_s = self._clients, self.loop.now_s
         if clients is None or now_s >= clients.stop_s:
             return
-        traffic, rng = clients.traffic, self._client_rng
-        request = SimRequest(self._next_id, now_s, traffic.tenant, traffic.tier,
-                             int(traffic.prompt_tokens.sample(rng, 1)[0]), int(traffic.output_tokens.sample(rng, 1)[0]))
+        traffic = clients.traffic
+        if again is None:
+            rng = self._client_rngs[client]
+            prompt, output = int(traffic.prompt_tokens.sample(rng, 1)[0]), int(traffic.output_tokens.sample(rng, 1)[0])
+        else:
+            prompt, output = again.prompt_tokens, again.output_tokens
+        request = SimRequest(self._next_id, now_s, traffic.tenant, traffic.tier, prompt, output)
         self._next_id += 1
-        self._client_ids.add(request.request_id)
+        self._client_of[request.request_id] = client
         self._schedule(request)
 
     def _settled(self, request_id: int, answered: bool) -> None:
-        if request_id in self._client_ids:
-            self._client_ids.discard(request_id)
+        client = self._client_of.pop(request_id, None)
+        if client is not None:
             assert self._clients is not None
-            self.loop.call_later(self._clients.think_s if answered else self._clients.resend_s, self._client_send)
+            if answered:
+                self.loop.call_later(self._clients.think_s, self._client_send, client)
+            else:
+                self.loop.call_later(self._clients.resend_s, self._client_send, client, self._requests[request_id])
 
     def _probe(self) -> None:
         now_s = self.loop.now_s
