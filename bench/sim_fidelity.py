@@ -12,13 +12,16 @@ config, on 2 modelled replicas of the shipped profile. Printed side by side: P50
 end-to-end latency of the requests served, requests completed, requests refused.
 Bars (issue: the simulator): latency within 15 %, completed within 5 %, refused within 10 % in the
 surge. The live arm shares 2 cores between the workers, the gateway and this load generator; the
-profile was measured on one worker alone: the gap between them is part of what this measures.
+profile was measured on one worker alone: the gap between them is part of what this measures, and
+each phase prints the cores each of them used. `--out DIR` writes each phase's live and simulated
+reports (the schema of `tidegate bench`) and their comparison (`tidegate report compare`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 import tempfile
@@ -39,8 +42,10 @@ from tidegate.loadgen.http_client import parse_url  # noqa: E402
 from tidegate.loadgen.mix import DEFAULT_TENANT, LengthDistribution  # noqa: E402
 from tidegate.loadgen.plan import TrafficStream, build_plan  # noqa: E402
 from tidegate.loadgen.records import RequestRecord  # noqa: E402
+from tidegate.loadgen.stats import Slo  # noqa: E402
 from tidegate.sim.harness import Harness  # noqa: E402
 from tidegate.sim.harness import RequestRecord as SimRecord  # noqa: E402
+from tidegate.sim.harness import RunResult as SimRunResult  # noqa: E402
 from tidegate.calibration import calibrate_from_step_logs  # noqa: E402
 from tidegate.sim.profile import ReplicaProfile, load_profile  # noqa: E402
 from tidegate.sim.seam import SimRequest  # noqa: E402
@@ -77,16 +82,57 @@ def step_report(paths: list[Path], profile_name: str) -> None:
               f"({measured_s / predicted_s - 1:+.0%})")
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process (Linux /proc), 0 if it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def cpu_by_role(gateway_pid: int) -> dict[str, float]:
+    """CPU seconds so far of the engine workers (the gateway's children), the gateway, this generator."""
+    times = os.times()
+    return {"engines": sum(_cpu_s(child) for child in _children(gateway_pid)), "gateway": _cpu_s(gateway_pid),
+            "load generator": times.user + times.system}
+
+
+def print_cores(before: dict[str, float], after: dict[str, float], wall_s: float) -> None:
+    used = {role: (after[role] - before[role]) / wall_s for role in after}
+    print("  cores used: " + ", ".join(f"{role} {cores:.2f}" for role, cores in used.items())
+          + f" (of {os.cpu_count()}; the model's replicas have theirs to themselves)")
+
+
 async def live(url: str, rate: float | None, duration_s: float, seed: int) -> list[RequestRecord]:
+    return (await live_run(url, rate, duration_s, seed)).records
+
+
+async def live_run(url: str, rate: float | None, duration_s: float, seed: int):
     """Open loop at `rate`, or a closed loop of CAPACITY_IN_FLIGHT when None."""
     plan = build_plan([TrafficStream(Poisson(rate or 1000.0), (DEFAULT_TENANT,), PROMPT, ANSWER)],
                       np.random.default_rng(seed), duration_s=duration_s if rate else duration_s * 3)
     config = RunConfig(targets=(parse_url(url),), model=MODEL, stream=True, timeout_s=60.0, ignore_eos=True,
                        concurrency=None if rate else CAPACITY_IN_FLIGHT, duration_s=None if rate else duration_s)
-    return (await Driver(config, plan).run()).records
+    return await Driver(config, plan).run()
 
 
 def simulate(records: list[RequestRecord], profile: ReplicaProfile, config: GatewayConfig) -> list[SimRecord]:
+    return list(simulate_run(records, profile, config).records)
+
+
+def simulate_run(records: list[RequestRecord], profile: ReplicaProfile, config: GatewayConfig) -> SimRunResult:
     """The live run's requests, as sent, through the same controller on modelled replicas."""
     counted = [r for r in records if r.prompt_tokens]
     # a refused request's prompt was never counted by the engine: the served ones' ratio to the target
@@ -96,7 +142,7 @@ def simulate(records: list[RequestRecord], profile: ReplicaProfile, config: Gate
                 for i, r in enumerate(sorted(records, key=lambda r: r.sent_s))]
     ids = ["r0", "r1"]
     controller, _ = pool_controller(config, None, ids)
-    return list(Harness([profile.spec(i) for i in ids], controller).run(requests).records)
+    return Harness([profile.spec(i) for i in ids], controller).run(requests)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -141,6 +187,24 @@ def compare(label: str, records: list[RequestRecord], simulated: list[list[SimRe
     return ok
 
 
+def write_reports(out: Path, result, simulated: SimRunResult, config: GatewayConfig) -> None:
+    """The phase live and simulated, each as a `tidegate bench` report, and their comparison."""
+    from tidegate.loadgen.report import build_report, write_report
+    from tidegate.loadgen.report_cli import compare_rows
+    from tidegate.loadgen.stats import tier_slos
+    from tidegate.sim_report import sim_report
+
+    tiers = config.overload.tiers.table()
+    live_report = build_report(result, config={"fidelity": "live"}, slo=Slo(), targets=1, lag_threshold_ms=10.0,
+                               tier_slos=tier_slos(tiers), target_names=["live"])
+    write_report(live_report, result, out / "live")
+    sim, sim_result = sim_report({"simulated": simulated}, tiers, pool=MODEL, config={"fidelity": "simulated"})
+    write_report(sim, sim_result, out / "sim")
+    rows = compare_rows(live_report, sim)
+    (out / "compare.json").write_text(json.dumps(rows, indent=1))
+    print(f"  reports: {out}/live, {out}/sim (tidegate report compare {out}/live/report.json {out}/sim/report.json)")
+
+
 async def main_async(args: argparse.Namespace) -> int:
     processes = Processes()
     try:
@@ -176,10 +240,17 @@ async def main_async(args: argparse.Namespace) -> int:
               f"us/prefill token + decode table + {in_situ.cost.context_s_per_token * 1e9:.0f} ns/context token; "
               f"held-out shapes {fit.held_out_samples}, error mean {fit.held_out_mean:.1%} max {fit.held_out_max:.1%}")
         ok = True
+        gateway_pid = processes.started[0].pid
         for index, (label, load) in enumerate((("0.5x capacity", 0.5), ("0.8x capacity", 0.8), ("3x surge", 3.0))):
-            records = await live(url, load * capacity, args.phase_s, seed=10 + index)
+            cpu_before = cpu_by_role(gateway_pid)
+            result = await live_run(url, load * capacity, args.phase_s, seed=10 + index)
+            print_cores(cpu_before, cpu_by_role(gateway_pid), result.elapsed_s)
+            records = result.records
+            shipped_run = simulate_run(records, shipped, config)
             ok &= compare(f"{label} ({load * capacity:.1f} req/s)", records,
-                          [simulate(records, shipped, config), simulate(records, in_situ, config)], surge=load > 1)
+                          [list(shipped_run.records), simulate(records, in_situ, config)], surge=load > 1)
+            if args.out:
+                write_reports(Path(args.out) / f"{index}-{label.split()[0]}", result, shipped_run, config)
             await asyncio.sleep(5.0)  # let the surge's queue drain before the next phase
         processes.stop_all()  # the engines flush their step logs as they stop
         step_report(sorted(workdir.glob("steps-*.csv")), args.profile)
@@ -194,6 +265,7 @@ def main() -> int:
     parser.add_argument("--phase-s", type=float, default=120.0)
     parser.add_argument("--capacity-s", type=float, default=30.0)
     parser.add_argument("--profile", default="tiny-random-llama-cpu")
+    parser.add_argument("--out", help="a directory for each phase's live and simulated reports")
     return asyncio.run(main_async(parser.parse_args()))
 
 
