@@ -188,6 +188,9 @@ class Harness:
         self._next_id = 0
         self._probes: list[Probe] = []
         self._queued = 0  # arrived - sent to a replica - refused: the dispatcher's queue
+        self.arrived = 0  # requests arrived so far
+        self.starting: set[str] = set()  # replicas requested and not ready yet
+        self.draining: set[str] = set()  # replicas taking no new request, stopped once empty
 
     def run(self, requests: Iterable[SimRequest], events: Iterable[ScenarioEvent] = (),
             until_s: float | None = None, clients: ClosedLoopClients | None = None,
@@ -197,9 +200,7 @@ class Harness:
         for request in requests:
             self._schedule(request)
         events = sorted(events, key=lambda e: e.at_s)
-        for replica_id in self._not_started(events):
-            self.replicas[replica_id].kill()  # holds nothing yet: nothing fails
-            self.dispatcher.on_replica_health(self.loop.now_s, replica_id, ReplicaHealth.UNHEALTHY)
+        self.hold_down(self._not_started(events))
         for event in events:
             self.loop.call_at(event.at_s, self._apply, event)
         for probe_s in probes_s:
@@ -267,12 +268,16 @@ class Harness:
 
     def on_finish(self, now_s: float, replica_id: str, request_id: int) -> None:
         self._update(request_id, finish_s=now_s)
+        if replica_id in self.draining:  # after the replica's step is done with its callbacks
+            self.loop.call_later(0.0, self._stop_if_drained, replica_id)
         self.dispatcher.on_finish(now_s, request_id)
         self._settled(request_id, answered=True)
         self._need_capacity()
 
     def on_failure(self, now_s: float, replica_id: str, request_id: int, reason: str) -> None:
         self._update(request_id, failed_s=now_s, failure_reason=reason)
+        if replica_id in self.draining:
+            self.loop.call_later(0.0, self._stop_if_drained, replica_id)
         self.dispatcher.on_failure(now_s, request_id, reason)
         self._settled(request_id, answered=False)
         self._need_capacity()
@@ -283,6 +288,7 @@ class Harness:
         self._records[request.request_id] = RequestRecord(
             request.request_id, request.tenant, request.tier, request.prompt_tokens, request.output_tokens, now_s)
         self._queued += 1
+        self.arrived += 1
         decision = self.dispatcher.on_arrival(now_s, request.as_pool_request())
         for refusal in decision.displaced:
             self._refuse(now_s, int(refusal.request_id), refusal.reason)
@@ -308,12 +314,48 @@ class Harness:
         elif isinstance(event, SlowReplica):
             replica.slow_down(event.factor)
         else:
-            if replica.alive:
-                raise ValueError(f"StartReplica at {event.at_s}: {event.replica_id} is already serving")
-            self.dispatcher.on_replica_health(self.loop.now_s, replica.replica_id, ReplicaHealth.UNHEALTHY)
-            self.loop.call_later(replica.spec.cold_start_s, self._ready, replica.replica_id)
+            self.start_replica(event.replica_id)
+
+    # the fleet: what an actuator does (`sim.scaling`); scenario events use them too
+    def start_replica(self, replica_id: str) -> None:
+        """Requests a replica that is down: it serves after its spec's cold start (changes state)."""
+        replica = self.replicas[replica_id]
+        if replica.alive or replica_id in self.starting:
+            raise ValueError(f"StartReplica at {self.loop.now_s}: {replica_id} is already serving or starting")
+        self.starting.add(replica_id)
+        self.dispatcher.on_replica_health(self.loop.now_s, replica_id, ReplicaHealth.UNHEALTHY)
+        self.loop.call_later(replica.spec.cold_start_s, self._ready, replica_id)
+
+    def hold_down(self, replica_ids: Iterable[str]) -> None:
+        """Before the run: these replicas are down until started (a fleet that may grow)."""
+        for replica_id in replica_ids:
+            self.replicas[replica_id].kill()  # holds nothing yet: nothing fails
+            self.dispatcher.on_replica_health(self.loop.now_s, replica_id, ReplicaHealth.UNHEALTHY)
+
+    def drain_replica(self, replica_id: str) -> None:
+        """The replica takes no new request and stops once it holds none: nothing it holds is
+        aborted (changes state)."""
+        if not self.replicas[replica_id].alive:
+            raise ValueError(f"cannot drain {replica_id}: it is not serving")
+        self.draining.add(replica_id)
+        self.dispatcher.on_replica_health(self.loop.now_s, replica_id, ReplicaHealth.UNHEALTHY)
+        self._stop_if_drained(replica_id)
+
+    @property
+    def queued(self) -> int:
+        """Requests arrived and neither sent to a replica nor refused: the dispatcher's queue."""
+        return self._queued
+
+    def _stop_if_drained(self, replica_id: str) -> None:
+        replica = self.replicas[replica_id]
+        if not replica.alive:  # died while draining
+            self.draining.discard(replica_id)
+        elif replica_id in self.draining and not replica.scheduler.has_work:
+            self.draining.discard(replica_id)
+            replica.kill()  # holds nothing: nothing fails
 
     def _ready(self, replica_id: str) -> None:
+        self.starting.discard(replica_id)
         self.replicas[replica_id].start()
         self.dispatcher.on_replica_health(self.loop.now_s, replica_id, ReplicaHealth.HEALTHY)
         self._need_capacity()

@@ -1,0 +1,255 @@
+"""How many replicas a pool should have: reactive, panic and predictive layers. Pure: signals in,
+decision out, time passed in; `on_tick` is the only method that changes state.
+
+The unit is concurrency demand: requests on the replicas plus requests queued for them (Little's
+law: what the pool must hold at once to keep up). A replica holds `slots_per_replica` requests at
+its latency target; the pool aims to run them at `target_utilisation`, the headroom absorbing a
+rise while new capacity starts. Layers (the highest wins, then the bounds):
+- reactive (Knative's stable window, HPA's formula): desired = ceil(mean demand over the stable
+  window / (slots x target)); a scale-out it asks for is at most `scale_up_step` of the current
+  fleet (at least one replica), so one noisy window cannot double the fleet;
+- triggers (the seeds' rules): queued requests over `queue_trigger`, or the worst tier's P99 TTFT
+  over `latency_trigger` x its target, ask for one step more than the current fleet at once;
+- panic (Knative): when the short window's demand asks for `panic_factor` x the ready replicas,
+  scale to it at once, without the step limit, and scale in nothing until the stable window has
+  passed without panic;
+- predictive: a forecaster (`policy.forecast`) of the arrival rate, asked for the rate one cold
+  start ahead, turned into demand with the concurrency per arrival the pool shows (Little's law);
+  capacity is then ready when the demand arrives instead of a cold start after it.
+Scale-in takes the highest desired count of the last `scale_down_window_s` (HPA's stabilisation
+window), one step per stable window; the body drains a replica before it stops it: no request is
+aborted by a scale-in.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+from tidegate.policy.forecast import Forecaster
+
+__all__ = ["AutoscaleSettings", "ScaleSignals", "ScaleLayer", "ScaleDecision", "ScalePolicy", "Autoscaler", "HpaRule",
+           "FixedFleet"]
+
+
+@dataclass(frozen=True, slots=True)
+class AutoscaleSettings:
+    slots_per_replica: int  # requests a replica holds at its latency target (the pool's slot limit)
+    min_replicas: int = 1
+    max_replicas: int = 8
+    target_utilisation: float = 0.7
+    stable_window_s: float = 60.0
+    panic_window_s: float = 6.0
+    panic_factor: float = 2.0
+    scale_up_step: float = 0.25
+    scale_down_window_s: float = 300.0
+    queue_trigger: int = 100
+    latency_trigger: float = 1.2
+    cold_start_s: float = 60.0  # how far ahead the predictive layer looks
+    forecast_bucket_s: float = 60.0  # the forecaster sees the arrival rate of buckets this long
+
+    def __post_init__(self) -> None:
+        if self.slots_per_replica < 1 or not 1 <= self.min_replicas <= self.max_replicas:
+            raise ValueError("need slots_per_replica >= 1 and 1 <= min_replicas <= max_replicas")
+        if not 0 < self.target_utilisation <= 1 or self.scale_up_step <= 0 or self.panic_factor <= 1:
+            raise ValueError("need target_utilisation in (0, 1], scale_up_step > 0, panic_factor > 1")
+        if not 0 < self.panic_window_s <= self.stable_window_s or self.forecast_bucket_s <= 0:
+            raise ValueError("need 0 < panic_window_s <= stable_window_s and forecast_bucket_s > 0")
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleSignals:
+    now_s: float
+    ready: int  # replicas serving
+    starting: int  # requested and not ready yet
+    in_flight: int  # requests on the replicas
+    queued: int  # requests waiting for a replica
+    arrivals: int  # requests that arrived since the previous tick
+    ttft_ratio: float | None = None  # recent P99 TTFT / its tier's target, the worst tier; None: unknown
+
+
+class ScaleLayer(Enum):
+    HOLD = "hold"
+    REACTIVE = "reactive"
+    TRIGGER = "trigger"
+    PANIC = "panic"
+    PREDICTIVE = "predictive"
+    BOUNDS = "bounds"  # min_replicas or max_replicas decided
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleDecision:
+    desired: int
+    layer: ScaleLayer
+    reason: str  # the signal values behind it, for the log line and the event
+
+
+class ScalePolicy(Protocol):
+    def on_tick(self, signals: ScaleSignals) -> ScaleDecision:
+        """Records the signals and decides the pool's size (changes state)."""
+        ...
+
+
+class FixedFleet:
+    """Static provisioning (e.g. for twice the peak): the baseline every autoscaler must beat on cost."""
+
+    def __init__(self, replicas: int) -> None:
+        self.replicas = replicas
+
+    def on_tick(self, signals: ScaleSignals) -> ScaleDecision:
+        return ScaleDecision(self.replicas, ScaleLayer.HOLD, "fixed")
+
+
+class Autoscaler:
+    def __init__(self, settings: AutoscaleSettings, forecaster: Forecaster | None = None) -> None:
+        self.settings = settings
+        self.forecaster = forecaster
+        self._demand: deque[tuple[float, float]] = deque()  # (time, demand), the stable window
+        self._arrivals: deque[tuple[float, int]] = deque()  # (time, arrivals), the stable window
+        self._desired: deque[tuple[float, int]] = deque()  # (time, desired before scale-in damping)
+        self._panic_until_s = -math.inf
+        self._last_scale_in_s = -math.inf
+        self._bucket_start_s: float | None = None
+        self._bucket_arrivals = 0
+
+    # ---- queries ------------------------------------------------------------------------------
+
+    def _replicas_for(self, demand: float) -> int:
+        s = self.settings
+        return math.ceil(demand / (s.slots_per_replica * s.target_utilisation) - 1e-9)
+
+    @staticmethod
+    def _mean(samples: deque, since_s: float) -> float:
+        values = [value for t, value in samples if t > since_s]
+        return sum(values) / len(values) if values else 0.0
+
+    def _predicted(self, now_s: float) -> int | None:
+        """Replicas the forecast demand one cold start ahead needs; None without a forecast."""
+        if self.forecaster is None:
+            return None
+        s = self.settings
+        rate = self.forecaster.forecast(now_s + s.cold_start_s + s.forecast_bucket_s)
+        window_s = min(s.stable_window_s, now_s - self._demand[0][0]) if self._demand else 0.0
+        arrivals_per_s = sum(a for _, a in self._arrivals) / window_s if window_s > 0 else 0.0
+        if rate is None or arrivals_per_s <= 0:
+            return None
+        held_per_arrival_s = self._mean(self._demand, now_s - s.stable_window_s) / arrivals_per_s  # Little's law
+        return self._replicas_for(rate * held_per_arrival_s)
+
+    # ---- the event ----------------------------------------------------------------------------
+
+    def on_tick(self, signals: ScaleSignals) -> ScaleDecision:
+        """Records the signals and decides the pool's size (changes state)."""
+        s, now_s = self.settings, signals.now_s
+        demand = float(signals.in_flight + signals.queued)
+        self._record(now_s, demand, signals.arrivals)
+        fleet = signals.ready + signals.starting
+        stable = self._replicas_for(self._mean(self._demand, now_s - s.stable_window_s))
+        panic = self._replicas_for(self._mean(self._demand, now_s - s.panic_window_s))
+        step_cap = max(fleet + 1, math.ceil(fleet * (1 + s.scale_up_step)))
+        candidates = [(min(stable, step_cap), ScaleLayer.REACTIVE,
+                       f"mean demand {self._mean(self._demand, now_s - s.stable_window_s):.1f} over "
+                       f"{s.stable_window_s:g} s")]
+        if signals.ready and panic >= s.panic_factor * signals.ready:
+            self._panic_until_s = now_s + s.stable_window_s
+        panicking = now_s < self._panic_until_s
+        if panicking:
+            candidates.append((max(panic, fleet), ScaleLayer.PANIC,
+                               f"demand {self._mean(self._demand, now_s - s.panic_window_s):.1f} over "
+                               f"{s.panic_window_s:g} s, {signals.ready} ready"))
+        # a trigger adds a step over the fleet: only once the previous step's replicas are up, or it
+        # fires every tick of their cold start and the fleet compounds to the maximum
+        triggered = signals.queued >= s.queue_trigger or (signals.ttft_ratio or 0.0) >= s.latency_trigger
+        if triggered and not signals.starting:
+            candidates.append((step_cap, ScaleLayer.TRIGGER,
+                               f"queued {signals.queued}, TTFT P99 {signals.ttft_ratio or 0:.2f}x target"))
+        predicted = self._predicted(now_s)
+        if predicted is not None:
+            candidates.append((predicted, ScaleLayer.PREDICTIVE, f"forecast {s.cold_start_s:g} s ahead"))
+        desired, layer, reason = max(candidates, key=lambda c: c[0])
+        if not self._desired:  # the fleet found at the start counts as asked for: no scale-in before a window
+            self._desired.append((now_s, fleet))
+        self._desired.append((now_s, desired))
+        while self._desired and self._desired[0][0] <= now_s - s.scale_down_window_s:
+            self._desired.popleft()
+        if desired < fleet:
+            desired, layer, reason = self._scale_in(now_s, fleet, desired, panicking, layer, reason)
+        elif desired > fleet:
+            self._last_scale_in_s = -math.inf
+        bounded = min(s.max_replicas, max(s.min_replicas, desired))
+        if bounded != desired:
+            return ScaleDecision(bounded, ScaleLayer.BOUNDS, f"{layer.value} asked {desired}; {reason}")
+        return ScaleDecision(desired, layer, reason)
+
+    def _scale_in(self, now_s: float, fleet: int, desired: int, panicking: bool, layer: ScaleLayer,
+                  reason: str) -> tuple[int, ScaleLayer, str]:
+        """To the highest count asked for over the scale-down window, and by one step (a
+        `scale_up_step` of the fleet, at least one replica) per stable window: demand measured in
+        requests held falls as replicas are added (each request finishes sooner), so a fleet
+        grown for a burst reads as needing one replica; cut at once, it was overloaded the next
+        minute and grew back to the maximum (the surge scenario, four times in 25 minutes)."""
+        s = self.settings
+        damped = max(d for _, d in self._desired)
+        if panicking or damped >= fleet:
+            return fleet, ScaleLayer.HOLD, ("panicking" if panicking
+                                            else f"asked {desired}, {damped} within {s.scale_down_window_s:g} s")
+        if now_s - self._last_scale_in_s < s.stable_window_s:
+            return fleet, ScaleLayer.HOLD, f"asked {desired}; the last scale-in is under {s.stable_window_s:g} s old"
+        self._last_scale_in_s = now_s
+        step = max(1, math.floor(fleet * s.scale_up_step))
+        return max(damped, fleet - step), layer, reason
+
+    def _record(self, now_s: float, demand: float, arrivals: int) -> None:
+        s = self.settings
+        self._demand.append((now_s, demand))
+        self._arrivals.append((now_s, arrivals))
+        for samples in (self._demand, self._arrivals):
+            while samples and samples[0][0] <= now_s - s.stable_window_s:
+                samples.popleft()
+        if self.forecaster is None:
+            return
+        if self._bucket_start_s is None:
+            self._bucket_start_s = now_s
+        self._bucket_arrivals += arrivals
+        if now_s - self._bucket_start_s >= s.forecast_bucket_s:
+            self.forecaster.observe(now_s, self._bucket_arrivals / (now_s - self._bucket_start_s))
+            self._bucket_start_s, self._bucket_arrivals = now_s, 0
+
+
+class HpaRule:
+    """Kubernetes' Horizontal Pod Autoscaler with its defaults, on the same demand signal, for
+    comparison: every `sync_s`, desired = ceil(fleet x utilisation / target) unless within 10 %
+    of the target; scale-in to the highest desired of the last 300 s."""
+
+    def __init__(self, settings: AutoscaleSettings, *, sync_s: float = 15.0, tolerance: float = 0.1,
+                 scale_down_window_s: float = 300.0) -> None:
+        self.settings = settings
+        self.sync_s, self.tolerance, self.scale_down_window_s = sync_s, tolerance, scale_down_window_s
+        self._last_sync_s = -math.inf
+        self._desired: deque[tuple[float, int]] = deque()
+        self._current: int | None = None
+
+    def on_tick(self, signals: ScaleSignals) -> ScaleDecision:
+        """Decides at each sync and holds between them (changes state)."""
+        s, now_s = self.settings, signals.now_s
+        fleet = signals.ready + signals.starting
+        if self._current is None:
+            self._current = fleet
+        if now_s - self._last_sync_s < self.sync_s:
+            return ScaleDecision(self._current, ScaleLayer.HOLD, "between syncs")
+        self._last_sync_s = now_s
+        ready = max(signals.ready, 1)
+        ratio = (signals.in_flight + signals.queued) / (ready * s.slots_per_replica) / s.target_utilisation
+        desired = fleet if abs(ratio - 1.0) <= self.tolerance else math.ceil(ready * ratio - 1e-9)
+        if not self._desired:  # the fleet found at the start counts as asked for
+            self._desired.append((now_s, fleet))
+        self._desired.append((now_s, desired))
+        while self._desired and self._desired[0][0] <= now_s - self.scale_down_window_s:
+            self._desired.popleft()
+        if desired < fleet:
+            desired = min(fleet, max(d for _, d in self._desired))
+        self._current = min(s.max_replicas, max(s.min_replicas, desired))
+        return ScaleDecision(self._current, ScaleLayer.REACTIVE, f"utilisation / target {ratio:.2f}")

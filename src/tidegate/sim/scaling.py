@@ -1,0 +1,103 @@
+"""An autoscaler driving a simulated pool: the body's side of `policy.autoscale`, on virtual time.
+
+Each `period_s` the loop reads the pool (replicas ready, starting, draining; requests on the
+replicas and queued; arrivals since the last tick), asks the autoscaler, and acts: starts replicas
+that are down (each serves after its cold start), or drains the most recently started ready ones
+(they take no new request and stop when empty: nothing is aborted). It records every decision
+and the replica-seconds paid (a replica costs from its request to its stop).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tidegate.policy.autoscale import ScaleLayer, ScalePolicy, ScaleSignals
+from tidegate.sim.harness import Harness
+
+__all__ = ["ScaleEvent", "ScalingLoop", "oscillations"]
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleEvent:
+    t_s: float
+    ready: int
+    starting: int
+    draining: int
+    desired: int
+    layer: ScaleLayer
+    reason: str
+
+
+class ScalingLoop:
+    def __init__(self, harness: Harness, autoscaler: ScalePolicy, *, period_s: float = 1.0) -> None:
+        if period_s <= 0:
+            raise ValueError("period_s must be > 0")
+        self.harness = harness
+        self.autoscaler = autoscaler
+        self.period_s = period_s
+        self.events: list[ScaleEvent] = []
+        self.replica_s = 0.0  # replicas paid for (starting, ready or draining) x seconds
+        self._arrived = 0
+        self._order = list(harness.replicas)  # started in this order, drained in the reverse
+
+    def install(self, until_s: float, initial: int) -> None:
+        """Before the run: the first `initial` replicas serve, the others are down; ticks every
+        `period_s` from 0 until `until_s` (a tick never outlives the run's traffic)."""
+        if not 1 <= initial <= len(self._order):
+            raise ValueError(f"initial replicas must be in [1, {len(self._order)}], got {initial}")
+        self.harness.hold_down(self._order[initial:])
+        ticks = int(until_s / self.period_s)
+        for index in range(ticks + 1):
+            self.harness.loop.call_at(index * self.period_s, self._tick)
+
+    # queries
+    def up(self) -> list[str]:
+        """Replicas serving and not draining."""
+        h = self.harness
+        return [i for i in self._order if h.replicas[i].alive and i not in h.draining]
+
+    @property
+    def replica_hours(self) -> float:
+        return self.replica_s / 3600.0
+
+    # the tick (changes state)
+    def _tick(self) -> None:
+        h, now_s = self.harness, self.harness.loop.now_s
+        up = self.up()
+        paid = len(up) + len(h.starting) + len(h.draining)
+        if self.events:
+            self.replica_s += paid * self.period_s
+        in_flight = sum(h.replicas[i].load.running_sequences + h.replicas[i].load.waiting_sequences
+                        for i in self._order if h.replicas[i].alive)
+        signals = ScaleSignals(now_s, ready=len(up), starting=len(h.starting), in_flight=in_flight, queued=h.queued,
+                               arrivals=h.arrived - self._arrived)
+        self._arrived = h.arrived
+        decision = self.autoscaler.on_tick(signals)
+        fleet = len(up) + len(h.starting)
+        if decision.desired > fleet:
+            down = [i for i in self._order if not h.replicas[i].alive and i not in h.starting]
+            for replica_id in down[:decision.desired - fleet]:
+                h.start_replica(replica_id)
+        elif decision.desired < fleet:
+            for replica_id in list(reversed(up))[:fleet - decision.desired]:
+                if len(self.up()) > 1:  # never the last serving replica
+                    h.drain_replica(replica_id)
+        self.events.append(ScaleEvent(now_s, len(self.up()), len(h.starting), len(h.draining), decision.desired,
+                                      decision.layer, decision.reason))
+
+
+def oscillations(events: Sequence[ScaleEvent], window_s: float) -> int:
+    """Scale-ins followed by a scale-out within `window_s`: the flapping stabilisation prevents."""
+    count = 0
+    last_in_s: float | None = None
+    previous = None
+    for event in events:
+        if previous is not None and event.desired < previous.desired:
+            last_in_s = event.t_s
+        elif previous is not None and event.desired > previous.desired and last_in_s is not None \
+                and event.t_s - last_in_s <= window_s:
+            count += 1
+            last_in_s = None
+        previous = event
+    return count

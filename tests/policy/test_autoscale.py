@@ -1,0 +1,96 @@
+"""The autoscaler's layers, each on signals whose right answer is known."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, HpaRule, ScaleLayer, ScaleSignals
+
+SETTINGS = AutoscaleSettings(slots_per_replica=10, min_replicas=1, max_replicas=20, target_utilisation=0.5,
+                             stable_window_s=60.0, panic_window_s=6.0, scale_down_window_s=300.0, cold_start_s=60.0)
+
+
+def feed(scaler, start_s: float, end_s: float, demand: int, *, ready: int, starting: int = 0, queued: int = 0,
+         arrivals: int = 0):
+    decision = None
+    t = start_s
+    while t < end_s:
+        decision = scaler.on_tick(ScaleSignals(t, ready, starting, demand - queued, queued, arrivals))
+        t += 1.0
+    return decision
+
+
+def test_steady_demand_asks_for_demand_over_the_target_slots() -> None:
+    decision = feed(Autoscaler(SETTINGS), 0, 120, demand=24, ready=5)
+    assert decision.desired == 5  # 24 held / (10 slots x 0.5) = 4.8
+
+
+def test_a_rising_average_adds_at_most_a_quarter_of_the_fleet_per_decision() -> None:
+    scaler = Autoscaler(SETTINGS)
+    feed(scaler, 0, 60, demand=20, ready=4)
+    decision = feed(scaler, 60, 90, demand=35, ready=4)  # the window's mean asks 6; short of panic (8)
+    assert decision.layer is ScaleLayer.REACTIVE and decision.desired == 5
+
+
+def test_a_sudden_surge_panics_to_what_the_short_window_needs() -> None:
+    scaler = Autoscaler(SETTINGS)
+    feed(scaler, 0, 60, demand=20, ready=4)
+    decision = feed(scaler, 60, 67, demand=100, ready=4)  # 5x, within the 6 s panic window
+    assert decision.layer is ScaleLayer.PANIC and decision.desired == 20
+
+
+def test_a_queue_trigger_waits_for_the_replicas_it_started() -> None:
+    scaler = Autoscaler(replace(SETTINGS, queue_trigger=30))
+    feed(scaler, 0, 60, demand=20, ready=8)
+    first = scaler.on_tick(ScaleSignals(60, 8, 0, 20, 30, 0))  # 50 held: short of panic (16 replicas' worth)
+    assert first.layer is ScaleLayer.TRIGGER and first.desired == 10
+    later = [scaler.on_tick(ScaleSignals(61 + i, 8, 2, 20, 30, 0)).desired for i in range(30)]
+    assert max(later) <= 10  # not one more step every tick of the cold start
+
+
+def test_scale_in_waits_its_window_then_goes_a_step_per_stable_window() -> None:
+    scaler = Autoscaler(SETTINGS)
+    feed(scaler, 0, 60, demand=80, ready=16)
+    # the body does not act here: the fleet stays 16, so every decision is the first step down
+    decisions = [scaler.on_tick(ScaleSignals(float(t), 16, 0, 10, 0, 0)) for t in range(60, 600)]
+    first_in = next(d for d in decisions if d.desired < 16)
+    assert decisions.index(first_in) >= 240  # nothing before the window has forgotten the high demand
+    assert min(d.desired for d in decisions) == 12  # a quarter of 16 at a time, not straight to 2
+    cuts = [t for t, d in zip(range(60, 600), decisions) if d.desired < 16]
+    assert all(b - a >= 60 for a, b in zip(cuts, cuts[1:]))  # one step per stable window
+
+
+def test_the_fleet_found_at_start_is_not_cut_before_a_window() -> None:
+    decision = Autoscaler(SETTINGS).on_tick(ScaleSignals(0.0, 3, 0, 0, 0, 0))
+    assert decision.desired == 3
+
+
+class Doubling:
+    """A forecaster that knows the rate doubles from t = 200 s."""
+
+    def observe(self, t_s: float, value: float) -> None:
+        pass
+
+    def forecast(self, t_s: float) -> float:
+        return 20.0 if t_s >= 200 else 10.0
+
+
+def test_the_predictive_layer_scales_a_cold_start_ahead_of_the_forecast() -> None:
+    scaler = Autoscaler(SETTINGS, Doubling())
+    # 10 requests/s held 2 s each: 20 held, 4 replicas' target
+    early = feed(scaler, 0, 60, demand=20, ready=4, arrivals=10)
+    ahead = feed(scaler, 60, 90, demand=20, ready=4, arrivals=10)  # 90 + 60 s cold start + a bucket > 200
+    assert early.desired == 4
+    assert ahead.layer is ScaleLayer.PREDICTIVE and ahead.desired == 8
+
+
+def test_bounds_hold_the_fleet_within_min_and_max() -> None:
+    decision = feed(Autoscaler(SETTINGS), 0, 7, demand=1000, ready=4)
+    assert decision.desired == 20 and decision.layer is ScaleLayer.BOUNDS
+
+
+def test_hpa_rule_acts_at_its_syncs_within_its_tolerance() -> None:
+    hpa = HpaRule(SETTINGS)
+    assert hpa.on_tick(ScaleSignals(0.0, 4, 0, 21, 0, 0)).desired == 4  # 1.05x the target: tolerated
+    assert hpa.on_tick(ScaleSignals(1.0, 4, 0, 40, 0, 0)).desired == 4  # between syncs
+    assert hpa.on_tick(ScaleSignals(15.0, 4, 0, 40, 0, 0)).desired == 8

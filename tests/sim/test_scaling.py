@@ -1,0 +1,55 @@
+"""An autoscaler driving a simulated pool: capacity arrives after its cold start, leaves by draining."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, FixedFleet
+from tidegate.policy.tiers import default_tiers
+from tidegate.sim.harness import Harness
+from tidegate.sim.scaling import ScalingLoop, oscillations
+from tidegate.sim.scenarios import CEILING, capacity_rps, controller, mixed, replica_spec
+
+COLD_START_S = 20.0
+
+
+def _run(policy, requests, initial: int, replicas: int = 6):
+    ids = [f"r{i}" for i in range(replicas)]
+    harness = Harness([replace(replica_spec(i), cold_start_s=COLD_START_S) for i in ids], controller(ids, default_tiers()))
+    loop = ScalingLoop(harness, policy, period_s=1.0)
+    loop.install(max(r.arrival_s for r in requests), initial)
+    return harness.run(requests), loop
+
+
+def _step_load():
+    """A minute at half of one replica, two minutes at 3 replicas' worth, a quiet ten minutes."""
+    one = capacity_rps(1)
+    quiet = mixed(0.5 * one, 60.0, (("a", "standard", 1.0),), seed=1)
+    busy = mixed(3.0 * one, 120.0, (("a", "standard", 1.0),), seed=2)
+    after = mixed(0.3 * one, 600.0, (("a", "standard", 1.0),), seed=3)
+    merged = [(r.arrival_s, r) for r in quiet] + [(r.arrival_s + 60, r) for r in busy] + \
+             [(r.arrival_s + 180, r) for r in after]
+    return tuple(replace(r, request_id=i, arrival_s=t) for i, (t, r) in enumerate(sorted(merged, key=lambda x: x[0])))
+
+
+def test_the_pool_grows_for_a_surge_and_shrinks_by_draining_after_it() -> None:
+    settings = AutoscaleSettings(CEILING, min_replicas=1, max_replicas=6, cold_start_s=COLD_START_S,
+                                 scale_down_window_s=120.0)
+    result, loop = _run(Autoscaler(settings), _step_load(), initial=1)
+    peak = max(e.ready for e in loop.events)
+    assert peak >= 3  # it grew for the surge
+    first_start = next(e.t_s for e in loop.events if e.starting)
+    first_up = next(e.t_s for e in loop.events if e.ready > 1)
+    assert first_up - first_start >= COLD_START_S - 1  # capacity only after its cold start
+    assert loop.events[-1].ready < peak  # and shrank after it
+    assert not any(r.failure_reason for r in result.records)  # draining aborted nothing
+    assert oscillations(loop.events, 120.0) == 0
+    fixed_result, fixed = _run(FixedFleet(6), _step_load(), initial=6)
+    assert loop.replica_hours < 0.8 * fixed.replica_hours  # paid for less than six all along
+
+
+def test_replica_hours_count_every_replica_paid_for() -> None:
+    requests = mixed(1.0, 100.0, (("a", "standard", 1.0),), seed=4)
+    _, loop = _run(FixedFleet(3), requests, initial=3, replicas=3)
+    last_tick_s = loop.events[-1].t_s
+    assert abs(loop.replica_hours - 3 * last_tick_s / 3600) < 1e-9
