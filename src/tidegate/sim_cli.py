@@ -73,6 +73,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     sim.add_argument("--mix", default="", help="tiers by share, e.g. critical:0.2,standard:0.8 "
                                                 "(default: all the default tier)")
     sim.add_argument("--fifo", action="store_true", help="also run with overload control off")
+    sim.add_argument("--autoscale", action="store_true",
+                     help="size the pool with tidegate's autoscaler between --min-replicas and --replicas (replicas "
+                          "start after the profile's cold start, stop after draining); its timeline is in the report")
+    sim.add_argument("--min-replicas", type=int, default=1, help="with --autoscale: the fleet's floor and start")
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--out", help="a directory for report.json and records.jsonl (the schema of `tidegate bench`), "
                                    "plots, and summary.json (the per-replica figures printed)")
@@ -196,6 +200,19 @@ def _progress_bar(requests: tuple[SimRequest, ...], label: str, shown: bool) -> 
         yield schedule_ticks
 
 
+def _scaling_summary(run: SimulatedRun) -> str:
+    events = run.scaling
+    changes = [e for previous, e in zip(events, events[1:]) if e.desired != previous.desired]
+    ready = [e.ready for e in events]
+    lines = [f"autoscaler: {run.replica_hours:.2f} replica-hours; ready {min(ready)}-{max(ready)}, "
+             f"{len(changes)} decisions that changed the fleet"]
+    lines += [f"  {e.t_s:8.0f} s  desired {e.desired:>3} (ready {e.ready}, starting {e.starting})  "
+              f"{e.layer.value}: {e.reason}" for e in changes[:20]]
+    if len(changes) > 20:
+        lines.append(f"  ... {len(changes) - 20} more in the report's series")
+    return "\n".join(lines)
+
+
 def _simulate(args: argparse.Namespace) -> int:
     simulation = Simulation(args.config, profile=args.profile, replicas=args.replicas, pool=args.pool)
     mix = _mix(args.mix)
@@ -210,9 +227,15 @@ def _simulate(args: argparse.Namespace) -> int:
     summary = {"profile": profile.name, "replicas": count, "requests": len(requests), "seed": args.seed, "runs": {}}
     runs: dict[str, SimulatedRun] = {}
     for label, fifo in (("overload control", False), ("FIFO", True))[:2 if args.fifo else 1]:
+        scaling = {}
+        if args.autoscale:
+            scaling = {"autoscaler": simulation.autoscaler(min_replicas=args.min_replicas),
+                       "initial_replicas": args.min_replicas}
         with _progress_bar(requests, label, shown) as before_run:
-            runs[label] = simulation.run(requests, fifo=fifo, before_run=before_run)
+            runs[label] = simulation.run(requests, fifo=fifo, before_run=before_run, **scaling)
         print(f"\n{label}\n{format_summary(runs[label].summary)}")
+        if runs[label].scaling:
+            print(_scaling_summary(runs[label]))
         summary["runs"][label] = asdict(runs[label].summary)
     if args.out:
         out = Path(args.out)

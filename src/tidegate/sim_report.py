@@ -13,7 +13,8 @@ How the simulator's outcomes map onto what a client of the live gateway records:
 The simulator does not time each token: ITL percentiles are empty; TPOT comes from E2E and TTFT.
 Replica samples carry the gateway's metric names where it has one (`tidegate_queue_depth`,
 `tidegate_replica_outstanding`), plus `tidegate_sim_replica_busy_ratio` (share of each interval
-the replica spent in model steps).
+the replica spent in model steps); an autoscaled run adds `tidegate_replicas_ready` and
+`tidegate_desired_replicas` at each change of the fleet.
 """
 
 from __future__ import annotations
@@ -29,8 +30,10 @@ from tidegate.loadgen.report import build_report
 from tidegate.loadgen.stats import Slo, tier_slos
 from tidegate.policy.tiers import TierTable
 from tidegate.sim.harness import RequestRecord, RunResult
+from tidegate.sim.scaling import ScaleEvent
 
-__all__ = ["REFUSED_STATUS", "FAILED_STATUS", "probe_times", "bench_records", "bench_metrics", "sim_report"]
+__all__ = ["REFUSED_STATUS", "FAILED_STATUS", "probe_times", "bench_records", "bench_metrics", "scaling_metrics",
+           "sim_report"]
 
 REFUSED_STATUS = 503
 FAILED_STATUS = 502
@@ -98,15 +101,32 @@ def bench_metrics(result: RunResult, target: int, pool: str) -> list[MetricSampl
     return samples
 
 
+def scaling_metrics(events: Sequence[ScaleEvent], target: int, pool: str) -> list[MetricSample]:
+    """An autoscaled run's fleet: replicas ready and desired at each change (and at the ends)."""
+    samples: list[MetricSample] = []
+    previous = None
+    for index, event in enumerate(events):
+        if previous is None or (event.ready, event.desired) != (previous.ready, previous.desired) \
+                or index == len(events) - 1:
+            samples.append(MetricSample(event.t_s, target, f'tidegate_replicas_ready{{pool="{pool}"}}',
+                                        float(event.ready)))
+            samples.append(MetricSample(event.t_s, target, f'tidegate_desired_replicas{{pool="{pool}"}}',
+                                        float(event.desired)))
+        previous = event
+    return samples
+
+
 def sim_report(runs: Mapping[str, RunResult], tiers: TierTable, *, pool: str, config: dict[str, Any],
-               credits: Sequence[str] = ()) -> tuple[dict[str, Any], BenchResult]:
+               credits: Sequence[str] = (),
+               scaling: Mapping[str, Sequence[ScaleEvent]] | None = None) -> tuple[dict[str, Any], BenchResult]:
     """One report for one or more arms of a scenario (e.g. overload control and FIFO), each a
     target; every request judged by its tier's TTFT target. Deterministic: no wall clock in it."""
     records: list[BenchRecord] = []
     metrics: list[MetricSample] = []
-    for target, result in enumerate(runs.values()):
+    for target, (label, result) in enumerate(runs.items()):
         records.extend(bench_records(result, target))
         metrics.extend(bench_metrics(result, target, pool))
+        metrics.extend(scaling_metrics((scaling or {}).get(label, ()), target, pool))
     end_s = max((result.end_s for result in runs.values()), default=0.0)
     # requests in flight (queued or on a replica) at the busiest probe: a sample, not every instant
     peak = max((sum(p.sequences) + p.queued for result in runs.values() for p in result.probes), default=0)

@@ -28,12 +28,15 @@ from tidegate.loadgen.arrivals import Poisson
 from tidegate.loadgen.driver import RunResult as BenchResult
 from tidegate.loadgen.mix import LengthDistribution
 from tidegate.loadgen.trace import default_trace_path, load_azure_trace
+from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, ScalePolicy
+from tidegate.policy.forecast import Forecaster
 from tidegate.policy.pool import PoolController, PoolSettings
 from tidegate.policy.tiers import TierTable
 from tidegate.sim.fifo import FifoDispatcher
 from tidegate.sim.harness import Harness, RunResult, ScenarioEvent, TrafficClass, make_requests, requests_from_trace
 from tidegate.sim.profile import ReplicaProfile, load_profile
 from tidegate.sim.report import RunSummary, summarize
+from tidegate.sim.scaling import ScaleEvent, ScalingLoop
 from tidegate.sim.seam import SimRequest
 from tidegate.sim_report import probe_times, sim_report
 
@@ -47,6 +50,8 @@ Mix = Mapping[str, float]  # tier -> share of the requests
 class SimulatedRun:
     result: RunResult  # every request's record, each replica's counters, the probes
     summary: RunSummary  # per tier TTFT percentiles, goodput, refusals; per replica utilisation
+    scaling: tuple[ScaleEvent, ...] = ()  # with an autoscaler: each tick's fleet and decision
+    replica_hours: float | None = None  # with an autoscaler: replicas paid for (starting to stopped)
 
 
 def _mix_pairs(mix: Mix | None) -> list[tuple[str, float]]:
@@ -140,20 +145,37 @@ class Simulation:
             raise ValueError(f"unknown tier {unknown[0]!r}; the config defines {[t.name for t in self.tiers]}")
 
     def run(self, requests: Sequence[SimRequest], *, fifo: bool = False, events: Sequence[ScenarioEvent] = (),
-            probe: bool = True, before_run: Callable[[Harness], None] | None = None) -> SimulatedRun:
+            probe: bool = True, before_run: Callable[[Harness], None] | None = None,
+            autoscaler: ScalePolicy | None = None, initial_replicas: int = 1) -> SimulatedRun:
         """One run to the end: overload control (the pool controller), or FIFO with overload
         control off. `events`: replicas killed or slowed on the way. `probe`: sample the replicas
         and the queue for the report's series (changes nothing in the run). `before_run`: sees the
-        harness first, e.g. to schedule a progress bar's ticks on its loop."""
+        harness first, e.g. to schedule a progress bar's ticks on its loop. `autoscaler`: sizes the
+        pool every second between `initial_replicas` and all of them (`policy.autoscale`); replicas
+        start after the profile's cold start and stop after draining."""
         self.check_tiers(requests)
         dispatcher = (FifoDispatcher(self.replica_ids, self.tiers, slot_limit=self.slot_limit) if fifo
                       else pool_controller(self.config, self.pool.name, self.replica_ids)[0])
         harness = Harness([self.profile.spec(i) for i in self.replica_ids], dispatcher)
+        last_arrival_s = max((r.arrival_s for r in requests), default=0.0)
+        scaling = None
+        if autoscaler is not None:
+            scaling = ScalingLoop(harness, autoscaler)
+            scaling.install(last_arrival_s, initial_replicas)
         if before_run is not None:
             before_run(harness)
-        probes_s = probe_times(max((r.arrival_s for r in requests), default=0.0)) if probe else ()
+        probes_s = probe_times(last_arrival_s) if probe else ()
         result = harness.run(requests, events=events, probes_s=probes_s)
-        return SimulatedRun(result, summarize(result, self.tiers))
+        if scaling is None:
+            return SimulatedRun(result, summarize(result, self.tiers))
+        return SimulatedRun(result, summarize(result, self.tiers), tuple(scaling.events), scaling.replica_hours)
+
+    def autoscaler(self, *, min_replicas: int = 1, forecaster: Forecaster | None = None) -> Autoscaler:
+        """tidegate's autoscaler for this pool, with its defaults: the pool's slot limit per replica,
+        the profile's cold start as the forecast's lead, at most the simulation's replicas."""
+        settings = AutoscaleSettings(self.slot_limit, min_replicas=min_replicas, max_replicas=len(self.replica_ids),
+                                     cold_start_s=self.profile.cold_start_s)
+        return Autoscaler(settings, forecaster)
 
     def report(self, runs: Mapping[str, SimulatedRun], *, config: Mapping[str, Any] | None = None,
                credits: Sequence[str] = ()) -> tuple[dict[str, Any], BenchResult]:
@@ -162,6 +184,7 @@ class Simulation:
         described = {"profile": self.profile.name, "replicas": len(self.replica_ids), "pool": self.pool.name,
                      **(config or {})}
         return sim_report({label: run.result for label, run in runs.items()}, self.tiers, pool=self.pool.name,
+                          scaling={label: run.scaling for label, run in runs.items() if run.scaling},
                           config=described, credits=credits)
 
     def write(self, runs: Mapping[str, SimulatedRun], out_dir: str | Path, *, plots: bool = True,

@@ -94,3 +94,13 @@ def test_hpa_rule_acts_at_its_syncs_within_its_tolerance() -> None:
     assert hpa.on_tick(ScaleSignals(0.0, 4, 0, 21, 0, 0)).desired == 4  # 1.05x the target: tolerated
     assert hpa.on_tick(ScaleSignals(1.0, 4, 0, 40, 0, 0)).desired == 4  # between syncs
     assert hpa.on_tick(ScaleSignals(15.0, 4, 0, 40, 0, 0)).desired == 8
+
+
+def test_arrivals_refused_at_once_count_as_demand_the_fleet_did_not_hold() -> None:
+    scaler = Autoscaler(SETTINGS)
+    decision = None
+    for t in range(0, 120):  # 10 arrivals a second, 8 refused: the slots stay full at 20 held
+        decision = scaler.on_tick(ScaleSignals(float(t), 4, 0, 20, 0, 10, refused=8))
+    # 20 held x 10 arrived / 2 admitted = 100 held wanted: 20 replicas, 5x the fleet: panic
+    assert decision.layer is ScaleLayer.PANIC and decision.desired == 20
+    assert Autoscaler(SETTINGS).on_tick(ScaleSignals(0.0, 4, 0, 20, 0, 10, refused=0)).desired == 4

@@ -136,3 +136,15 @@ def test_the_progress_bar_and_the_probes_change_nothing_in_the_run() -> None:
     probes = with_bar.result.probes  # sampled for the report's replica and queue series
     assert len(probes) == 20 and not plain.result.probes
     assert min(p.queued for p in probes) >= 0 and max(sum(p.sequences) for p in probes) > 0
+
+
+def test_an_autoscaled_run_prints_its_decisions_and_draws_its_fleet(tmp_path, capsys) -> None:
+    argv = ["sim", "run", "--replicas", "4", "--autoscale", "--rate", "8", "--duration-s", "60", "--prompt-tokens",
+            "16,200", "--output-tokens", "8,64", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "autoscaler:" in out and "replica-hours" in out
+    report = load_report(tmp_path / "report.json")
+    ready = [m["value"] for m in report["metrics"] if m["series"].startswith("tidegate_replicas_ready")]
+    assert ready and max(ready) > 1  # it grew from the one replica it started with
+    assert (tmp_path / "fleet.png").stat().st_size > 0

@@ -3,7 +3,8 @@
 Each plot draws one or more *arms*: a target of a report (a URL, or a simulated arm such as
 "FIFO"), so `tidegate report compare` overlays a live run and a simulated run with the same code.
 Panels: TTFT percentiles per tier against each tier's target; offered, served and refused load;
-replica utilisation (or requests on each replica) with the dispatcher's queue on a second axis.
+replica utilisation (or requests on each replica) with the dispatcher's queue on a second axis;
+and, for an autoscaled pool, replicas ready and desired.
 matplotlib is imported here only, and only when plotting.
 """
 
@@ -160,6 +161,32 @@ def _replica_panel(ax, arms: Sequence[Arm]) -> bool:
     return drew
 
 
+def _fleet_series(metrics: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Replicas ready and desired (an autoscaled pool), summed over pools."""
+    fleet: dict[str, dict[float, float]] = {}
+    for sample in metrics:
+        name = _series_name(sample["series"])
+        if name in ("tidegate_replicas_ready", "tidegate_desired_replicas"):
+            by_time = fleet.setdefault(name.removeprefix("tidegate_"), {})
+            by_time[sample["t_s"]] = by_time.get(sample["t_s"], 0.0) + sample["value"]
+    return {name: sorted(points.items()) for name, points in fleet.items()}
+
+
+def _fleet_panel(ax, arms: Sequence[Arm]) -> bool:
+    drew = False
+    for style, arm in zip(_ARM_STYLES * 4, arms):
+        prefix = f"{arm.label}: " if len(arms) > 1 else ""
+        for name, points in sorted(_fleet_series(arm.metrics).items()):
+            ax.step([p[0] for p in points], [p[1] for p in points], where="post", linestyle=style,
+                    color="tab:blue" if name == "replicas_ready" else "tab:orange",
+                    label=f"{prefix}{name.replace('_', ' ')}")
+            drew = True
+    ax.set(ylabel="replicas", title="Replicas: ready and desired (the autoscaler)")
+    if drew:
+        ax.legend(fontsize="x-small")
+    return drew
+
+
 def _pyplot():
     import matplotlib
 
@@ -172,12 +199,14 @@ def _pyplot():
 def write_timeline(arms: Sequence[Arm], path: Path, title: str = "") -> Path:
     """Every panel stacked on one shared time axis."""
     plt = _pyplot()
-    has_replicas = any(_replica_series(a.metrics)[1] or _queue_series(a.metrics) for a in arms)
-    fig, axes = plt.subplots(3 if has_replicas else 2, 1, figsize=(11, 11 if has_replicas else 7.5), sharex=True)
-    _latency_panel(axes[0], arms)
-    _load_panel(axes[1], arms)
-    if has_replicas:
-        _replica_panel(axes[2], arms)
+    panels = [_latency_panel, _load_panel]
+    if any(_replica_series(a.metrics)[1] or _queue_series(a.metrics) for a in arms):
+        panels.append(_replica_panel)
+    if any(_fleet_series(a.metrics) for a in arms):
+        panels.append(_fleet_panel)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(11, 3.75 * len(panels)), sharex=True)
+    for ax, panel in zip(axes, panels):
+        panel(ax, arms)
     axes[-1].set_xlabel("time since start (s)")
     if title:
         fig.suptitle(title)
@@ -189,13 +218,14 @@ def write_timeline(arms: Sequence[Arm], path: Path, title: str = "") -> Path:
 
 
 def write_plots(report: dict[str, Any], out_dir: Path) -> list[Path]:
-    """latency.png, load.png, replicas.png (when there are replica or queue samples) and
-    timeline.png (all of them on one time axis)."""
+    """latency.png, load.png, replicas.png (when there are replica or queue samples), fleet.png
+    (when the pool was autoscaled) and timeline.png (all of them on one time axis)."""
     plt = _pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     arms = arms_of(report)
     written: list[Path] = []
-    for name, panel in (("latency.png", _latency_panel), ("load.png", _load_panel), ("replicas.png", _replica_panel)):
+    for name, panel in (("latency.png", _latency_panel), ("load.png", _load_panel), ("replicas.png", _replica_panel),
+                        ("fleet.png", _fleet_panel)):
         fig, ax = plt.subplots(figsize=(11, 4.5))
         drew = panel(ax, arms)
         ax.set_xlabel("time since start (s)")

@@ -68,6 +68,7 @@ class ScaleSignals:
     in_flight: int  # requests on the replicas
     queued: int  # requests waiting for a replica
     arrivals: int  # requests that arrived since the previous tick
+    refused: int = 0  # of them (or of those queued before), refused: demand the fleet did not hold
     ttft_ratio: float | None = None  # recent P99 TTFT / its tier's target, the worst tier; None: unknown
 
 
@@ -109,6 +110,7 @@ class Autoscaler:
         self.forecaster = forecaster
         self._demand: deque[tuple[float, float]] = deque()  # (time, demand), the stable window
         self._arrivals: deque[tuple[float, int]] = deque()  # (time, arrivals), the stable window
+        self._refused: deque[tuple[float, int]] = deque()  # (time, refusals), the stable window
         self._desired: deque[tuple[float, int]] = deque()  # (time, desired before scale-in damping)
         self._panic_until_s = -math.inf
         self._last_scale_in_s = -math.inf
@@ -126,6 +128,16 @@ class Autoscaler:
         values = [value for t, value in samples if t > since_s]
         return sum(values) / len(values) if values else 0.0
 
+    def _demand_since(self, since_s: float) -> float:
+        """Mean requests held since then, scaled up by the share of arrivals refused: under early
+        refusal the queue stays short and the replicas' slots full whatever the load, so the
+        refused arrivals are demand the fleet would have held (at the latency it shows now).
+        Without them, a pool refusing 90 % of a 2x load read as needing the one replica it had."""
+        arrived = sum(a for t, a in self._arrivals if t > since_s)
+        refused = sum(r for t, r in self._refused if t > since_s)
+        factor = arrived / max(arrived - refused, 1) if refused else 1.0
+        return self._mean(self._demand, since_s) * factor
+
     def _predicted(self, now_s: float) -> int | None:
         """Replicas the forecast demand one cold start ahead needs; None without a forecast."""
         if self.forecaster is None:
@@ -136,7 +148,7 @@ class Autoscaler:
         arrivals_per_s = sum(a for _, a in self._arrivals) / window_s if window_s > 0 else 0.0
         if rate is None or arrivals_per_s <= 0:
             return None
-        held_per_arrival_s = self._mean(self._demand, now_s - s.stable_window_s) / arrivals_per_s  # Little's law
+        held_per_arrival_s = self._demand_since(now_s - s.stable_window_s) / arrivals_per_s  # Little's law
         return self._replicas_for(rate * held_per_arrival_s)
 
     # ---- the event ----------------------------------------------------------------------------
@@ -145,21 +157,20 @@ class Autoscaler:
         """Records the signals and decides the pool's size (changes state)."""
         s, now_s = self.settings, signals.now_s
         demand = float(signals.in_flight + signals.queued)
-        self._record(now_s, demand, signals.arrivals)
+        self._record(now_s, demand, signals.arrivals, signals.refused)
         fleet = signals.ready + signals.starting
-        stable = self._replicas_for(self._mean(self._demand, now_s - s.stable_window_s))
-        panic = self._replicas_for(self._mean(self._demand, now_s - s.panic_window_s))
+        stable_demand = self._demand_since(now_s - s.stable_window_s)
+        panic_demand = self._demand_since(now_s - s.panic_window_s)
+        stable, panic = self._replicas_for(stable_demand), self._replicas_for(panic_demand)
         step_cap = max(fleet + 1, math.ceil(fleet * (1 + s.scale_up_step)))
         candidates = [(min(stable, step_cap), ScaleLayer.REACTIVE,
-                       f"mean demand {self._mean(self._demand, now_s - s.stable_window_s):.1f} over "
-                       f"{s.stable_window_s:g} s")]
+                       f"mean demand {stable_demand:.1f} over {s.stable_window_s:g} s")]
         if signals.ready and panic >= s.panic_factor * signals.ready:
             self._panic_until_s = now_s + s.stable_window_s
         panicking = now_s < self._panic_until_s
         if panicking:
             candidates.append((max(panic, fleet), ScaleLayer.PANIC,
-                               f"demand {self._mean(self._demand, now_s - s.panic_window_s):.1f} over "
-                               f"{s.panic_window_s:g} s, {signals.ready} ready"))
+                               f"demand {panic_demand:.1f} over {s.panic_window_s:g} s, {signals.ready} ready"))
         # a trigger adds a step over the fleet: only once the previous step's replicas are up, or it
         # fires every tick of their cold start and the fleet compounds to the maximum
         triggered = signals.queued >= s.queue_trigger or (signals.ttft_ratio or 0.0) >= s.latency_trigger
@@ -202,11 +213,12 @@ class Autoscaler:
         step = max(1, math.floor(fleet * s.scale_up_step))
         return max(damped, fleet - step), layer, reason
 
-    def _record(self, now_s: float, demand: float, arrivals: int) -> None:
+    def _record(self, now_s: float, demand: float, arrivals: int, refused: int) -> None:
         s = self.settings
         self._demand.append((now_s, demand))
         self._arrivals.append((now_s, arrivals))
-        for samples in (self._demand, self._arrivals):
+        self._refused.append((now_s, refused))
+        for samples in (self._demand, self._arrivals, self._refused):
             while samples and samples[0][0] <= now_s - s.stable_window_s:
                 samples.popleft()
         if self.forecaster is None:

@@ -189,6 +189,7 @@ class Harness:
         self._probes: list[Probe] = []
         self._queued = 0  # arrived - sent to a replica - refused: the dispatcher's queue
         self.arrived = 0  # requests arrived so far
+        self.refused = 0  # requests refused by the dispatcher so far
         self.starting: set[str] = set()  # replicas requested and not ready yet
         self.draining: set[str] = set()  # replicas taking no new request, stopped once empty
 
@@ -387,6 +388,7 @@ class Harness:
 
     def _refuse(self, now_s: float, request_id: int, reason: str | None) -> None:
         self._queued -= 1
+        self.refused += 1
         self._update(request_id, refused_s=now_s, refused_reason=reason)
         self._settled(request_id, answered=False)
 
