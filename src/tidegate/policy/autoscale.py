@@ -2,23 +2,32 @@
 decision out, time passed in; `on_tick` is the only method that changes state.
 
 The unit is concurrency demand: requests on the replicas plus requests queued for them (Little's
-law: what the pool must hold at once to keep up). A replica holds `slots_per_replica` requests at
-its latency target; the pool aims to run them at `target_utilisation`, the headroom absorbing a
-rise while new capacity starts. Layers (the highest wins, then the bounds):
+law: what the pool must hold at once to keep up), scaled up by the share of arrivals refused
+(`test_arrivals_refused_at_once_count_as_demand_the_fleet_did_not_hold`). A replica holds
+`slots_per_replica` requests at its latency target; the pool aims to run them at
+`target_utilisation`, the headroom absorbing a rise while new capacity starts. Layers (the highest
+wins, then the bounds), each with the test that fails without it; the runs behind them are in
+docs/autoscaling.md:
 - reactive (Knative's stable window, HPA's formula): desired = ceil(mean demand over the stable
   window / (slots x target)); a scale-out it asks for is at most `scale_up_step` of the current
-  fleet (at least one replica), so one noisy window cannot double the fleet;
+  fleet (at least one replica), so one noisy window cannot double the fleet
+  (`test_steady_demand_asks_for_demand_over_the_target_slots`,
+  `test_a_rising_average_adds_at_most_a_quarter_of_the_fleet_per_decision`);
 - triggers (the seeds' rules): queued requests over `queue_trigger`, or the worst tier's P99 TTFT
-  over `latency_trigger` x its target, ask for one step more than the current fleet at once;
+  over `latency_trigger` x its target, ask for one step more than the current fleet, once nothing
+  is starting (`test_a_queue_trigger_waits_for_the_replicas_it_started`);
 - panic (Knative): when the short window's demand asks for `panic_factor` x the ready replicas,
   scale to it at once, without the step limit, and scale in nothing until the stable window has
-  passed without panic;
+  passed without panic (`test_a_sudden_surge_panics_to_what_the_short_window_needs`);
 - predictive: a forecaster (`policy.forecast`) of the arrival rate, asked for the rate one cold
   start ahead, turned into demand with the concurrency per arrival the pool shows (Little's law);
-  capacity is then ready when the demand arrives instead of a cold start after it.
+  capacity is then ready when the demand arrives instead of a cold start after it
+  (`test_the_predictive_layer_scales_a_cold_start_ahead_of_the_forecast`).
 Scale-in takes the highest desired count of the last `scale_down_window_s` (HPA's stabilisation
-window), one step per stable window; the body drains a replica before it stops it: no request is
-aborted by a scale-in.
+window), one step per stable window (`test_scale_in_waits_its_window_then_goes_a_step_per_stable_window`,
+`test_the_fleet_found_at_start_is_not_cut_before_a_window`); the body drains a replica before it
+stops it: no request is aborted by a scale-in
+(`tests/sim/test_scaling.py::test_the_pool_grows_for_a_surge_and_shrinks_by_draining_after_it`).
 """
 
 from __future__ import annotations

@@ -21,8 +21,7 @@ from tidegate.sim.seam import ArrivalVerdict, Assignment, Dispatch, Dispatcher, 
 from tidegate.types import ReplicaHealth
 
 __all__ = ["TrafficClass", "ClosedLoopClients", "KillReplica", "SlowReplica", "StartReplica", "ScenarioEvent",
-           "RequestRecord",
-           "ReplicaStats", "Probe", "RunResult", "Harness", "make_requests", "requests_from_trace"]
+           "RequestRecord", "ReplicaStats", "Probe", "RunResult", "Harness", "make_requests", "requests_from_trace"]
 
 
 @dataclass(frozen=True, slots=True)
