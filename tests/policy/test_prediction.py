@@ -105,3 +105,30 @@ def test_first_rate_is_not_taken_from_one_short_interval() -> None:
     for step in range(1, 12):  # then one 96-token request every 0.1 s
         predictor.on_dispatch(0.0007 + step * 0.1, 96, queued_after=3)
     assert 800 < predictor.service_rate_per_s < 1100
+
+
+def test_predictions_are_scaled_by_the_waits_they_turned_out_to_be() -> None:
+    """Waits turn out half of what was predicted (a rate measured in a burst's fill trough): once
+    eight are reported, predictions halve, and a request the raw figure refused now queues."""
+    predictor = _measured(WorkUnit.REQUESTS, 4.0)
+    ahead, deadline_s = QueueAhead(24, 0), 4.5  # 24 ahead at 4/s: 6 s raw, past the deadline
+    assert predictor.predict(0.0, ahead, deadline_s).misses_deadline
+    for _ in range(7):
+        predictor.on_waited(6.0, 3.0)
+    assert predictor.correction == 1.0  # not from fewer than eight
+    predictor.on_waited(6.0, 3.0)
+    prediction = predictor.predict(0.0, ahead, deadline_s)
+    assert prediction.outcome is PredictionOutcome.MEETS_DEADLINE
+    assert prediction.predicted_wait_s == pytest.approx(3.0)
+    assert prediction.uncorrected_wait_s == pytest.approx(6.0)  # what the request reports when it leaves
+
+
+def test_the_correction_leans_towards_queueing() -> None:
+    """A lower quantile of the reported ratios than the median: a request refused that would have
+    made it is capacity lost, one queued that misses is refused at its deadline."""
+    predictor = _measured(WorkUnit.REQUESTS, 4.0)
+    for ratio in (0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.2):
+        predictor.on_waited(10.0, 10.0 * ratio)
+    assert predictor.correction == pytest.approx(0.6)
+    predictor.on_waited(0.0, 5.0)  # nothing was predicted: nothing to learn
+    assert predictor.correction == pytest.approx(0.6)

@@ -49,11 +49,11 @@ without it; a rule no scenario needs does not belong here):
    (`test_a_flooding_tenants_requests_sent_before_its_verdict_leave_the_others_room`).
 6. Deadlines: a queued request waits at most its tier's `max_queue_wait_s`, its client's timeout,
    or until its TTFT target less the replicas' fitted engine time for it; one the predicted
-   service rate cannot start by then is refused at once, on arrival. (Deadlines:
-   `test_queued_requests_are_refused_at_their_deadline_and_the_controller_asks_to_wake_then`. The
-   early refusal has no scenario yet that fails without it: `critical_burst` serves 433 within
-   target with it and 434 without; it carries over from the live refusal-latency fix, and must be
-   proven by a scenario or deleted.) Searching
+   service rate (corrected by the waits past predictions turned out to be, `policy.prediction`)
+   cannot start by then is refused at once, on arrival. (Deadlines:
+   `test_queued_requests_are_refused_at_their_deadline_and_the_controller_asks_to_wake_then`;
+   the early refusal: `critical_burst` refuses 67 % of what it refuses at arrival, FIFO none, all
+   at their deadline, 8 s later, with as many requests within target.) Searching
    the queue for such requests while they wait (`FairPriorityQueue.shed_hopeless`) refused ones
    that a burst's end let through: 20 fewer served in time than FIFO in `critical_burst`; removed.
 7. Routing among replicas that fit: the least predicted engine TTFT; routable (health, breaker);
@@ -287,7 +287,8 @@ class PoolController:
             return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_PREDICTED_MISS, prediction.retry_after_s)
         decision = self._queue.enqueue(now_s, request_id=request.request_id, tenant=request.tenant,  # type: ignore[arg-type]
                                        tier=tier.name, prompt_tokens=request.prompt_tokens,
-                                       expected_output_tokens=request.max_output_tokens, timeout_s=wait_s)
+                                       expected_output_tokens=request.max_output_tokens, timeout_s=wait_s,
+                                       predicted_wait_s=prediction.uncorrected_wait_s)
         displaced = tuple(self._refusal(now_s, item.request, item.reason.value) for item in decision.shed
                           if item.reason is ShedReason.DISPLACED)
         self._refusals += [self._refusal(now_s, item.request, item.reason.value) for item in decision.shed
@@ -424,6 +425,7 @@ class PoolController:
             taken = self._queue.dequeue(now_s, dequeue_skip).request
             assert taken is not None and taken.request_id == request.request_id
             self._predictor.on_dispatch(now_s, request.tokens, queued_after=len(self._queue))
+            self._predictor.on_waited(request.predicted_wait_s, now_s - request.enqueued_at_s)
             if self._shares is not None:
                 self._shares.on_dispatch(now_s, request.tier, request.tokens)
         rid = replica.config.replica_id

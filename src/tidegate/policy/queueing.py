@@ -56,6 +56,7 @@ class QueuedRequest(NamedTuple):  # built per request: a NamedTuple is cheap (ti
     expected_output_tokens: int  # charged to the tenant's fair share at dispatch; corrected later
     enqueued_at_s: float
     deadline_s: float  # dispatching at or after this is pointless: the request is shed instead
+    predicted_wait_s: float = 0.0  # the wait predictor's uncorrected figure at arrival (0: none)
 
     @property
     def tokens(self) -> int:
@@ -246,6 +247,7 @@ class FairPriorityQueue:
         prompt_tokens: int,
         expected_output_tokens: int,
         timeout_s: float | None = None,
+        predicted_wait_s: float = 0.0,
     ) -> EnqueueDecision:
         """Queues a request, or refuses it; returns whatever had to be shed (newcomer excluded)."""
         if request_id in self._by_id:
@@ -256,7 +258,8 @@ class FairPriorityQueue:
         if queue is None:
             raise ValueError(f"unknown tier {tier!r}")
         wait_s = queue.spec.max_queue_wait_s if timeout_s is None else min(queue.spec.max_queue_wait_s, timeout_s)
-        request = QueuedRequest(request_id, tenant, tier, prompt_tokens, expected_output_tokens, now_s, now_s + wait_s)
+        request = QueuedRequest(request_id, tenant, tier, prompt_tokens, expected_output_tokens, now_s, now_s + wait_s,
+                                predicted_wait_s)
         shed = list(self.expire(now_s))
         if wait_s <= 0:
             return EnqueueDecision(EnqueueOutcome.REJECTED_PAST_DEADLINE, request, tuple(shed))
