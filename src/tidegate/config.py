@@ -91,6 +91,8 @@ class ServerConfig(_Strict):
     metrics_api_key: SecretStr | None = None  # then /metrics needs this Bearer token, and no other
     metrics_port: int | None = Field(None, ge=0, le=65535)  # then /metrics is served there only
     metrics_host: str | None = None  # the metrics listener's address; default: `host`
+    # GET /status (a live HTML page) and /status.json, served where /metrics is, to whom it is
+    status_page: bool = True
 
     @model_validator(mode="after")
     def _metrics_listener_of_its_own(self) -> ServerConfig:

@@ -133,6 +133,8 @@ class EngineLoop:
         outputs = self._run_step()
         if self.slowdown > 1.0:
             time.sleep((self.slowdown - 1.0) * (time.perf_counter() - started_s))
+        if self._metrics is not None:  # a slowed engine's pause is part of its step
+            self._metrics.busy.inc(time.perf_counter() - started_s)
         return outputs
 
     def _run_step(self) -> list[StepOutput]:

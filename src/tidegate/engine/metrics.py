@@ -29,6 +29,8 @@ class EngineMetrics:
         )
         self.prompt_tokens = Counter("tidegate_engine_prompt_tokens", "Prompt tokens admitted", registry=r)
         self.generation_tokens = Counter("tidegate_engine_generation_tokens", "Tokens generated", registry=r)
+        # its rate is the engine's busy fraction, the analogue of a GPU's utilisation
+        self.busy = Counter("tidegate_engine_busy_seconds", "Wall time spent in model steps", registry=r)
         self.step_batch_size = Histogram(
             "tidegate_engine_step_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
         )

@@ -115,7 +115,8 @@ class Gateway:
         settings = ProxySettings(server.max_tokens_cap, server.first_byte_timeout_s, server.request_timeout_s,
                                  api_keys, metrics_key, metrics_on_main_port=server.metrics_port is None,
                                  whole_answer_timeout_s=server.whole_answer_timeout_s,
-                                 stream_idle_timeout_s=server.stream_idle_timeout_s)
+                                 stream_idle_timeout_s=server.stream_idle_timeout_s,
+                                 status_page=server.status_page)
         self.proxy = Proxy(self.pools, settings,
                            self.metrics, self.access_log, overload=self.overload)
         self.supervisor = WorkerSupervisor(workers)

@@ -208,6 +208,9 @@ class OverloadRuntime:
         self.metrics = metrics
         self.clock = clock
         self.bodies: dict[str, _PoolBody] = {}
+        self._ttft_targets_s = {tier.name: tier.ttft_target_s for tier in self.control.tiers}
+        for tier_name, target_s in self._ttft_targets_s.items():
+            metrics.ttft_target.labels(tier_name).set(target_s)
         for name, pool in pools.items():
             controller = self.control.pools[name].controller
             self.bodies[name] = _PoolBody(self, pool, controller)
@@ -326,6 +329,11 @@ class OverloadRuntime:
         body = self.bodies[ticket.pool]
         now_s = self.clock()
         body.controller.on_first_token(now_s, ticket.request_id)
+        ttft_s = now_s - ticket.arrived_s
+        metrics = self.metrics
+        metrics.of(metrics.ttft, ticket.pool, ticket.tier).observe(ttft_s)
+        outcome = "within_target" if ttft_s <= self._ttft_targets_s[ticket.tier] else "late"
+        metrics.of(metrics.first_tokens, ticket.pool, ticket.tier, outcome).inc()
         if body.waiting:
             body.pump(now_s)  # a finished prefill frees work budget
 

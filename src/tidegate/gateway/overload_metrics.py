@@ -17,6 +17,10 @@ from tidegate.policy.ttft_model import TtftFit
 __all__ = ["OverloadMetrics"]
 
 _WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
+# time to first token against tier targets of seconds to minutes (the alert compares its P99 with 1.2x
+# the target, so buckets lie close around the usual targets)
+_TTFT_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.6, 4.0, 5.0, 6.0, 7.5, 10.0, 12.0, 15.0, 20.0,
+                   30.0, 60.0, 120.0, 600.0)
 # rejections must be answered in milliseconds: fine buckets there
 _REJECTION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 1.0)
 
@@ -47,6 +51,14 @@ class OverloadMetrics:
         self.rejection_latency = Histogram("tidegate_overload_rejection_seconds",
                                            "Arrival to the answer of a request refused at admission",
                                            ["pool"], buckets=_REJECTION_BUCKETS_S, registry=r)
+        self.ttft = Histogram("tidegate_overload_time_to_first_token_seconds", "Streamed requests: arrival to "
+                              "their first token, by pool and tier", ["pool", "tier"], buckets=_TTFT_BUCKETS_S,
+                              registry=r)
+        self.first_tokens = Counter("tidegate_overload_first_tokens", "Streamed requests' first tokens, by "
+                                    "whether they came within their tier's TTFT target (outcome: within_target, "
+                                    "late): the latency SLO's events", ["pool", "tier", "outcome"], registry=r)
+        self.ttft_target = Gauge("tidegate_tier_ttft_target_seconds", "Each tier's time-to-first-token target",
+                                 ["tier"], registry=r)
         self.over_share = Gauge("tidegate_overload_tenants_over_share", "Tenants sending more than their fair "
                                 "share's over_share_factor (their tier's other tenants are protected meanwhile)",
                                 ["pool", "tier"], registry=r)

@@ -34,6 +34,7 @@ from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection, HttpRequest
 from tidegate.gateway.overload import OverloadRuntime, Ticket, extra_headers
 from tidegate.gateway.scrub import SecretScrubber, StreamScrubber, safe_content_type
+from tidegate.gateway.status import StatusPage
 from tidegate.gateway.upstream import Exchange, UpstreamFailure, UpstreamConnection
 from tidegate.gateway.validation import Endpoint, check_body, check_nesting
 from tidegate.policy.health import is_routable
@@ -52,7 +53,8 @@ _API_ROUTES = {
     b"/v1/completions": Endpoint.COMPLETIONS,
     b"/v1/embeddings": Endpoint.EMBEDDINGS,
 }
-_GET_ROUTES = frozenset((b"/health", b"/ready", b"/metrics", b"/v1/models"))
+_GET_ROUTES = frozenset((b"/health", b"/ready", b"/v1/models"))
+_OBSERVING_ROUTES = frozenset((b"/metrics", b"/status", b"/status.json"))
 _MODEL_PATH = b"/v1/models/"  # + a pool's name: one model object, as the SDK's models.retrieve asks
 _JSON = b"content-type: application/json\r\n"
 _STATUS_CLIENT_CLOSED = 499  # nginx's convention for "the client left first"
@@ -66,12 +68,12 @@ _FIRST_TOKEN = re.compile(rb'"(?:content|text|reasoning_content)"\s*:\s*"(?!")|"
 
 class ProxySettings:
     __slots__ = ("max_tokens_cap", "first_byte_timeout_s", "whole_answer_timeout_s", "stream_idle_timeout_s",
-                 "request_timeout_s", "api_keys", "metrics_key", "metrics_on_main_port")
+                 "request_timeout_s", "api_keys", "metrics_key", "metrics_on_main_port", "status_page")
 
     def __init__(self, max_tokens_cap: int, first_byte_timeout_s: float, request_timeout_s: float,
                  api_keys: frozenset[bytes], metrics_key: bytes | None = None,
                  metrics_on_main_port: bool = True, *, whole_answer_timeout_s: float | None = None,
-                 stream_idle_timeout_s: float | None = None) -> None:
+                 stream_idle_timeout_s: float | None = None, status_page: bool = True) -> None:
         self.max_tokens_cap = max_tokens_cap
         self.first_byte_timeout_s = first_byte_timeout_s  # stream: dispatch -> first event with output
         # not streamed: dispatch -> the answer's head (engines send it when the answer is complete)
@@ -83,6 +85,7 @@ class ProxySettings:
         # b"Bearer <key>" that alone opens /metrics; None: /metrics takes the API's keys (open without)
         self.metrics_key = metrics_key
         self.metrics_on_main_port = metrics_on_main_port  # False: only the metrics listener serves it
+        self.status_page = status_page  # /status and /status.json beside /metrics
 
 
 class Proxy:
@@ -102,7 +105,10 @@ class Proxy:
         cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "tidegate"} for name in pools}
         self._models_body = orjson.dumps({"object": "list", "data": list(cards.values())})
         self._model_bodies = {name: orjson.dumps(card) for name, card in cards.items()}
-        self._get_routes = _GET_ROUTES if settings.metrics_on_main_port else _GET_ROUTES - {b"/metrics"}
+        self.status = StatusPage(metrics.registry, pools, overload, clock) if settings.status_page else None
+        observing = _OBSERVING_ROUTES if self.status is not None else frozenset((b"/metrics",))
+        self._observing = observing  # served where /metrics is (the metrics listener, if any), to whom it is
+        self._get_routes = _GET_ROUTES | observing if settings.metrics_on_main_port else _GET_ROUTES
 
     # -- entry point (an HttpConnection's handler)
     async def handle(self, conn: HttpConnection, request: HttpRequest) -> None:
@@ -189,8 +195,8 @@ class Proxy:
             status = 200 if all(ready.values()) else 503
             conn.respond(status, headers, orjson.dumps({"ready": status == 200, "pools": ready}))
             return status
-        if path == b"/metrics":
-            return self._serve_metrics(conn, request, on_main_port=True)
+        if path in self._observing:
+            return self._serve_observing(conn, request, on_main_port=True)
         self._authenticate(request)
         if path == b"/v1/models":
             conn.respond(200, headers, self._models_body)
@@ -202,17 +208,27 @@ class Proxy:
         conn.respond(200, headers, body)
         return 200
 
-    def _serve_metrics(self, conn: HttpConnection, request: HttpRequest, on_main_port: bool) -> int:
-        """Its labels name replicas' host:port: with `metrics_api_key` only that key reads it; else,
-        on the main port, whatever key the API takes (open when the API is), on its own port anyone."""
+    def _serve_observing(self, conn: HttpConnection, request: HttpRequest, on_main_port: bool) -> int:
+        """/metrics, /status, /status.json. Their labels name replicas' host:port: with
+        `metrics_api_key` only that key reads them; else, on the main port, whatever key the API
+        takes (open when the API is), on their own port anyone."""
         key = self.settings.metrics_key
         if key is not None:
             if not hmac.compare_digest(request.authorization or b"", key):
-                raise AuthenticationError("/metrics needs the metrics key (send 'Authorization: Bearer <key>')")
+                raise AuthenticationError(f"{request.path.decode('latin-1')} needs the metrics key "
+                                          "(send 'Authorization: Bearer <key>')")
         elif on_main_port:
             self._authenticate(request)
         self._refresh_replica_gauges()
-        conn.respond(200, b"content-type: " + METRICS_CONTENT_TYPE + b"\r\n", self.metrics.render())
+        if request.path == b"/metrics":
+            conn.respond(200, b"content-type: " + METRICS_CONTENT_TYPE + b"\r\n", self.metrics.render())
+            return 200
+        assert self.status is not None
+        page, snapshot = self.status.render()
+        if request.path == b"/status.json":
+            conn.respond(200, _JSON, orjson.dumps(snapshot))
+        else:
+            conn.respond(200, b"content-type: text/html; charset=utf-8\r\ncache-control: no-store\r\n", page)
         return 200
 
     async def handle_metrics_listener(self, conn: HttpConnection, request: HttpRequest) -> None:
@@ -220,11 +236,11 @@ class Proxy:
         self._id_counter += 1
         request_id = request.request_id or b"%b-%x" % (self._id_prefix, self._id_counter)
         try:
-            if request.path != b"/metrics":
+            if request.path not in self._observing:
                 raise NotFoundError(f"no route {request.path.decode('latin-1')}", code="not_found")
             if request.method not in (b"GET", b"HEAD"):
-                raise MethodNotAllowedError("/metrics takes GET", allow="GET, HEAD")
-            self._serve_metrics(conn, request, on_main_port=False)
+                raise MethodNotAllowedError(f"{request.path.decode('latin-1')} takes GET", allow="GET, HEAD")
+            self._serve_observing(conn, request, on_main_port=False)
         except TidegateError as error:
             self._send_error(conn, error, request_id)
 
