@@ -330,10 +330,7 @@ class OverloadRuntime:
         now_s = self.clock()
         body.controller.on_first_token(now_s, ticket.request_id)
         ttft_s = now_s - ticket.arrived_s
-        metrics = self.metrics
-        metrics.of(metrics.ttft, ticket.pool, ticket.tier).observe(ttft_s)
-        outcome = "within_target" if ttft_s <= self._ttft_targets_s[ticket.tier] else "late"
-        metrics.of(metrics.first_tokens, ticket.pool, ticket.tier, outcome).inc()
+        self.metrics.first_tokens.observe(ticket.pool, ticket.tier, ttft_s, ttft_s <= self._ttft_targets_s[ticket.tier])
         if body.waiting:
             body.pump(now_s)  # a finished prefill frees work budget
 
