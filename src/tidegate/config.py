@@ -29,6 +29,7 @@ __all__ = [
     "ConfigError",
     "ServerConfig",
     "HealthConfig",
+    "AutoscaleConfig",
     "EmbeddedBackend",
     "UpstreamBackend",
     "PoolConfig",
@@ -162,9 +163,37 @@ class UpstreamBackend(_Strict):
 Backend = Annotated[Union[EmbeddedBackend, UpstreamBackend], Field(discriminator="type")]
 
 
+class AutoscaleConfig(_Strict):
+    """The pool's desired replica count, computed by the gateway (`policy.autoscale.Autoscaler`) and
+    exported as `tidegate_desired_replicas{pool}` for an actuator to follow (the Kubernetes HPA or
+    KEDA in deploy/kubernetes). List up to `max_replicas` backends: those not running are simply
+    not ready (docs/autoscaling.md, "Live")."""
+
+    min_replicas: int = Field(1, ge=1)
+    max_replicas: int = Field(8, ge=1)
+    slots_per_replica: int | None = Field(None, ge=1)  # default: the pool's largest slot_limit
+    target_utilisation: float = Field(0.7, gt=0, le=1)
+    stable_window_s: float = Field(60.0, gt=0)
+    panic_window_s: float = Field(6.0, gt=0)
+    scale_up_step: float = Field(0.25, gt=0)
+    scale_down_window_s: float = Field(300.0, ge=0)
+    queue_trigger: int = Field(100, ge=1)
+    latency_trigger: float = Field(1.2, gt=0)
+    tick_s: float = Field(5.0, gt=0)  # how often the gateway decides
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscaleConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError("autoscale: min_replicas must be <= max_replicas")
+        if self.panic_window_s > self.stable_window_s:
+            raise ValueError("autoscale: panic_window_s must be <= stable_window_s")
+        return self
+
+
 class PoolConfig(_Strict):
     name: str = Field(min_length=1)  # the `model` clients ask for
     backends: tuple[Backend, ...] = Field(min_length=1)
+    autoscale: AutoscaleConfig | None = None
 
 
 class GatewayConfig(_Strict):

@@ -51,11 +51,21 @@ def test_the_gateway_serves_what_its_pod_probes_and_exposes() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert container["args"][-1] == "/etc/tidegate/serve.yaml"
-    # every upstream the pool lists is a pod of the StatefulSet, by its stable name
+    # every upstream the pool lists is a pod of the StatefulSet by its stable name, up to the HPA's
+    # maximum, which is the autoscaler's; the HPA follows the metric the gateway exports for the pool
     statefulset = next(d for _, d in _documents() if d["kind"] == "StatefulSet")
+    hpa = next(d for _, d in _documents() if d["kind"] == "HorizontalPodAutoscaler")
+    (pool,) = config.pools
+    assert pool.autoscale is not None
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (pool.autoscale.min_replicas,
+                                                                        pool.autoscale.max_replicas)
+    assert hpa["spec"]["scaleTargetRef"]["name"] == statefulset["metadata"]["name"]
+    metric = hpa["spec"]["metrics"][0]["external"]
+    assert metric["metric"]["name"] == "tidegate_desired_replicas"
+    assert metric["metric"]["selector"]["matchLabels"] == {"pool": pool.name}
     names = {f"http://{statefulset['metadata']['name']}-{i}.{statefulset['spec']['serviceName']}:8000/v1"
-             for i in range(statefulset["spec"]["replicas"])}
-    assert {backend.url for pool in config.pools for backend in pool.backends} == names
+             for i in range(pool.autoscale.max_replicas)}
+    assert {backend.url for backend in pool.backends} == names
 
 
 def test_the_prometheus_rule_is_the_generated_copy_of_the_tested_alert_rules() -> None:

@@ -5,7 +5,8 @@ passes on the gateway's and an engine's scrape.
 The stack: two `tidegate engine` processes (tiny-random-llama) behind one pool with overload control
 and three tiers, a second pool of two mock upstreams of which one answers half its requests with a
 500 (upstream errors, retries), tenants on each tier plus one capped at a request a minute (rate
-limiting) and a sheddable tier that may queue nothing (preset replies under a burst)."""
+limiting) and a sheddable tier that may queue nothing (preset replies under a burst); the engines'
+pool autoscales (desired replicas exported)."""
 
 from __future__ import annotations
 
@@ -112,7 +113,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         config = {
             "server": {"port": port, "metrics_port": metrics_port, "access_log": False},
             "pools": [{"name": MODEL, "backends": [{"type": "upstream", "url": f"http://127.0.0.1:{p}/v1",
-                                                    "slot_limit": 4, "forward_priority": True} for p in engines]},
+                                                    "slot_limit": 4, "forward_priority": True} for p in engines],
+                       "autoscale": {"min_replicas": 1, "max_replicas": 4, "tick_s": 1, "stable_window_s": 5,
+                                     "panic_window_s": 2}},
                       {"name": "flaky", "backends": [{"type": "upstream", "url": f"http://127.0.0.1:{p}/v1"}
                                                      for p in mocks]}],
             "tenants": {"gold": {"api_keys": ["sk-gold"], "tier": "critical"},

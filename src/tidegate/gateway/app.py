@@ -19,6 +19,7 @@ from tidegate.gateway.overload import OverloadRuntime
 from tidegate.overload_config import build_policies
 from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.gateway.proxy import Proxy, ProxySettings
+from tidegate.gateway.scaling import ScaleLoop
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
 from tidegate.policy.health import BreakerPolicy
 from tidegate.policy.retry import RetryBudgetPolicy
@@ -117,8 +118,11 @@ class Gateway:
                                  whole_answer_timeout_s=server.whole_answer_timeout_s,
                                  stream_idle_timeout_s=server.stream_idle_timeout_s,
                                  status_page=server.status_page)
+        # autoscaling: desired replicas per pool, exported for the HPA/KEDA (gateway/scaling.py)
+        autoscaled = {pool.name: pool.autoscale for pool in config.pools if pool.autoscale is not None}
+        self.scaling = ScaleLoop(self.pools, autoscaled, self.metrics.registry, self.overload) if autoscaled else None
         self.proxy = Proxy(self.pools, settings,
-                           self.metrics, self.access_log, overload=self.overload)
+                           self.metrics, self.access_log, overload=self.overload, scaling=self.scaling)
         self.supervisor = WorkerSupervisor(workers)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
         # each request in flight holds an upstream connection: their descriptors are kept out of the cap
@@ -150,6 +154,8 @@ class Gateway:
         loop = asyncio.get_running_loop()
         await self.supervisor.start()
         await self.health_checker.start()
+        if self.scaling is not None:
+            await self.scaling.start()
         self.access_log.start()
         server = self.config.server
         max_body = server.max_body_bytes
@@ -185,6 +191,8 @@ class Gateway:
             if listener is not None:
                 listener.close()
         self.connections.stop()
+        if self.scaling is not None:
+            await self.scaling.stop()
         await self.health_checker.stop()
         await self.supervisor.stop()
         for pool in self.pools.values():

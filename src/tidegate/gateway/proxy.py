@@ -33,6 +33,7 @@ from tidegate.errors import (
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection, HttpRequest
 from tidegate.gateway.overload import OverloadRuntime, Ticket, extra_headers
+from tidegate.gateway.scaling import ScaleLoop
 from tidegate.gateway.scrub import SecretScrubber, StreamScrubber, safe_content_type
 from tidegate.gateway.status import StatusPage
 from tidegate.gateway.upstream import Exchange, UpstreamFailure, UpstreamConnection
@@ -91,7 +92,7 @@ class ProxySettings:
 class Proxy:
     def __init__(self, pools: dict[str, ModelPool], settings: ProxySettings, metrics: GatewayMetrics,
                  access_log: AccessLog, clock: Callable[[], float] = time.monotonic,
-                 overload: OverloadRuntime | None = None) -> None:
+                 overload: OverloadRuntime | None = None, scaling: ScaleLoop | None = None) -> None:
         self.pools = pools
         self.overload = overload  # None: FIFO queues, static slot limits, server.api_keys only
         self._ticket_ids = 0  # overload control's own request ids: clients may repeat x-request-id
@@ -105,7 +106,7 @@ class Proxy:
         cards = {name: {"id": name, "object": "model", "created": 0, "owned_by": "tidegate"} for name in pools}
         self._models_body = orjson.dumps({"object": "list", "data": list(cards.values())})
         self._model_bodies = {name: orjson.dumps(card) for name, card in cards.items()}
-        self.status = StatusPage(metrics.registry, pools, overload, clock) if settings.status_page else None
+        self.status = StatusPage(metrics.registry, pools, overload, clock, scaling) if settings.status_page else None
         observing = _OBSERVING_ROUTES if self.status is not None else frozenset((b"/metrics",))
         self._observing = observing  # served where /metrics is (the metrics listener, if any), to whom it is
         self._get_routes = _GET_ROUTES | observing if settings.metrics_on_main_port else _GET_ROUTES

@@ -66,10 +66,11 @@ class StatusPage:
     (the state it changes) to give last-minute percentiles."""
 
     def __init__(self, registry: CollectorRegistry, pools: Mapping[str, Any], overload: Any | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, scaling: Any | None = None) -> None:
         self._registry = registry
         self._pools = pools
         self._overload = overload
+        self._scaling = scaling  # gateway.scaling.ScaleLoop, when a pool autoscales
         self._clock = clock
         self._history: deque[_Histograms] = deque()
 
@@ -105,8 +106,11 @@ class StatusPage:
                         "ttft_p99_s": quantile_from_buckets(0.99, buckets),
                         "first_tokens": buckets[-1][1] if buckets else 0.0,
                     })
+            scaling = [{"seconds_ago": now_s - record.at_s, "ready": record.ready, "desired": record.desired,
+                        "layer": record.layer, "reason": record.reason}
+                       for record in reversed(self._scaling.history(name))] if self._scaling is not None else []
             pools.append({"pool": name, "queued": len(pool.queue) if controller is None else controller.queued,
-                          "replicas": replicas, "tiers": tiers})
+                          "replicas": replicas, "tiers": tiers, "scaling": scaling})
         return {"pools": pools, "window_s": WINDOW_S,
                 "answered": self._totals("tidegate_requests_total", "pool", "status"),
                 "refused": self._totals("tidegate_overload_rejections_total", "pool", "reason"),
@@ -218,6 +222,10 @@ def _html(snapshot: dict) -> str:
                       "work budget (tokens)", "engine running + waiting", "KV cache"), replica_rows)
             + (_table(("tier", "queued", "TTFT P50", "TTFT P99", "target", "P99 against target (line)",
                        "first tokens"), tier_rows) if tier_rows else "")
+            + (_table(("scaling decision", "ready then", "desired", "layer", "why"), [
+                f"<tr><td>{d['seconds_ago']:.0f} s ago</td><td>{d['ready']}</td><td>{d['desired']}</td>"
+                f"<td>{html.escape(d['layer'])}</td><td>{html.escape(d['reason'])}</td></tr>"
+                for d in pool["scaling"][:8]]) if pool["scaling"] else "")
             + "</section>")
 
     def counts(title: str, rows: list[dict], metric: str, label: str) -> str:

@@ -110,6 +110,14 @@ ROWS: tuple[Row, ...] = (
         _p("Engine batch per step P50", "short",
            (_quantile(0.5, "tidegate_engine_step_batch_size", "instance", ""), "{{instance}}")),
     )),
+    Row("Scaling", (
+        _p("Replicas: desired by the autoscaler, and ready", "short",
+           (f"max by (pool) (tidegate_desired_replicas{{{POOL}}})", "desired {{pool}}"),
+           (f"max by (pool) (tidegate_replicas_ready{{{POOL}}})", "ready {{pool}}"),
+           description="Pools with `autoscale` configured; the HPA or KEDA follows desired"),
+        _p("Scaling decisions by layer", "short",
+           (f"sum by (layer) (increase(tidegate_autoscale_decisions_total{{{POOL}}}[{RATE}]))", "{{layer}}")),
+    )),
     Row("Failures", (
         _p("Upstream errors by kind", "reqps",
            (f"sum by (kind) (rate(tidegate_upstream_errors_total{{{POOL}}}[{RATE}]))", "{{kind}}")),

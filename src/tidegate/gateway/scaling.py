@@ -1,0 +1,196 @@
+"""The autoscaler, live: every `tick_s` each pool with `autoscale` configured turns what the gateway
+sees into `ScaleSignals`, asks its `policy.autoscale.Autoscaler`, and exports the answer as
+`tidegate_desired_replicas{pool}` beside `tidegate_replicas_ready{pool}` (the names the simulator's
+reports use), for an actuator to follow: the Kubernetes HPA or KEDA on that metric
+(deploy/kubernetes/hpa.yaml). The same policy object the simulator drives (`sim.scaling`).
+
+Signals, from the gateway alone: ready = replicas taking traffic (health and breaker); starting =
+replicas the last decision asked for that are not ready yet; in flight = requests held by
+replicas; queued = the pool's queue; arrivals and refusals since the last tick from the gateway's
+own counters; the worst tier's P99 time to first token over the tick against its target. The pool
+lists up to `max_replicas` backends: one that is not running is just not ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from tidegate.config import AutoscaleConfig
+from tidegate.gateway.dispatch import ModelPool
+from tidegate.gateway.status import quantile_from_buckets
+from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, ScaleDecision, ScaleSignals
+from tidegate.policy.health import is_routable
+
+__all__ = ["ScaleLoop", "ScaleRecord", "autoscale_settings"]
+
+log = logging.getLogger("tidegate.scaling")
+
+HISTORY = 20  # decisions kept per pool for the status page
+
+
+def autoscale_settings(config: AutoscaleConfig, pool: ModelPool) -> AutoscaleSettings:
+    slots = config.slots_per_replica or max(replica.slot_limit for replica in pool.replicas)
+    return AutoscaleSettings(slots, min_replicas=config.min_replicas, max_replicas=config.max_replicas,
+                             target_utilisation=config.target_utilisation, stable_window_s=config.stable_window_s,
+                             panic_window_s=config.panic_window_s, scale_up_step=config.scale_up_step,
+                             scale_down_window_s=config.scale_down_window_s, queue_trigger=config.queue_trigger,
+                             latency_trigger=config.latency_trigger)
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleRecord:
+    """A decision that changed the desired count, for the status page and the log."""
+
+    at_s: float
+    ready: int
+    desired: int
+    layer: str
+    reason: str
+
+
+class _PoolScaling:
+    def __init__(self, pool: ModelPool, config: AutoscaleConfig) -> None:
+        self.pool = pool
+        self.autoscaler = Autoscaler(autoscale_settings(config, pool))
+        self.desired: int | None = None
+        self.arrived = 0.0  # the gateway's counters at the previous tick
+        self.refused = 0.0
+        self.ttft: dict[str, list[tuple[float, float]]] = {}  # tier -> cumulative buckets at the previous tick
+        self.history: deque[ScaleRecord] = deque(maxlen=HISTORY)
+
+
+class ScaleLoop:
+    def __init__(self, pools: Mapping[str, ModelPool], configs: Mapping[str, AutoscaleConfig],
+                 registry: CollectorRegistry, overload: Any | None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._registry = registry
+        self._overload = overload
+        self._clock = clock
+        self._pools = {name: _PoolScaling(pools[name], config) for name, config in configs.items()}
+        self._tick_s = min((config.tick_s for config in configs.values()), default=5.0)
+        self.desired = Gauge("tidegate_desired_replicas", "Replicas the pool's autoscaler wants (for the HPA or "
+                             "KEDA to follow)", ["pool"], registry=registry)
+        self.ready = Gauge("tidegate_replicas_ready", "Replicas taking traffic", ["pool"], registry=registry)
+        self.decisions = Counter("tidegate_autoscale_decisions", "Changes of the desired replicas, by the layer "
+                                 "that decided (reactive, trigger, panic, predictive, bounds)", ["pool", "layer"],
+                                 registry=registry)
+        self._task: asyncio.Task | None = None
+
+    def history(self, pool: str) -> tuple[ScaleRecord, ...]:
+        scaling = self._pools.get(pool)
+        return tuple(scaling.history) if scaling is not None else ()
+
+    async def start(self) -> None:
+        now_s = self._clock()
+        for name, scaling in self._pools.items():  # counters from now: what came before is not this tick's
+            scaling.arrived, scaling.refused = self._counts(name)
+            self.ready.labels(name).set(self._ready(scaling.pool, now_s))
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._tick_s)
+            try:
+                self.tick(self._clock())
+            except Exception:  # a failed decision must not stop the next ones
+                log.exception("autoscaling tick failed")
+
+    def tick(self, now_s: float) -> None:
+        """Decides every pool's size once (changes the autoscalers' state and the gauges)."""
+        arrivals = self._sample_sums("tidegate_overload_admissions_total" if self._overload is not None
+                                     else "tidegate_requests_total")
+        refusals = self._sample_sums("tidegate_overload_rejections_total" if self._overload is not None
+                                     else "tidegate_requests_total", refused_only=self._overload is None)
+        for name, scaling in self._pools.items():
+            pool = scaling.pool
+            ready = self._ready(pool, now_s)
+            arrived, refused = arrivals.get(name, 0.0), refusals.get(name, 0.0)
+            signals = ScaleSignals(now_s, ready=ready, starting=max(0, (scaling.desired or ready) - ready),
+                                   in_flight=sum(replica.outstanding for replica in pool.replicas),
+                                   queued=self._queued(name, pool), arrivals=int(arrived - scaling.arrived),
+                                   refused=int(refused - scaling.refused), ttft_ratio=self._take_ttft_ratio(name, scaling))
+            scaling.arrived, scaling.refused = arrived, refused
+            decision = scaling.autoscaler.on_tick(signals)
+            self.ready.labels(name).set(ready)
+            self.desired.labels(name).set(decision.desired)
+            if decision.desired != scaling.desired:
+                self._record(name, scaling, now_s, ready, decision)
+            scaling.desired = decision.desired
+
+    def _record(self, name: str, scaling: _PoolScaling, now_s: float, ready: int, decision: ScaleDecision) -> None:
+        scaling.history.append(ScaleRecord(now_s, ready, decision.desired, decision.layer.value, decision.reason))
+        self.decisions.labels(name, decision.layer.value).inc()
+        log.info("desired replicas", extra={"fields": {"pool": name, "ready": ready, "desired": decision.desired,
+                                                       "was": scaling.desired, "layer": decision.layer.value,
+                                                       "reason": decision.reason}})
+
+    @staticmethod
+    def _ready(pool: ModelPool, now_s: float) -> int:
+        return sum(1 for replica in pool.replicas if is_routable(replica.health, replica.breaker, now_s))
+
+    def _queued(self, name: str, pool: ModelPool) -> int:
+        if self._overload is not None:
+            return self._overload.bodies[name].controller.queued
+        return len(pool.queue)
+
+    def _counts(self, name: str) -> tuple[float, float]:
+        overload = self._overload is not None
+        arrivals = self._sample_sums("tidegate_overload_admissions_total" if overload else "tidegate_requests_total")
+        refusals = self._sample_sums("tidegate_overload_rejections_total" if overload else "tidegate_requests_total",
+                                     refused_only=not overload)
+        return arrivals.get(name, 0.0), refusals.get(name, 0.0)
+
+    def _sample_sums(self, sample_name: str, refused_only: bool = False) -> dict[str, float]:
+        """A counter's value summed by pool (FIFO's refusals: its 429 and 503 answers)."""
+        sums: dict[str, float] = {}
+        family_name = sample_name.removesuffix("_total")
+        for family in self._registry.collect():
+            if family.name != family_name:
+                continue
+            for sample in family.samples:
+                if sample.name != sample_name:
+                    continue
+                if refused_only and sample.labels.get("status") not in ("429", "503"):
+                    continue
+                pool = sample.labels.get("pool", "")
+                sums[pool] = sums.get(pool, 0.0) + sample.value
+        return sums
+
+    def _take_ttft_ratio(self, name: str, scaling: _PoolScaling) -> float | None:
+        """The worst tier's P99 time to first token since the last tick over its target (None: no first
+        token); keeps this tick's counts for the next (changes state)."""
+        if self._overload is None:
+            return None
+        targets = {tier.name: tier.ttft_target_s for tier in self._overload.control.tiers}
+        current: dict[str, list[tuple[float, float]]] = {}
+        for family in self._registry.collect():
+            if family.name != "tidegate_overload_time_to_first_token_seconds":
+                continue
+            for sample in family.samples:
+                if sample.name.endswith("_bucket") and sample.labels.get("pool") == name:
+                    current.setdefault(sample.labels["tier"], []).append((float(sample.labels["le"]), sample.value))
+        worst: float | None = None
+        for tier, buckets in current.items():
+            before = dict(scaling.ttft.get(tier, []))
+            recent = [(bound, count - before.get(bound, 0.0)) for bound, count in buckets]
+            p99 = quantile_from_buckets(0.99, recent)
+            if not math.isnan(p99) and tier in targets:
+                ratio = p99 / targets[tier]
+                worst = ratio if worst is None else max(worst, ratio)
+        scaling.ttft = current
+        return worst

@@ -1,0 +1,99 @@
+"""The autoscaler in a running gateway: desired replicas rise under load past the ready fleet and
+fall back after it, exported as tidegate_desired_replicas beside tidegate_replicas_ready, with the
+decisions on the status page. The pool lists three backends of which one runs (the others are
+replicas an actuator has not started: not ready)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from support import ManagedProcess, free_port, start_process, tidegate_argv  # noqa: E402
+
+
+def _gauges(url: str, name: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {sample.labels["pool"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name}
+
+
+def _wait_for(check, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    processes: list[ManagedProcess] = []
+    try:
+        mock = free_port()
+        processes.append(start_process(tidegate_argv("mock-upstream", "--port", str(mock), "--tokens", "8",
+                                                     "--ttft-ms", "400", "--itl-ms", "20"),
+                                       ready_url=f"http://127.0.0.1:{mock}/health", timeout_s=30))
+        port = free_port()
+        backends = [{"type": "upstream", "url": f"http://127.0.0.1:{p}/v1", "slot_limit": 2}
+                    for p in (mock, free_port(), free_port())]
+        config = {"server": {"port": port, "access_log": False},
+                  "health": {"interval_s": 0.5},
+                  "pools": [{"name": "m", "backends": backends,
+                             "autoscale": {"min_replicas": 1, "max_replicas": 3, "tick_s": 0.5,
+                                           "stable_window_s": 2, "panic_window_s": 1, "scale_down_window_s": 2}}]}
+        path = tmp_path_factory.mktemp("scaling") / "gateway.yaml"
+        path.write_text(yaml.safe_dump(config))
+        processes.append(start_process(tidegate_argv("serve", "--config", str(path)),
+                                       ready_url=f"http://127.0.0.1:{port}/ready", timeout_s=30))
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+def test_desired_replicas_rise_under_load_and_fall_after_it(gateway: str) -> None:
+    assert _wait_for(lambda: _gauges(gateway, "tidegate_replicas_ready").get("m") == 1.0, 10)
+    assert _gauges(gateway, "tidegate_desired_replicas")["m"] == 1.0  # idle: the minimum
+    stop = time.monotonic() + 6.0
+
+    def load() -> None:
+        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=30)
+        for _ in range(100):  # bounded in count and time
+            if time.monotonic() > stop:
+                return
+            try:
+                for _chunk in client.chat.completions.create(model="m", max_tokens=8, stream=True,
+                                                             messages=[{"role": "user", "content": "hi"}]):
+                    pass
+            except openai.APIError:
+                pass
+
+    threads = [threading.Thread(target=load) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        # eight clients on one ready replica of two slots: demand 8 over 2 x 0.7 asks for the maximum
+        assert _wait_for(lambda: _gauges(gateway, "tidegate_desired_replicas")["m"] == 3.0, 6), \
+            _gauges(gateway, "tidegate_desired_replicas")
+        assert _gauges(gateway, "tidegate_replicas_ready")["m"] == 1.0
+    finally:
+        for thread in threads:
+            thread.join(timeout=40)
+    assert _wait_for(lambda: _gauges(gateway, "tidegate_desired_replicas")["m"] == 1.0, 15)  # scaled in after its window
+    with urllib.request.urlopen(f"{gateway}/status.json", timeout=10) as response:
+        decisions = json.loads(response.read())["pools"][0]["scaling"]
+    assert [d["desired"] for d in decisions][:1] == [1] and any(d["desired"] == 3 for d in decisions), decisions
