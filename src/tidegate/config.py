@@ -213,6 +213,12 @@ class GatewayConfig(_Strict):
         duplicates = sorted({name for name in names if names.count(name) > 1})
         if duplicates:
             raise ValueError(f"pool names must be unique; repeated: {', '.join(duplicates)}")
+        for pool in self.pools:  # an embedded pool's workers are what its autoscaler can start
+            if pool.autoscale is not None and all(isinstance(b, EmbeddedBackend) for b in pool.backends):
+                workers = sum(b.count for b in pool.backends if isinstance(b, EmbeddedBackend))
+                if pool.autoscale.max_replicas > workers:
+                    raise ValueError(f"pool {pool.name!r}: autoscale.max_replicas ({pool.autoscale.max_replicas}) "
+                                     f"is more than its {workers} embedded workers")
         for pool, ladder in self.degradation.pools.items():
             for name in (pool, ladder.fallback_pool):
                 if name is not None and name not in names:

@@ -22,6 +22,9 @@ class ReplicaHealth(Enum):
     UNKNOWN = "unknown"
     HEALTHY = "healthy"
     UNHEALTHY = "unhealthy"
+    # set by an autoscaling actuator, never by health checks: finishing what it holds before it stops
+    DRAINING = "draining"
+    STOPPED = "stopped"  # not running (scaled in, or not started yet): not a failure
 
 
 @dataclass(frozen=True, slots=True)

@@ -145,3 +145,15 @@ def test_an_upstreams_load_gauges_are_read_from_its_metrics_path(metrics_path: s
     replica = _upstream_replica("m", 0, backend, connect_timeout_s=1.0)
     assert replica.scrape_url == scrape_url
     assert replica.health_url == "http://10.0.0.5:8000/health"
+
+
+def test_autoscale_parses_and_an_embedded_pool_cannot_want_more_workers_than_it_has() -> None:
+    pool = ("pools:\n  - name: m\n    autoscale: {min_replicas: 1, max_replicas: %d}\n"
+            "    backends:\n      - {type: embedded, model: tiny-random-llama, count: 2}\n")
+    config = parse_config(pool % 2, environ={})
+    assert config.pools[0].autoscale is not None and config.pools[0].autoscale.max_replicas == 2
+    with pytest.raises(ConfigError, match="max_replicas \\(3\\) is more than its 2 embedded workers"):
+        parse_config(pool % 3, environ={})
+    with pytest.raises(ConfigError, match="min_replicas must be <= max_replicas"):
+        parse_config("pools:\n  - name: m\n    autoscale: {min_replicas: 3, max_replicas: 2}\n"
+                     "    backends:\n      - {type: upstream, url: 'http://127.0.0.1:9/v1'}\n", environ={})

@@ -65,6 +65,9 @@ def parse_engine_load(text: str) -> ReplicaLoad:
                        kv_cache_usage=found["kv"])
 
 
+_ACTUATED = (ReplicaHealth.DRAINING, ReplicaHealth.STOPPED)
+
+
 class HealthChecker:
     def __init__(self, replicas: list[CheckedReplica], interval_s: float, timeout_s: float,
                  on_change: Callable[[], None]) -> None:
@@ -89,6 +92,8 @@ class HealthChecker:
 
     async def check_once(self, replica: CheckedReplica) -> None:
         assert self._session is not None and replica.health_url
+        if replica.health in _ACTUATED:
+            return  # an actuator drains or stopped it: its checks must not send it traffic again
         healthy = False
         try:
             async with self._session.get(replica.health_url) as response:
@@ -100,6 +105,8 @@ class HealthChecker:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             pass
         new_health = ReplicaHealth.HEALTHY if healthy else ReplicaHealth.UNHEALTHY
+        if replica.health in _ACTUATED:  # drained or stopped while this check was out
+            return
         if new_health is not replica.health:
             if replica.health is not ReplicaHealth.UNKNOWN or healthy:
                 log.info("replica health changed", extra={"fields": {

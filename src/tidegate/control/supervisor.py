@@ -1,4 +1,5 @@
-"""Keeps local worker processes running: start, restart on crash with backoff, stop with the gateway.
+"""Keeps local worker processes running: start, restart on crash with backoff, stop with the gateway;
+and starts or stops one on request (`start_worker`, `stop_worker`: the local autoscaling actuator).
 
 Stopping sends SIGTERM, then SIGKILL after a timeout. On Linux each child also asks the kernel for
 SIGTERM when the gateway dies, so a killed gateway leaves no orphan workers.
@@ -36,14 +37,15 @@ class WorkerSpec:
 
 class WorkerSupervisor:
     def __init__(self, specs: list[WorkerSpec], stop_timeout_s: float = 10.0, first_backoff_s: float = 0.5,
-                 max_backoff_s: float = 30.0, stable_after_s: float = 30.0) -> None:
+                 max_backoff_s: float = 30.0, stable_after_s: float = 30.0, held: frozenset[str] = frozenset()) -> None:
         self.specs = specs
+        self._held = held  # workers `start` leaves stopped, for `start_worker` to start later
         self._stop_timeout_s = stop_timeout_s
         self._first_backoff_s = first_backoff_s
         self._max_backoff_s = max_backoff_s
         self._stable_after_s = stable_after_s  # a run this long resets the backoff
         self._processes: dict[str, asyncio.subprocess.Process] = {}
-        self._tasks: list[asyncio.Task[None]] = []
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
         self.restarts: dict[str, int] = {spec.name: 0 for spec in specs}
 
@@ -52,8 +54,33 @@ class WorkerSupervisor:
         return process.pid if process is not None and process.returncode is None else None
 
     async def start(self) -> None:
-        loop = asyncio.get_running_loop()
-        self._tasks = [loop.create_task(self._keep_running(spec)) for spec in self.specs]
+        for spec in self.specs:
+            if spec.name not in self._held:
+                self._launch(spec)
+
+    def _launch(self, spec: WorkerSpec) -> None:
+        self._tasks[spec.name] = asyncio.get_running_loop().create_task(self._keep_running(spec))
+
+    def running(self, name: str) -> bool:
+        """Kept running (started, or restarting after a crash), not stopped."""
+        task = self._tasks.get(name)
+        return task is not None and not task.done()
+
+    async def start_worker(self, name: str) -> None:
+        """Starts a stopped worker and keeps it running (nothing if it runs)."""
+        if not self.running(name) and not self._stopping:
+            self._launch(next(spec for spec in self.specs if spec.name == name))
+
+    async def stop_worker(self, name: str) -> None:
+        """Stops one worker for good (until `start_worker`): SIGTERM, SIGKILL after the timeout."""
+        task = self._tasks.pop(name, None)
+        if task is not None:
+            task.cancel()
+        process = self._processes.pop(name, None)
+        if process is not None and process.returncode is None:
+            await self._terminate([process])
+        if task is not None:
+            await asyncio.gather(task, return_exceptions=True)
 
     async def _keep_running(self, spec: WorkerSpec) -> None:
         loop = asyncio.get_running_loop()
@@ -82,9 +109,12 @@ class WorkerSupervisor:
 
     async def stop(self) -> None:
         self._stopping = True
-        for task in self._tasks:
+        for task in self._tasks.values():
             task.cancel()
-        running = [p for p in self._processes.values() if p.returncode is None]
+        await self._terminate([p for p in self._processes.values() if p.returncode is None])
+        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+
+    async def _terminate(self, running: list[asyncio.subprocess.Process]) -> None:
         for process in running:
             try:
                 process.send_signal(signal.SIGTERM)
@@ -100,4 +130,3 @@ class WorkerSupervisor:
                 except ProcessLookupError:
                     pass
                 await process.wait()
-        await asyncio.gather(*self._tasks, return_exceptions=True)

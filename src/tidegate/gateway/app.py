@@ -19,12 +19,13 @@ from tidegate.gateway.overload import OverloadRuntime
 from tidegate.overload_config import build_policies
 from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.gateway.proxy import Proxy, ProxySettings
-from tidegate.gateway.scaling import ScaleLoop
+from tidegate.gateway.scaling import LocalActuator, ScaleLoop
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
 from tidegate.policy.health import BreakerPolicy
 from tidegate.policy.retry import RetryBudgetPolicy
 from tidegate.telemetry.logs import AccessLog
 from tidegate.telemetry.metrics import GatewayMetrics
+from tidegate.types import ReplicaHealth
 
 __all__ = ["Gateway"]
 
@@ -118,12 +119,24 @@ class Gateway:
                                  whole_answer_timeout_s=server.whole_answer_timeout_s,
                                  stream_idle_timeout_s=server.stream_idle_timeout_s,
                                  status_page=server.status_page)
-        # autoscaling: desired replicas per pool, exported for the HPA/KEDA (gateway/scaling.py)
+        # autoscaling: desired replicas per pool, exported for the HPA/KEDA (gateway/scaling.py); an
+        # embedded pool's workers follow it here, starting with `min_replicas` of them
         autoscaled = {pool.name: pool.autoscale for pool in config.pools if pool.autoscale is not None}
-        self.scaling = ScaleLoop(self.pools, autoscaled, self.metrics.registry, self.overload) if autoscaled else None
+        local = [p for p in config.pools if p.autoscale is not None
+                 and all(isinstance(b, EmbeddedBackend) for b in p.backends)]
+        held: set[str] = set()
+        for pool_config in local:
+            assert pool_config.autoscale is not None
+            for replica in self.pools[pool_config.name].replicas[pool_config.autoscale.min_replicas:]:
+                replica.health = ReplicaHealth.STOPPED
+                held.add(replica.replica_id)
+        self.supervisor = WorkerSupervisor(workers, held=frozenset(held))
+        actuators = {p.name: LocalActuator(self.pools[p.name], self.supervisor, self._wake_pools,
+                                           drain_timeout_s=server.request_timeout_s) for p in local}
+        self.scaling = ScaleLoop(self.pools, autoscaled, self.metrics.registry, self.overload,
+                                 actuators=actuators) if autoscaled else None
         self.proxy = Proxy(self.pools, settings,
                            self.metrics, self.access_log, overload=self.overload, scaling=self.scaling)
-        self.supervisor = WorkerSupervisor(workers)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
         # each request in flight holds an upstream connection: their descriptors are kept out of the cap
         open_file_limit = raise_open_file_limit()

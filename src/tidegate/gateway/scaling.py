@@ -30,8 +30,9 @@ from tidegate.gateway.dispatch import ModelPool
 from tidegate.gateway.status import quantile_from_buckets
 from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, ScaleDecision, ScaleSignals
 from tidegate.policy.health import is_routable
+from tidegate.types import ReplicaHealth
 
-__all__ = ["ScaleLoop", "ScaleRecord", "autoscale_settings"]
+__all__ = ["ScaleLoop", "ScaleRecord", "LocalActuator", "autoscale_settings"]
 
 log = logging.getLogger("tidegate.scaling")
 
@@ -58,6 +59,58 @@ class ScaleRecord:
     reason: str
 
 
+class LocalActuator:
+    """Makes an embedded pool's running workers follow the desired count: starts stopped workers (the
+    gateway's supervisor), and drains before it stops: a replica leaving takes no new request
+    (`ReplicaHealth.DRAINING`), and its process is stopped once it holds none, so no request is
+    aborted by a scale-in. The most recently started go first; the last routable replica never."""
+
+    def __init__(self, pool: ModelPool, supervisor: Any, wake: Callable[[], None],
+                 drain_timeout_s: float = 600.0) -> None:
+        self._pool = pool
+        self._supervisor = supervisor
+        self._wake = wake  # tells the pool's dispatch (and controller) that health changed
+        self._drain_timeout_s = drain_timeout_s
+        self._tasks: set[asyncio.Task] = set()
+
+    def starting(self) -> int:
+        """Workers started and not yet answering their health check."""
+        return sum(1 for replica in self._pool.replicas if replica.health is ReplicaHealth.UNKNOWN)
+
+    def apply(self, desired: int) -> None:
+        """Starts or drains workers towards `desired` (changes state: health, processes)."""
+        replicas = self._pool.replicas
+        kept = [r for r in replicas if r.health not in (ReplicaHealth.STOPPED, ReplicaHealth.DRAINING)]
+        if desired > len(kept):
+            for replica in [r for r in replicas if r.health is ReplicaHealth.STOPPED][:desired - len(kept)]:
+                replica.health = ReplicaHealth.UNKNOWN  # its health checks take it from here
+                self._spawn(self._supervisor.start_worker(replica.replica_id))
+        elif desired < len(kept):
+            for replica in list(reversed(kept))[:len(kept) - desired]:
+                if sum(1 for r in kept if r.health is ReplicaHealth.HEALTHY and r is not replica) == 0:
+                    break  # never the last replica that serves
+                replica.health = ReplicaHealth.DRAINING
+                kept.remove(replica)
+                self._spawn(self._drain(replica))
+            self._wake()
+
+    async def _drain(self, replica: Any) -> None:
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + self._drain_timeout_s
+        while replica.outstanding > 0 and loop.time() < deadline_s:
+            await asyncio.sleep(0.05)
+        await self._supervisor.stop_worker(replica.replica_id)
+        replica.health = ReplicaHealth.STOPPED
+        log.info("replica stopped", extra={"fields": {"replica": replica.replica_id,
+                                                      "still_held": replica.outstanding}})
+        self._wake()
+
+    def _spawn(self, work: Any) -> None:
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
 class _PoolScaling:
     def __init__(self, pool: ModelPool, config: AutoscaleConfig) -> None:
         self.pool = pool
@@ -71,7 +124,9 @@ class _PoolScaling:
 
 class ScaleLoop:
     def __init__(self, pools: Mapping[str, ModelPool], configs: Mapping[str, AutoscaleConfig],
-                 registry: CollectorRegistry, overload: Any | None, clock: Callable[[], float] = time.monotonic) -> None:
+                 registry: CollectorRegistry, overload: Any | None, clock: Callable[[], float] = time.monotonic,
+                 actuators: Mapping[str, LocalActuator] | None = None) -> None:
+        self._actuators = dict(actuators or {})  # pools whose workers the gateway starts and stops itself
         self._registry = registry
         self._overload = overload
         self._clock = clock
@@ -120,7 +175,9 @@ class ScaleLoop:
             pool = scaling.pool
             ready = self._ready(pool, now_s)
             arrived, refused = arrivals.get(name, 0.0), refusals.get(name, 0.0)
-            signals = ScaleSignals(now_s, ready=ready, starting=max(0, (scaling.desired or ready) - ready),
+            actuator = self._actuators.get(name)
+            starting = actuator.starting() if actuator is not None else max(0, (scaling.desired or ready) - ready)
+            signals = ScaleSignals(now_s, ready=ready, starting=starting,
                                    in_flight=sum(replica.outstanding for replica in pool.replicas),
                                    queued=self._queued(name, pool), arrivals=int(arrived - scaling.arrived),
                                    refused=int(refused - scaling.refused), ttft_ratio=self._take_ttft_ratio(name, scaling))
@@ -131,6 +188,8 @@ class ScaleLoop:
             if decision.desired != scaling.desired:
                 self._record(name, scaling, now_s, ready, decision)
             scaling.desired = decision.desired
+            if actuator is not None:
+                actuator.apply(decision.desired)
 
     def _record(self, name: str, scaling: _PoolScaling, now_s: float, ready: int, decision: ScaleDecision) -> None:
         scaling.history.append(ScaleRecord(now_s, ready, decision.desired, decision.layer.value, decision.reason))
