@@ -180,6 +180,9 @@ class AutoscaleConfig(_Strict):
     queue_trigger: int = Field(100, ge=1)
     latency_trigger: float = Field(1.2, gt=0)
     tick_s: float = Field(5.0, gt=0)  # how often the gateway decides
+    # embedded pools: workers kept loaded and out of traffic, taken at once by a scale-out (seconds
+    # instead of a cold start) and refilled in the background
+    standby: int = Field(0, ge=0)
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleConfig:
@@ -216,8 +219,9 @@ class GatewayConfig(_Strict):
         for pool in self.pools:  # an embedded pool's workers are what its autoscaler can start
             if pool.autoscale is not None and all(isinstance(b, EmbeddedBackend) for b in pool.backends):
                 workers = sum(b.count for b in pool.backends if isinstance(b, EmbeddedBackend))
-                if pool.autoscale.max_replicas > workers:
-                    raise ValueError(f"pool {pool.name!r}: autoscale.max_replicas ({pool.autoscale.max_replicas}) "
+                wanted = pool.autoscale.max_replicas + pool.autoscale.standby
+                if wanted > workers:
+                    raise ValueError(f"pool {pool.name!r}: autoscale.max_replicas + standby ({wanted}) "
                                      f"is more than its {workers} embedded workers")
         for pool, ladder in self.degradation.pools.items():
             for name in (pool, ladder.fallback_pool):

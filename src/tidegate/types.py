@@ -25,6 +25,8 @@ class ReplicaHealth(Enum):
     # set by an autoscaling actuator, never by health checks: finishing what it holds before it stops
     DRAINING = "draining"
     STOPPED = "stopped"  # not running (scaled in, or not started yet): not a failure
+    WARMING = "warming"  # started as a warm standby, loading: its first good health check makes it STANDBY
+    STANDBY = "standby"  # loaded and answering, held out of traffic until a scale-out takes it
 
 
 @dataclass(frozen=True, slots=True)

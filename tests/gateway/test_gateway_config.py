@@ -152,7 +152,7 @@ def test_autoscale_parses_and_an_embedded_pool_cannot_want_more_workers_than_it_
             "    backends:\n      - {type: embedded, model: tiny-random-llama, count: 2}\n")
     config = parse_config(pool % 2, environ={})
     assert config.pools[0].autoscale is not None and config.pools[0].autoscale.max_replicas == 2
-    with pytest.raises(ConfigError, match="max_replicas \\(3\\) is more than its 2 embedded workers"):
+    with pytest.raises(ConfigError, match="max_replicas \\+ standby \\(3\\) is more than its 2 embedded workers"):
         parse_config(pool % 3, environ={})
     with pytest.raises(ConfigError, match="min_replicas must be <= max_replicas"):
         parse_config("pools:\n  - name: m\n    autoscale: {min_replicas: 3, max_replicas: 2}\n"

@@ -65,7 +65,7 @@ def parse_engine_load(text: str) -> ReplicaLoad:
                        kv_cache_usage=found["kv"])
 
 
-_ACTUATED = (ReplicaHealth.DRAINING, ReplicaHealth.STOPPED)
+_ACTUATED = (ReplicaHealth.DRAINING, ReplicaHealth.STOPPED, ReplicaHealth.STANDBY)
 
 
 class HealthChecker:
@@ -107,6 +107,11 @@ class HealthChecker:
         new_health = ReplicaHealth.HEALTHY if healthy else ReplicaHealth.UNHEALTHY
         if replica.health in _ACTUATED:  # drained or stopped while this check was out
             return
+        if replica.health is ReplicaHealth.WARMING:  # a standby loading: ready to take traffic once it answers
+            if healthy:
+                replica.health = ReplicaHealth.STANDBY
+                log.info("standby ready", extra={"fields": {"replica": replica.replica_id}})
+            return
         if new_health is not replica.health:
             if replica.health is not ReplicaHealth.UNKNOWN or healthy:
                 log.info("replica health changed", extra={"fields": {
@@ -118,5 +123,5 @@ class HealthChecker:
     async def _watch(self, replica: CheckedReplica) -> None:
         while True:
             await self.check_once(replica)
-            starting = replica.health is ReplicaHealth.UNKNOWN
+            starting = replica.health in (ReplicaHealth.UNKNOWN, ReplicaHealth.WARMING)
             await asyncio.sleep(min(_STARTUP_INTERVAL_S, self._interval_s) if starting else self._interval_s)

@@ -125,13 +125,18 @@ class Gateway:
         local = [p for p in config.pools if p.autoscale is not None
                  and all(isinstance(b, EmbeddedBackend) for b in p.backends)]
         held: set[str] = set()
-        for pool_config in local:
+        for pool_config in local:  # `min_replicas` workers serve, `standby` more load out of traffic
             assert pool_config.autoscale is not None
-            for replica in self.pools[pool_config.name].replicas[pool_config.autoscale.min_replicas:]:
-                replica.health = ReplicaHealth.STOPPED
-                held.add(replica.replica_id)
+            serving, standby = pool_config.autoscale.min_replicas, pool_config.autoscale.standby
+            for index, replica in enumerate(self.pools[pool_config.name].replicas):
+                if index >= serving + standby:
+                    replica.health = ReplicaHealth.STOPPED
+                    held.add(replica.replica_id)
+                elif index >= serving:
+                    replica.health = ReplicaHealth.WARMING
         self.supervisor = WorkerSupervisor(workers, held=frozenset(held))
         actuators = {p.name: LocalActuator(self.pools[p.name], self.supervisor, self._wake_pools,
+                                           standby=p.autoscale.standby if p.autoscale else 0,
                                            drain_timeout_s=server.request_timeout_s) for p in local}
         self.scaling = ScaleLoop(self.pools, autoscaled, self.metrics.registry, self.overload,
                                  actuators=actuators) if autoscaled else None
