@@ -1,7 +1,7 @@
 """Late-binding dispatch: a request leaves the gateway's wait queue only when a replica has a free slot.
 
 `ModelPool.acquire` takes a slot on the replica the routing policy picks, or waits in the pool's
-`WaitQueue` until `release` (or a replica turning healthy) frees one. That is the body with overload
+`FifoWaitQueue` until `release` (or a replica turning healthy) frees one. That is the body with overload
 control off (FIFO, static slot limits). With it on, the pool's controller (`policy/pool.py`) decides
 who waits and where each request goes; `ModelPool.controlled` hands it every capacity change.
 """
@@ -12,7 +12,6 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Collection
-from typing import Protocol
 
 from tidegate.errors import OverloadedError
 from tidegate.gateway.scrub import SecretScrubber
@@ -22,7 +21,7 @@ from tidegate.policy.retry import RetryBudget, RetryBudgetPolicy
 from tidegate.policy.routing import any_routable, pick_replica
 from tidegate.types import ReplicaHealth, ReplicaLoad
 
-__all__ = ["Replica", "Waiter", "WaitQueue", "FifoWaitQueue", "ModelPool"]
+__all__ = ["Replica", "Waiter", "FifoWaitQueue", "ModelPool"]
 
 log = logging.getLogger("tidegate.dispatch")
 
@@ -83,16 +82,9 @@ class Waiter:
         self.exclude = exclude
 
 
-class WaitQueue(Protocol):
-    def push(self, waiter: Waiter) -> None: ...
-    def peek(self) -> Waiter | None: ...
-    def pop(self) -> Waiter: ...
-    def remove(self, waiter: Waiter) -> None: ...
-    def drain(self) -> list[Waiter]: ...  # removes and returns every waiter (none will be served)
-    def __len__(self) -> int: ...
-
-
 class FifoWaitQueue:
+    """The FIFO body's queue (overload control off); with it on, the pool's controller queues."""
+
     def __init__(self) -> None:
         self._waiters: deque[Waiter] = deque()
 
@@ -112,6 +104,7 @@ class FifoWaitQueue:
             pass
 
     def drain(self) -> list[Waiter]:
+        """Removes and returns every waiter (none will be served)."""
         waiters = list(self._waiters)
         self._waiters.clear()
         return waiters
@@ -129,14 +122,13 @@ class ModelPool:
         max_queued: int,
         queue_timeout_s: float,
         retry_after_s: int,
-        queue: WaitQueue | None = None,
         retry_budget: RetryBudgetPolicy = RetryBudgetPolicy(),
         created_s: float = 0.0,
     ) -> None:
         self.name = name
         self.replicas = replicas
         self.breaker_policy = breaker_policy
-        self.queue: WaitQueue = queue if queue is not None else FifoWaitQueue()
+        self.queue = FifoWaitQueue()
         self._max_queued = max_queued
         self._queue_timeout_s = queue_timeout_s
         self._retry_after_s = retry_after_s
