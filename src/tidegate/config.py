@@ -163,6 +163,15 @@ class UpstreamBackend(_Strict):
 Backend = Annotated[Union[EmbeddedBackend, UpstreamBackend], Field(discriminator="type")]
 
 
+class KubernetesTargetConfig(_Strict):
+    """The workload the gateway scales itself through the Kubernetes API (needs `tidegate[kubernetes]`
+    and RBAC on its scale subresource; docs/autoscaling.md)."""
+
+    namespace: str = Field("default", min_length=1)
+    kind: Literal["Deployment", "StatefulSet"] = "Deployment"
+    name: str = Field(min_length=1)
+
+
 class AutoscaleConfig(_Strict):
     """The pool's desired replica count, computed by the gateway (`policy.autoscale.Autoscaler`) and
     exported as `tidegate_desired_replicas{pool}` for an actuator to follow (the Kubernetes HPA or
@@ -183,6 +192,8 @@ class AutoscaleConfig(_Strict):
     # embedded pools: workers kept loaded and out of traffic, taken at once by a scale-out (seconds
     # instead of a cold start) and refilled in the background
     standby: int = Field(0, ge=0)
+    # set: the gateway writes the desired count to this workload's scale itself (else it only exports it)
+    kubernetes: KubernetesTargetConfig | None = None
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleConfig:

@@ -97,3 +97,66 @@ def test_desired_replicas_rise_under_load_and_fall_after_it(gateway: str) -> Non
     with urllib.request.urlopen(f"{gateway}/status.json", timeout=10) as response:
         decisions = json.loads(response.read())["pools"][0]["scaling"]
     assert [d["desired"] for d in decisions][:1] == [1] and any(d["desired"] == 3 for d in decisions), decisions
+
+
+def test_the_gateway_writes_the_desired_count_to_a_kubernetes_workload(tmp_path: Path) -> None:
+    """`autoscale.kubernetes`: the gateway scales a StatefulSet through the API (here the contract
+    fake of tests/control/kube_fake.py, reached through a kubeconfig) as its desired count moves."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "control"))
+    from kube_fake import KubeFake, Workload
+
+    api = KubeFake(workloads={("serving", "statefulsets", "vllm"): Workload(1)}).start()
+    processes: list[ManagedProcess] = []
+    try:
+        kubeconfig = tmp_path / "kubeconfig"
+        kubeconfig.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
+            "users": [{"name": "gateway", "user": {"token": "unused"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "gateway"}}]}))
+        mock = free_port()
+        processes.append(start_process(tidegate_argv("mock-upstream", "--port", str(mock), "--tokens", "8",
+                                                     "--ttft-ms", "400", "--itl-ms", "20"),
+                                       ready_url=f"http://127.0.0.1:{mock}/health", timeout_s=30))
+        port = free_port()
+        config = {"server": {"port": port, "access_log": False}, "health": {"interval_s": 0.5},
+                  "pools": [{"name": "m", "backends": [{"type": "upstream", "url": f"http://127.0.0.1:{mock}/v1",
+                                                        "slot_limit": 2}],
+                             "autoscale": {"min_replicas": 1, "max_replicas": 3, "tick_s": 0.5,
+                                           "stable_window_s": 2, "panic_window_s": 1, "scale_down_window_s": 2,
+                                           "kubernetes": {"namespace": "serving", "kind": "StatefulSet",
+                                                          "name": "vllm"}}}]}
+        (tmp_path / "gateway.yaml").write_text(yaml.safe_dump(config))
+        env = {"KUBECONFIG": str(kubeconfig), "KUBERNETES_SERVICE_HOST": ""}
+        processes.append(start_process(tidegate_argv("serve", "--config", str(tmp_path / "gateway.yaml")),
+                                       ready_url=f"http://127.0.0.1:{port}/ready", timeout_s=30, env=env))
+        gateway = f"http://127.0.0.1:{port}"
+        workload = api.workloads[("serving", "statefulsets", "vllm")]
+        stop = time.monotonic() + 5.0
+
+        def load() -> None:
+            client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=30)
+            for _ in range(100):
+                if time.monotonic() > stop:
+                    return
+                try:
+                    for _chunk in client.chat.completions.create(model="m", max_tokens=8, stream=True,
+                                                                 messages=[{"role": "user", "content": "hi"}]):
+                        pass
+                except openai.APIError:
+                    pass
+
+        threads = [threading.Thread(target=load) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        try:
+            assert _wait_for(lambda: workload.replicas == 3, 8), workload
+        finally:
+            for thread in threads:
+                thread.join(timeout=40)
+        assert _wait_for(lambda: workload.replicas == 1, 15), workload  # scaled in after its window
+        assert api.writes >= 2
+    finally:
+        for process in reversed(processes):
+            process.stop()
+        api.stop()

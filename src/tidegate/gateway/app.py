@@ -19,7 +19,7 @@ from tidegate.gateway.overload import OverloadRuntime
 from tidegate.overload_config import build_policies
 from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.gateway.proxy import Proxy, ProxySettings
-from tidegate.gateway.scaling import LocalActuator, ScaleLoop
+from tidegate.gateway.scaling import KubernetesActuator, LocalActuator, ScaleLoop
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
 from tidegate.policy.health import BreakerPolicy
 from tidegate.policy.retry import RetryBudgetPolicy
@@ -135,9 +135,17 @@ class Gateway:
                 elif index >= serving:
                     replica.health = ReplicaHealth.WARMING
         self.supervisor = WorkerSupervisor(workers, held=frozenset(held))
-        actuators = {p.name: LocalActuator(self.pools[p.name], self.supervisor, self._wake_pools,
-                                           standby=p.autoscale.standby if p.autoscale else 0,
-                                           drain_timeout_s=server.request_timeout_s) for p in local}
+        actuators: dict[str, LocalActuator | KubernetesActuator] = {
+            p.name: LocalActuator(self.pools[p.name], self.supervisor, self._wake_pools,
+                                  standby=p.autoscale.standby if p.autoscale else 0,
+                                  drain_timeout_s=server.request_timeout_s) for p in local}
+        for pool_config in config.pools:
+            target = pool_config.autoscale.kubernetes if pool_config.autoscale is not None else None
+            if target is not None:
+                from tidegate.control.kubernetes_scaler import KubernetesScaler, ScaleTarget, WorkloadKind
+
+                scaler = KubernetesScaler(ScaleTarget(target.namespace, WorkloadKind(target.kind), target.name))
+                actuators[pool_config.name] = KubernetesActuator(scaler)
         self.scaling = ScaleLoop(self.pools, autoscaled, self.metrics.registry, self.overload,
                                  actuators=actuators) if autoscaled else None
         self.proxy = Proxy(self.pools, settings,

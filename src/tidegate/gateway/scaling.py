@@ -32,7 +32,7 @@ from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, ScaleDecisi
 from tidegate.policy.health import is_routable
 from tidegate.types import ReplicaHealth
 
-__all__ = ["ScaleLoop", "ScaleRecord", "LocalActuator", "autoscale_settings"]
+__all__ = ["ScaleLoop", "ScaleRecord", "LocalActuator", "KubernetesActuator", "autoscale_settings"]
 
 log = logging.getLogger("tidegate.scaling")
 
@@ -137,6 +137,46 @@ class LocalActuator:
         task.add_done_callback(self._tasks.discard)
 
 
+class KubernetesActuator:
+    """Writes the desired count to a workload's scale (`control.kubernetes_scaler`, the official
+    client, in a thread: its calls block) and reads its ready replicas back. One call at a time; a
+    count decided meanwhile is written by the next. The API's refusals are logged once each, with
+    what to fix, and the gateway keeps serving."""
+
+    def __init__(self, scaler: Any) -> None:
+        self._scaler = scaler
+        self._written: int | None = None
+        self._state: Any | None = None  # the last ScaleState read
+        self._busy = False
+        self._last_error: str | None = None
+
+    def starting(self) -> int:
+        """Replicas the workload is asked for and does not have ready yet."""
+        return 0 if self._state is None else max(0, self._state.wanted - self._state.ready)
+
+    def apply(self, desired: int) -> None:
+        """Starts one write-and-read in a thread unless one is under way (changes state)."""
+        if self._busy:
+            return
+        self._busy = True
+        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._sync, desired))
+        task.add_done_callback(self._done)
+
+    def _sync(self, desired: int) -> tuple[int | None, Any]:
+        written = self._scaler.scale_to(desired) if desired != self._written else self._written
+        return written, self._scaler.state()
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._busy = False
+        error = task.exception()
+        if error is None:
+            self._written, self._state = task.result()
+            self._last_error = None
+        elif str(error) != self._last_error:
+            self._last_error = str(error)
+            log.error("cannot scale", extra={"fields": {"error": str(error)}})
+
+
 class _PoolScaling:
     def __init__(self, pool: ModelPool, config: AutoscaleConfig) -> None:
         self.pool = pool
@@ -151,7 +191,7 @@ class _PoolScaling:
 class ScaleLoop:
     def __init__(self, pools: Mapping[str, ModelPool], configs: Mapping[str, AutoscaleConfig],
                  registry: CollectorRegistry, overload: Any | None, clock: Callable[[], float] = time.monotonic,
-                 actuators: Mapping[str, LocalActuator] | None = None) -> None:
+                 actuators: Mapping[str, LocalActuator | KubernetesActuator] | None = None) -> None:
         self._actuators = dict(actuators or {})  # pools whose workers the gateway starts and stops itself
         self._registry = registry
         self._overload = overload
