@@ -102,3 +102,11 @@ def test_the_same_contract_on_a_real_cluster() -> None:
         assert scaler.scale_to(before) == before
     with pytest.raises(KubernetesScaleError, match="not found"):
         KubernetesScaler(ScaleTarget(namespace, WorkloadKind(kind), name + "-does-not-exist")).state()
+
+
+def test_no_service_account_and_no_kubeconfig_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(KubernetesScaleError, match="no service account .* and no usable kubeconfig"):
+        KubernetesScaler(VLLM)

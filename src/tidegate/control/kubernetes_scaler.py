@@ -126,10 +126,18 @@ class KubernetesScaler:
 
 def _default_apps_api() -> Any:
     """In a pod: its service account; elsewhere: the kubeconfig."""
-    from kubernetes import client, config
+    try:
+        from kubernetes import client, config
+    except ImportError:
+        raise KubernetesScaleError("autoscale.kubernetes needs the official client: pip install 'tidegate[kubernetes]'") \
+            from None
 
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        try:
+            config.load_kube_config()
+        except (config.ConfigException, OSError) as error:
+            raise KubernetesScaleError(f"autoscale.kubernetes: no service account (not in a pod) and no usable "
+                                       f"kubeconfig: {error}") from None
     return client.AppsV1Api()

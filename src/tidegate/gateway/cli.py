@@ -32,9 +32,14 @@ def _report_readiness(task: asyncio.Task[bool]) -> None:
 
 
 async def _serve(config) -> int:
+    from tidegate.control.kubernetes_scaler import KubernetesScaleError
     from tidegate.gateway.app import Gateway
 
-    gateway = Gateway(config)
+    try:
+        gateway = Gateway(config)
+    except KubernetesScaleError as error:
+        print(f"tidegate serve: {error}", file=sys.stderr)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
