@@ -7,19 +7,18 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import openai
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from gateway_harness import StreamingLoad, wait_for  # noqa: E402
 from support import ManagedProcess, free_port, start_process, tidegate_argv  # noqa: E402
 
 
@@ -28,15 +27,6 @@ def _gauges(url: str, name: str) -> dict[str, float]:
         text = response.read().decode()
     return {sample.labels["pool"]: sample.value for family in text_string_to_metric_families(text)
             for sample in family.samples if sample.name == name}
-
-
-def _wait_for(check, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.2)
-    return False
 
 
 @pytest.fixture(scope="module")
@@ -66,34 +56,14 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def test_desired_replicas_rise_under_load_and_fall_after_it(gateway: str) -> None:
-    assert _wait_for(lambda: _gauges(gateway, "tidegate_replicas_ready").get("m") == 1.0, 10)
+    assert wait_for(lambda: _gauges(gateway, "tidegate_replicas_ready").get("m") == 1.0, 10)
     assert _gauges(gateway, "tidegate_desired_replicas")["m"] == 1.0  # idle: the minimum
-    stop = time.monotonic() + 6.0
-
-    def load() -> None:
-        client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=30)
-        for _ in range(100):  # bounded in count and time
-            if time.monotonic() > stop:
-                return
-            try:
-                for _chunk in client.chat.completions.create(model="m", max_tokens=8, stream=True,
-                                                             messages=[{"role": "user", "content": "hi"}]):
-                    pass
-            except openai.APIError:
-                pass
-
-    threads = [threading.Thread(target=load) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    try:
+    with StreamingLoad(gateway, "m", clients=8, duration_s=6.0):
         # eight clients on one ready replica of two slots: demand 8 over 2 x 0.7 asks for the maximum
-        assert _wait_for(lambda: _gauges(gateway, "tidegate_desired_replicas")["m"] == 3.0, 6), \
+        assert wait_for(lambda: _gauges(gateway, "tidegate_desired_replicas")["m"] == 3.0, 6), \
             _gauges(gateway, "tidegate_desired_replicas")
         assert _gauges(gateway, "tidegate_replicas_ready")["m"] == 1.0
-    finally:
-        for thread in threads:
-            thread.join(timeout=40)
-    assert _wait_for(lambda: _gauges(gateway, "tidegate_desired_replicas")["m"] == 1.0, 15)  # scaled in after its window
+    assert wait_for(lambda: _gauges(gateway, "tidegate_desired_replicas")["m"] == 1.0, 15)  # scaled in after its window
     with urllib.request.urlopen(f"{gateway}/status.json", timeout=10) as response:
         decisions = json.loads(response.read())["pools"][0]["scaling"]
     assert [d["desired"] for d in decisions][:1] == [1] and any(d["desired"] == 3 for d in decisions), decisions
@@ -132,29 +102,9 @@ def test_the_gateway_writes_the_desired_count_to_a_kubernetes_workload(tmp_path:
                                        ready_url=f"http://127.0.0.1:{port}/ready", timeout_s=30, env=env))
         gateway = f"http://127.0.0.1:{port}"
         workload = api.workloads[("serving", "statefulsets", "vllm")]
-        stop = time.monotonic() + 5.0
-
-        def load() -> None:
-            client = openai.OpenAI(base_url=f"{gateway}/v1", api_key="unused", max_retries=0, timeout=30)
-            for _ in range(100):
-                if time.monotonic() > stop:
-                    return
-                try:
-                    for _chunk in client.chat.completions.create(model="m", max_tokens=8, stream=True,
-                                                                 messages=[{"role": "user", "content": "hi"}]):
-                        pass
-                except openai.APIError:
-                    pass
-
-        threads = [threading.Thread(target=load) for _ in range(8)]
-        for thread in threads:
-            thread.start()
-        try:
-            assert _wait_for(lambda: workload.replicas == 3, 8), workload
-        finally:
-            for thread in threads:
-                thread.join(timeout=40)
-        assert _wait_for(lambda: workload.replicas == 1, 15), workload  # scaled in after its window
+        with StreamingLoad(gateway, "m", clients=8, duration_s=5.0):
+            assert wait_for(lambda: workload.replicas == 3, 8), workload
+        assert wait_for(lambda: workload.replicas == 1, 15), workload  # scaled in after its window
         assert api.writes >= 2
     finally:
         for process in reversed(processes):

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from support import ManagedProcess, free_port, start_process, tidegate_argv  # noqa: E402
 
-from tidegate.gateway.status import quantile_from_buckets  # noqa: E402
+from tidegate.gateway.overload_metrics import quantile_from_buckets  # noqa: E402
 
 UPSTREAM_KEY = "sk-upstream-secret-1234"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -16,7 +16,9 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 
 from tidegate.policy.ttft_model import TtftFit
 
-__all__ = ["OverloadMetrics", "FirstTokens"]
+__all__ = ["OverloadMetrics", "FirstTokens", "Buckets", "quantile_from_buckets", "bucket_increase"]
+
+Buckets = list[tuple[float, float]]  # a histogram's cumulative (upper bound, count) pairs, +Inf last
 
 _WAIT_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
 # time to first token against tier targets of seconds to minutes (the alert compares its P99 with 1.2x
@@ -97,6 +99,28 @@ class OverloadMetrics:
         self.ttft_fit.labels(pool, replica, "per_token").set_function(coefficient("s_per_token"))
 
 
+def quantile_from_buckets(q: float, buckets: Buckets) -> float:
+    """Prometheus's `histogram_quantile`: linear within the bucket; NaN with no observations."""
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            width = count - lower_count
+            return bound if width <= 0 else lower_bound + (bound - lower_bound) * (rank - lower_count) / width
+        lower_bound, lower_count = bound, count
+    return lower_bound
+
+
+def bucket_increase(now: Buckets, before: Buckets) -> Buckets:
+    """What a histogram gained since `before` (a read of the same series earlier; empty: nothing)."""
+    earlier = dict(before)
+    return [(bound, count - earlier.get(bound, 0.0)) for bound, count in now]
+
+
 class FirstTokens:
     """Streamed requests' time to first token by pool and tier, and whether it met the tier's target
     (the latency SLO's events): counted in plain lists on the event loop's thread and turned into
@@ -118,6 +142,18 @@ class FirstTokens:
         row[-3] += ttft_s
         row[-2 if within_target else -1] += 1
 
+    def cumulative(self) -> dict[tuple[str, str], Buckets]:
+        """Each (pool, tier)'s cumulative buckets now (a query: the status page and the autoscaler
+        read them without parsing a scrape)."""
+        series = {}
+        for key, row in self._series.items():
+            running, buckets = 0.0, []
+            for bound, count in zip((*self._bounds, math.inf), row):
+                running += count
+                buckets.append((bound, running))
+            series[key] = buckets
+        return series
+
     def collect(self) -> Iterator[Metric]:
         histogram = HistogramMetricFamily("tidegate_overload_time_to_first_token_seconds",
                                           "Streamed requests: arrival to their first token, by pool and tier",
@@ -125,11 +161,10 @@ class FirstTokens:
         events = CounterMetricFamily("tidegate_overload_first_tokens", "Streamed requests' first tokens, by "
                                      "whether they came within their tier's TTFT target (outcome: within_target, "
                                      "late): the latency SLO's events", labels=["pool", "tier", "outcome"])
+        cumulative = self.cumulative()
         for (pool, tier), row in sorted(self._series.items()):
-            cumulative, buckets = 0.0, []
-            for bound, count in zip((*self._bounds, math.inf), row):
-                cumulative += count
-                buckets.append(("+Inf" if math.isinf(bound) else repr(float(bound)), cumulative))
+            buckets = [("+Inf" if math.isinf(bound) else repr(float(bound)), count)
+                       for bound, count in cumulative[(pool, tier)]]
             histogram.add_metric([pool, tier], buckets, row[-3])
             events.add_metric([pool, tier, "within_target"], row[-2])
             events.add_metric([pool, tier, "late"], row[-1])

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from tidegate.config import AutoscaleConfig
 from tidegate.gateway.dispatch import ModelPool
-from tidegate.gateway.status import quantile_from_buckets
+from tidegate.gateway.overload_metrics import Buckets, bucket_increase, quantile_from_buckets
 from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, ScaleDecision, ScaleSignals
 from tidegate.policy.health import is_routable
 from tidegate.types import ReplicaHealth
@@ -184,7 +184,7 @@ class _PoolScaling:
         self.desired: int | None = None
         self.arrived = 0.0  # the gateway's counters at the previous tick
         self.refused = 0.0
-        self.ttft: dict[str, list[tuple[float, float]]] = {}  # tier -> cumulative buckets at the previous tick
+        self.ttft: dict[str, Buckets] = {}  # tier -> cumulative buckets at the previous tick
         self.history: deque[ScaleRecord] = deque(maxlen=HISTORY)
 
 
@@ -212,8 +212,9 @@ class ScaleLoop:
 
     async def start(self) -> None:
         now_s = self._clock()
+        arrivals, refusals = self._totals()
         for name, scaling in self._pools.items():  # counters from now: what came before is not this tick's
-            scaling.arrived, scaling.refused = self._counts(name)
+            scaling.arrived, scaling.refused = arrivals.get(name, 0.0), refusals.get(name, 0.0)
             self.ready.labels(name).set(self._ready(scaling.pool, now_s))
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -233,10 +234,7 @@ class ScaleLoop:
 
     def tick(self, now_s: float) -> None:
         """Decides every pool's size once (changes the autoscalers' state and the gauges)."""
-        arrivals = self._sample_sums("tidegate_overload_admissions_total" if self._overload is not None
-                                     else "tidegate_requests_total")
-        refusals = self._sample_sums("tidegate_overload_rejections_total" if self._overload is not None
-                                     else "tidegate_requests_total", refused_only=self._overload is None)
+        arrivals, refusals = self._totals()
         for name, scaling in self._pools.items():
             pool = scaling.pool
             ready = self._ready(pool, now_s)
@@ -273,15 +271,17 @@ class ScaleLoop:
             return self._overload.bodies[name].controller.queued
         return len(pool.queue)
 
-    def _counts(self, name: str) -> tuple[float, float]:
-        overload = self._overload is not None
-        arrivals = self._sample_sums("tidegate_overload_admissions_total" if overload else "tidegate_requests_total")
-        refusals = self._sample_sums("tidegate_overload_rejections_total" if overload else "tidegate_requests_total",
-                                     refused_only=not overload)
-        return arrivals.get(name, 0.0), refusals.get(name, 0.0)
+    def _totals(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Arrivals and refusals so far by pool, from the gateway's counters (FIFO's refusals: its
+        429 and 503 answers)."""
+        if self._overload is not None:
+            return (self._sample_sums("tidegate_overload_admissions_total"),
+                    self._sample_sums("tidegate_overload_rejections_total"))
+        return (self._sample_sums("tidegate_requests_total"),
+                self._sample_sums("tidegate_requests_total", refused_only=True))
 
     def _sample_sums(self, sample_name: str, refused_only: bool = False) -> dict[str, float]:
-        """A counter's value summed by pool (FIFO's refusals: its 429 and 503 answers)."""
+        """A counter's value summed by pool."""
         sums: dict[str, float] = {}
         family_name = sample_name.removesuffix("_total")
         for family in self._registry.collect():
@@ -302,18 +302,11 @@ class ScaleLoop:
         if self._overload is None:
             return None
         targets = {tier.name: tier.ttft_target_s for tier in self._overload.control.tiers}
-        current: dict[str, list[tuple[float, float]]] = {}
-        for family in self._registry.collect():
-            if family.name != "tidegate_overload_time_to_first_token_seconds":
-                continue
-            for sample in family.samples:
-                if sample.name.endswith("_bucket") and sample.labels.get("pool") == name:
-                    current.setdefault(sample.labels["tier"], []).append((float(sample.labels["le"]), sample.value))
+        current = {tier: buckets for (pool, tier), buckets in self._overload.metrics.first_tokens.cumulative().items()
+                   if pool == name}
         worst: float | None = None
         for tier, buckets in current.items():
-            before = dict(scaling.ttft.get(tier, []))
-            recent = [(bound, count - before.get(bound, 0.0)) for bound, count in buckets]
-            p99 = quantile_from_buckets(0.99, recent)
+            p99 = quantile_from_buckets(0.99, bucket_increase(buckets, scaling.ttft.get(tier, [])))
             if not math.isnan(p99) and tier in targets:
                 ratio = p99 / targets[tier]
                 worst = ratio if worst is None else max(worst, ratio)

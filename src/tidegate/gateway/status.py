@@ -24,29 +24,13 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from tidegate.gateway.overload_metrics import Buckets, bucket_increase, quantile_from_buckets
 from tidegate.policy.health import is_routable
 
-__all__ = ["StatusPage", "quantile_from_buckets"]
+__all__ = ["StatusPage"]
 
 WINDOW_S = 60.0  # TTFT percentiles over about the last minute
 REFRESH_S = 2
-
-
-def quantile_from_buckets(q: float, buckets: list[tuple[float, float]]) -> float:
-    """Prometheus's `histogram_quantile` over cumulative (upper bound, count) pairs: linear within
-    the bucket; NaN with no observations."""
-    if not buckets or buckets[-1][1] <= 0:
-        return math.nan
-    rank = q * buckets[-1][1]
-    lower_bound, lower_count = 0.0, 0.0
-    for bound, count in buckets:
-        if count >= rank:
-            if math.isinf(bound):
-                return lower_bound
-            width = count - lower_count
-            return bound if width <= 0 else lower_bound + (bound - lower_bound) * (rank - lower_count) / width
-        lower_bound, lower_count = bound, count
-    return lower_bound
 
 
 @dataclass
@@ -54,7 +38,7 @@ class _Histograms:
     """Cumulative bucket counts by label set, as read at one time."""
 
     taken_s: float
-    counts: dict[tuple[str, ...], list[tuple[float, float]]] = field(default_factory=dict)
+    counts: dict[tuple[str, str], Buckets] = field(default_factory=dict)
 
 
 def _read_samples(registry: CollectorRegistry, name: str) -> list[Any]:
@@ -76,7 +60,7 @@ class StatusPage:
 
     # ---- the figures -------------------------------------------------------------------------
 
-    def snapshot(self, now_s: float, ttft: Mapping[tuple[str, str], list[tuple[float, float]]]) -> dict:
+    def snapshot(self, now_s: float, ttft: Mapping[tuple[str, str], Buckets]) -> dict:
         """Everything the page shows, as plain data (also `/status.json`)."""
         pools = []
         for name, pool in self._pools.items():
@@ -122,14 +106,9 @@ class StatusPage:
                 if sample.name == sample_name]
 
     def _read_ttft(self, now_s: float) -> _Histograms:
-        read = _Histograms(now_s)
-        for sample in _read_samples(self._registry, "tidegate_overload_time_to_first_token_seconds"):
-            if sample.name.endswith("_bucket"):
-                key = (sample.labels["pool"], sample.labels["tier"])
-                read.counts.setdefault(key, []).append((float(sample.labels["le"]), sample.value))
-        return read
+        return _Histograms(now_s, self._overload.metrics.first_tokens.cumulative() if self._overload is not None else {})
 
-    def _recent_ttft(self, now_s: float) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    def _recent_ttft(self, now_s: float) -> dict[tuple[str, str], Buckets]:
         """Bucket counts since the oldest read kept (about `WINDOW_S` ago); records this read."""
         current = self._read_ttft(now_s)
         history = self._history
@@ -140,11 +119,7 @@ class StatusPage:
             history.append(current)
         if base is None:
             return current.counts
-        recent = {}
-        for key, buckets in current.counts.items():
-            before = dict(base.counts.get(key, []))
-            recent[key] = [(bound, count - before.get(bound, 0.0)) for bound, count in buckets]
-        return recent
+        return {key: bucket_increase(buckets, base.counts.get(key, [])) for key, buckets in current.counts.items()}
 
     # ---- the page ----------------------------------------------------------------------------
 
