@@ -12,7 +12,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
-__all__ = ["free_port", "wait_http_ok", "start_process", "ManagedProcess", "tidegate_argv"]
+__all__ = ["free_port", "wait_http_ok", "start_process", "start_redis", "ManagedProcess", "tidegate_argv"]
 
 
 def free_port() -> int:
@@ -99,3 +99,36 @@ def start_process(
             process.stop()
             raise RuntimeError(f"{argv} failed to become ready: {error}\n--- log ---\n{process.log()[-4000:]}")
     return process
+
+
+def start_redis(port: int | None = None, timeout_s: float = 20.0, append_only: bool = False,
+                data_dir: str | None = None) -> tuple[ManagedProcess, str]:
+    """A real `redis-server` on a free loopback port: (process, redis:// URL). Skips the test where
+    no redis-server is installed (CI installs it)."""
+    import shutil
+
+    import pytest
+    import redis
+
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.skip("redis-server is not installed")
+    port = port or free_port()
+    argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+            "yes" if append_only else "no", "--protected-mode", "no"]
+    if data_dir is not None:
+        argv += ["--dir", data_dir]
+    process = start_process(argv)
+    deadline = time.monotonic() + timeout_s
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
+    while True:
+        try:
+            client.ping()
+            break
+        except redis.exceptions.ConnectionError:
+            if process.popen.poll() is not None or time.monotonic() > deadline:
+                process.stop()
+                raise RuntimeError(f"redis-server did not start\n{process.log()[-2000:]}") from None
+            time.sleep(0.05)
+    client.close()
+    return process, f"redis://127.0.0.1:{port}/0"

@@ -30,6 +30,8 @@ __all__ = [
     "ServerConfig",
     "HealthConfig",
     "AutoscaleConfig",
+    "CacheConfig",
+    "PoolCacheConfig",
     "EmbeddedBackend",
     "UpstreamBackend",
     "PoolConfig",
@@ -204,10 +206,30 @@ class AutoscaleConfig(_Strict):
         return self
 
 
+class PoolCacheConfig(_Strict):
+    """The pool's exact response cache and single-flight coalescing (docs/caching.md). Deterministic
+    requests (temperature 0, a seed, embeddings) are cached; `Cache-Control: no-store` / `no-cache`
+    from the client and a tenant's `response_cache: false` opt out."""
+
+    cache_sampled: bool = False  # also cache sampled requests: a hit then repeats one earlier sample
+    coalesce: bool = True  # identical requests in flight share one upstream request
+
+
+class CacheConfig(_Strict):
+    """The response cache's tiers, shared by every pool that has `response_cache`."""
+
+    memory_bytes: int = Field(64 << 20, ge=0)  # in-process LRU bound
+    redis_url: str | None = None  # redis://host:port/db: a tier shared by every gateway, with a TTL
+    ttl_s: float = Field(3600.0, gt=0)
+    redis_timeout_s: float = Field(0.05, gt=0)  # a slower Redis reply is a miss
+    redis_retry_s: float = Field(5.0, gt=0)  # after a Redis failure the tier is skipped this long
+
+
 class PoolConfig(_Strict):
     name: str = Field(min_length=1)  # the `model` clients ask for
     backends: tuple[Backend, ...] = Field(min_length=1)
     autoscale: AutoscaleConfig | None = None
+    response_cache: PoolCacheConfig | None = None  # None: every request goes to a replica
 
 
 class GatewayConfig(_Strict):
@@ -220,6 +242,7 @@ class GatewayConfig(_Strict):
     tiers: TiersConfig = TiersConfig()
     limits: LimitsConfig = LimitsConfig()
     degradation: DegradationConfig = DegradationConfig()
+    cache: CacheConfig = CacheConfig()
 
     @model_validator(mode="after")
     def _unique_pool_names(self) -> GatewayConfig:

@@ -82,6 +82,7 @@ class TenantConfig(LimitConfig):
     tier: str | None = None  # None: the default tier
     weight: float = Field(1.0, gt=0)
     models: dict[str, LimitConfig] = {}  # per-model limits, on top of the tenant's own
+    response_cache: bool = True  # false: this tenant's requests are never answered from or kept in the cache
 
     @field_validator("api_key_sha256")
     @classmethod

@@ -19,6 +19,7 @@ from tidegate.gateway.overload import OverloadRuntime
 from tidegate.overload_config import build_policies
 from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.gateway.proxy import Proxy, ProxySettings
+from tidegate.gateway.response_cache import CacheSettings, PoolCacheSettings, ResponseCache
 from tidegate.gateway.scaling import KubernetesActuator, LocalActuator, ScaleLoop
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
 from tidegate.policy.health import BreakerPolicy
@@ -148,8 +149,17 @@ class Gateway:
                 actuators[pool_config.name] = KubernetesActuator(scaler)
         self.scaling = ScaleLoop(self.pools, autoscaled, self.metrics.registry, self.overload,
                                  actuators=actuators) if autoscaled else None
-        self.proxy = Proxy(self.pools, settings,
-                           self.metrics, self.access_log, overload=self.overload, scaling=self.scaling)
+        self.cache: ResponseCache | None = None
+        cached_pools = {p.name: PoolCacheSettings(p.response_cache.cache_sampled, p.response_cache.coalesce)
+                        for p in config.pools if p.response_cache is not None}
+        if cached_pools:
+            tiers = config.cache
+            self.cache = ResponseCache(
+                CacheSettings(tiers.memory_bytes, tiers.redis_url, tiers.ttl_s, tiers.redis_timeout_s,
+                              tiers.redis_retry_s), cached_pools, self.metrics.registry,
+                opted_out_tenants=frozenset(name for name, t in config.tenants.items() if not t.response_cache))
+        self.proxy = Proxy(self.pools, settings, self.metrics, self.access_log, overload=self.overload,
+                           scaling=self.scaling, cache=self.cache)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
         # each request in flight holds an upstream connection: their descriptors are kept out of the cap
         open_file_limit = raise_open_file_limit()
@@ -221,6 +231,8 @@ class Gateway:
             await self.scaling.stop()
         await self.health_checker.stop()
         await self.supervisor.stop()
+        if self.cache is not None:
+            await self.cache.close()
         for pool in self.pools.values():
             for replica in pool.replicas:
                 replica.connections.close()

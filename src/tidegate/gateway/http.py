@@ -35,8 +35,8 @@ def status_line(status: int) -> bytes:
 class HttpRequest:
     """One parsed request: only the headers the gateway reads are kept."""
 
-    __slots__ = ("method", "path", "body", "authorization", "request_id", "request_timeout", "keep_alive",
-                 "too_large", "takes_chunked")
+    __slots__ = ("method", "path", "body", "authorization", "request_id", "request_timeout", "cache_control",
+                 "keep_alive", "too_large", "takes_chunked")
 
     def __init__(self) -> None:
         self.method = b""
@@ -45,6 +45,7 @@ class HttpRequest:
         self.authorization: bytes | None = None
         self.request_id: bytes | None = None
         self.request_timeout: bytes | None = None  # the client's `x-request-timeout`, seconds, unparsed
+        self.cache_control: bytes | None = None  # `Cache-Control` (no-cache, no-store) for the response cache
         self.keep_alive = True
         self.too_large = False  # the body passed the size cap and was discarded: answer 413
         self.takes_chunked = True  # False for HTTP/1.0, which has no chunked transfer encoding
@@ -216,6 +217,8 @@ class HttpConnection(asyncio.Protocol):
             request.request_id = value[:128]
         elif lowered == b"x-request-timeout":
             request.request_timeout = value[:32]
+        elif lowered == b"cache-control":
+            request.cache_control = value[:128]
         elif lowered == b"content-length":
             if value.isdigit() and int(value) > self._max_body_bytes:
                 self._too_large = True

@@ -30,6 +30,7 @@ from tidegate.types import Assignment, Refusal
 __all__ = [
     "TenantRateLimitError",
     "DegradedReplyError",
+    "CachedAnswerRung",
     "Ticket",
     "OverloadRuntime",
     "estimate_prompt_tokens",
@@ -52,6 +53,15 @@ class DegradedReplyError(OverloadedError):
 
     def __init__(self, message: str, *, retry_after_s: float | None, headers: bytes) -> None:
         super().__init__(message, code="overloaded", retry_after_s=retry_after_s)
+        self.headers = headers
+
+
+class CachedAnswerRung(Exception):
+    """The ladder answers with the cache's answer to the same question (`x-tidegate-degradation:
+    cached_answer`): raised instead of the preset reply when the caller offered one."""
+
+    def __init__(self, headers: bytes) -> None:
+        super().__init__("cached answer")
         self.headers = headers
 
 
@@ -236,15 +246,16 @@ class OverloadRuntime:
 
     # -- 1. admission
     def admit(self, now_s: float, request_id: str, identity: Identity, model: str, body: Mapping[str, Any],
-              timeout_s: float | None = None, streamed: bool = True) -> Ticket:
-        """Admits a request into its pool's controller, or raises the answer to send at once."""
+              timeout_s: float | None = None, streamed: bool = True, cached_answer_available: bool = False) -> Ticket:
+        """Admits a request into its pool's controller, or raises the answer to send at once
+        (CachedAnswerRung when `cached_answer_available` and the ladder takes that rung)."""
         prompt_tokens = estimate_prompt_tokens(body)
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             max_tokens = 0 if "input" in body else self.config.limits.default_max_tokens
         facts = RequestFacts(request_id, identity.tenant, identity.tier, model, prompt_tokens, max_tokens,
                              timeout_s=timeout_s, streamed=streamed)
-        arrival = self.control.arrive(now_s, facts)
+        arrival = self.control.arrive(now_s, facts, cached_answer_available=cached_answer_available)
         tier = arrival.tier.name
         limits = arrival.admission.headers
         headers = _header_lines(limits.as_http_headers()) if limits is not None else b""
@@ -278,10 +289,13 @@ class OverloadRuntime:
                                        headers=headers)
         metrics.of(metrics.rejections, model, tier, arrival.reason or "degraded").inc()
         metrics.of(metrics.rejection_latency, model).observe(self.clock() - now_s)
+        reply = arrival.reply
+        if outcome is ArrivalOutcome.CACHED_ANSWER:
+            assert reply is not None
+            metrics.of(metrics.degraded, model, Rung.CACHED_ANSWER.value).inc()
+            raise CachedAnswerRung(headers + _header_lines(reply.headers()))
         if outcome is ArrivalOutcome.NO_REPLICA:
             raise self.pools[model].no_replica_error()
-        # PRESET_REPLY (CACHED_ANSWER cannot happen: no cache is offered to the policy yet)
-        reply = arrival.reply
         assert reply is not None
         metrics.of(metrics.degraded, model, Rung.PRESET_REPLY.value).inc()
         raise self._preset_reply(reply, headers)
@@ -362,12 +376,12 @@ class OverloadRuntime:
         self.metrics.of(self.metrics.rejections, ticket.pool, ticket.tier, f"shed_{refusal.reason}").inc()
         if ticket.future is None or ticket.future.done():
             return
-        if refusal.reason == REFUSED_NO_REPLICA:
+        reply = self.control.refusal_reply(ticket.pool, refusal)
+        if refusal.reason == REFUSED_NO_REPLICA and reply.rung is not Rung.CACHED_ANSWER:
             ticket.future.set_exception(self.pools[ticket.pool].no_replica_error())
             return
-        self.metrics.of(self.metrics.degraded, ticket.pool, Rung.PRESET_REPLY.value).inc()
-        ticket.future.set_exception(self._preset_reply(self.control.refusal_reply(ticket.pool, refusal),
-                                                       ticket.response_headers))
+        self.metrics.of(self.metrics.degraded, ticket.pool, reply.rung.value).inc()
+        ticket.future.set_exception(self._reply(reply, ticket.response_headers))
 
     def _answer_shed(self, now_s: float, notices: tuple[ShedNotice, ...]) -> None:
         """Requests a newcomer pushed out of a queue: answered, or moved to the fallback pool."""
@@ -378,9 +392,9 @@ class OverloadRuntime:
                 continue
             if notice.moved_to is None:
                 self.metrics.of(self.metrics.rejections, notice.pool, notice.tier, f"shed_{notice.reason}").inc()
-                self.metrics.of(self.metrics.degraded, notice.pool, Rung.PRESET_REPLY.value).inc()
+                self.metrics.of(self.metrics.degraded, notice.pool, notice.reply.rung.value).inc()
                 if ticket.future is not None and not ticket.future.done():
-                    ticket.future.set_exception(self._preset_reply(notice.reply, ticket.response_headers))
+                    ticket.future.set_exception(self._reply(notice.reply, ticket.response_headers))
                 continue
             self.metrics.of(self.metrics.degraded, notice.pool, Rung.FALLBACK_POOL.value).inc()
             ticket.pool = notice.moved_to
@@ -393,6 +407,13 @@ class OverloadRuntime:
             else:
                 target.waiting[ticket.request_id] = ticket  # its future still pending
                 target.pump(now_s)
+
+    @classmethod
+    def _reply(cls, reply: DegradationDecision, headers: bytes) -> Exception:
+        """A refused request's answer: the cached answer, or the preset reply."""
+        if reply.rung is Rung.CACHED_ANSWER:
+            return CachedAnswerRung(headers + _header_lines(reply.headers()))
+        return cls._preset_reply(reply, headers)
 
     @staticmethod
     def _preset_reply(reply: DegradationDecision, headers: bytes) -> DegradedReplyError:

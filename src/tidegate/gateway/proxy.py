@@ -32,7 +32,9 @@ from tidegate.errors import (
 )
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection, HttpRequest
-from tidegate.gateway.overload import OverloadRuntime, Ticket, extra_headers
+from tidegate.cache.response import CachedAnswer
+from tidegate.gateway.overload import CachedAnswerRung, OverloadRuntime, Ticket, extra_headers
+from tidegate.gateway.response_cache import ResponseCache, replay
 from tidegate.gateway.scaling import ScaleLoop
 from tidegate.gateway.scrub import SecretScrubber, StreamScrubber, safe_content_type
 from tidegate.gateway.status import StatusPage
@@ -92,8 +94,10 @@ class ProxySettings:
 class Proxy:
     def __init__(self, pools: dict[str, ModelPool], settings: ProxySettings, metrics: GatewayMetrics,
                  access_log: AccessLog, clock: Callable[[], float] = time.monotonic,
-                 overload: OverloadRuntime | None = None, scaling: ScaleLoop | None = None) -> None:
+                 overload: OverloadRuntime | None = None, scaling: ScaleLoop | None = None,
+                 cache: ResponseCache | None = None) -> None:
         self.pools = pools
+        self.cache = cache  # None: no pool has a response cache
         self.overload = overload  # None: FIFO queues, static slot limits, server.api_keys only
         self._ticket_ids = 0  # overload control's own request ids: clients may repeat x-request-id
         self.settings = settings
@@ -137,8 +141,13 @@ class Proxy:
             if pool is None:
                 raise NotFoundError(f"model {model!r} does not exist; see /v1/models", param="model")
             timeout_s = _client_timeout_s(request.request_timeout)
-            status, replica_id = await self._forward(conn, pool, endpoint, body, request.body, stream,
-                                                     request_id, started, identity, timeout_s)
+            cache = self.cache
+            if cache is not None and model in cache.pools:
+                status, replica_id = await self._forward_cached(cache, conn, request, pool, endpoint, body, stream,
+                                                                request_id, started, identity, timeout_s)
+            else:
+                status, replica_id = await self._forward(conn, pool, endpoint, body, request.body, stream,
+                                                         request_id, started, identity, timeout_s)
         except TidegateError as error:
             status = error.status
             self._send_error(conn, error, request_id)
@@ -255,12 +264,34 @@ class Proxy:
                 self.metrics.replica_outstanding.labels(name, replica.replica_id).set(replica.outstanding)
 
     # -- proxying
+    async def _forward_cached(self, cache: ResponseCache, conn: HttpConnection, request: HttpRequest,
+                              pool: ModelPool, endpoint: Endpoint, body: dict, stream: bool, request_id: bytes,
+                              started: float, identity: Identity | None,
+                              timeout_s: float | None) -> tuple[int, str | None]:
+        """A pool with a response cache: a hit or a coalesced request is answered without a replica;
+        the rest go through `_forward` (once for all identical requests in flight)."""
+        overload = self.overload
+        tenant = identity.tenant if identity is not None and overload is not None \
+            and overload.identity.auth_enabled else None
+
+        async def forward(target: HttpConnection, forwarded_id: bytes,
+                          cached_fallback: CachedAnswer | None) -> tuple[int, str | None]:
+            return await self._forward(target, pool, endpoint, body, request.body, stream, forwarded_id, started,
+                                       identity, timeout_s, cached_fallback)
+
+        status, replica_id, upstream = await cache.serve(conn, pool.name, endpoint.name, body, request_id, tenant,
+                                                         request.authorization, request.cache_control, forward)
+        if not upstream:  # answered from the cache or by another request's flight: counted here
+            self.pool_metrics[pool.name].count(status)
+        return status, replica_id
+
     async def _forward(self, conn: HttpConnection, pool: ModelPool, endpoint: Endpoint, body: dict,
                        raw_body: bytes, stream: bool, request_id: bytes, started: float,
-                       identity: Identity | None = None, timeout_s: float | None = None) -> tuple[int, str]:
+                       identity: Identity | None = None, timeout_s: float | None = None,
+                       cached_fallback: CachedAnswer | None = None) -> tuple[int, str | None]:
         if self.overload is not None and identity is not None:
             return await self._forward_controlled(conn, pool, endpoint, body, raw_body, stream, request_id, started,
-                                                  identity, timeout_s)
+                                                  identity, timeout_s, cached_fallback)
         # Whoever holds a replica slot gives it back in the `finally` below, on every way out:
         # an exception anywhere between acquiring and releasing must not leak it (eight leaked
         # slots once disabled a pool until restart)
@@ -296,20 +327,33 @@ class Proxy:
 
     async def _forward_controlled(self, conn: HttpConnection, pool: ModelPool, endpoint: Endpoint, body: dict,
                                   raw_body: bytes, stream: bool, request_id: bytes, started: float,
-                                  identity: Identity, timeout_s: float | None) -> tuple[int, str]:
+                                  identity: Identity, timeout_s: float | None,
+                                  cached_fallback: CachedAnswer | None = None) -> tuple[int, str | None]:
         """The same way through with overload control: its pool's controller decides when and where
-        the request goes, and hears how it ended (`OverloadRuntime.settle`, on every way out)."""
+        the request goes, and hears how it ended (`OverloadRuntime.settle`, on every way out).
+        `cached_fallback`: the cache's answer to the same question, for the ladder's cached-answer rung."""
         overload = self.overload
         assert overload is not None
         self._ticket_ids += 1
         # raises the answer for a refusal (429, or 503 with the preset reply) at once
-        ticket = overload.admit(started, str(self._ticket_ids), identity, pool.name, body, timeout_s, stream)
+        try:
+            ticket = overload.admit(started, str(self._ticket_ids), identity, pool.name, body, timeout_s, stream,
+                                    cached_answer_available=cached_fallback is not None)
+        except CachedAnswerRung as rung:
+            assert cached_fallback is not None
+            self.pool_metrics[pool.name].count(200)
+            return replay(conn, cached_fallback, request_id, rung.headers), None
         pool = self.pools[ticket.pool]  # the fallback pool when degraded to it
         metrics = self.pool_metrics[pool.name]
         metrics.in_flight.inc()
         usage = _Usage(ticket)
         try:
-            replica = await overload.acquire(ticket)
+            try:
+                replica = await overload.acquire(ticket)
+            except CachedAnswerRung as rung:  # shed while it waited
+                assert cached_fallback is not None
+                metrics.count(200)
+                return replay(conn, cached_fallback, request_id, rung.headers), None
             pool = self.pools[ticket.pool]  # a request displaced while it waited may move to the fallback
             pool.retry_budget.on_attempt()
             try:

@@ -48,6 +48,7 @@ class MockState:
         self.config = config
         self.rng = random.Random(config.seed)
         self.requests_total = 0
+        self.api_requests_total = 0  # POSTs to the API: what a gateway's cache saves
         self.errors_total = 0
         self.inflight = 0
         self.ids = itertools.count()
@@ -126,6 +127,7 @@ class MockProtocol(asyncio.Protocol):
         if path not in (b"/v1/chat/completions", b"/v1/completions", b"/v1/embeddings"):
             self._send(404, _error_body(404, f"unknown path {path.decode(errors='replace')}", "invalid_request_error"), keep_alive)
             return
+        self.state.api_requests_total += 1
         try:
             request = orjson.loads(b"".join(self.body) or b"null")
             if not isinstance(request, dict):
@@ -159,6 +161,7 @@ class MockProtocol(asyncio.Protocol):
         elif path == b"/metrics":
             text = (
                 f"# TYPE mock_requests_total counter\nmock_requests_total {self.state.requests_total}\n"
+                f"# TYPE mock_api_requests_total counter\nmock_api_requests_total {self.state.api_requests_total}\n"
                 f"# TYPE mock_errors_total counter\nmock_errors_total {self.state.errors_total}\n"
                 f"# TYPE mock_inflight_requests gauge\nmock_inflight_requests {self.state.inflight}\n"
             ).encode()

@@ -97,6 +97,7 @@ class _Admitted:
     reservation: Reservation
     request: PoolRequest
     moved: bool = False  # waits in a fallback pool already: never moved again
+    cached_answer: bool = False  # the cache holds an answer to it: the ladder's cached-answer rung can serve it
 
 
 class OverloadControl:
@@ -128,7 +129,8 @@ class OverloadControl:
         assert admission.reservation is not None
         request = PoolRequest(facts.request_id, now_s, facts.tenant, tier.name, facts.prompt_tokens, facts.max_tokens,
                               facts.timeout_s, facts.streamed)
-        self._admitted[facts.request_id] = _Admitted(admission.reservation, request)
+        self._admitted[facts.request_id] = _Admitted(admission.reservation, request,
+                                                     cached_answer=cached_answer_available)
         decision = policies.controller.on_arrival(now_s, request)
         if decision.verdict is ArrivalVerdict.ASSIGNED:  # nothing waited: nothing pressed, nothing shed
             return Arrival(ArrivalOutcome.ASSIGNED, tier, facts.model, Rung.PRIMARY, admission, 0.0, None, None, (),
@@ -165,8 +167,11 @@ class OverloadControl:
         return Arrival(outcome, tier, None, reply.rung, admission, None, decision.reason, reply, tuple(shed))
 
     def refusal_reply(self, pool: str, refusal: Refusal) -> DegradationDecision:
-        """What to answer a queued request its controller gave up (deadline, no replica): a query."""
-        return self.pools[pool].ladder.next_rung(Rung.CACHED_ANSWER, retry_after_s=refusal.retry_after_s)
+        """What to answer a queued request its controller gave up (deadline, no replica, pushed out):
+        a cached answer when the cache holds one, else the preset reply. A query."""
+        admitted = self._admitted.get(str(refusal.request_id))
+        return self.pools[pool].ladder.next_rung(Rung.FALLBACK_POOL, retry_after_s=refusal.retry_after_s,
+                                                 cached_answer_available=admitted is not None and admitted.cached_answer)
 
     def finish(self, now_s: float, request_id: str, *, used_tokens: int) -> Settlement | None:
         """A request admitted by `arrive` ended, however it ended (served, failed, refused while

@@ -1,0 +1,1 @@
+"""Response caches: keys, entries and indexes (pure); the gateway drives them."""
