@@ -147,6 +147,9 @@ class LimitsConfig(_Strict):
     headroom_share: float = Field(1 / 3, ge=0, lt=1)
     isolation: IsolationConfig | None = IsolationConfig()  # null: no isolation beyond fair queueing
     default_max_tokens: int = Field(256, ge=1)  # reserved when a request names no max_tokens
+    # prompt tokens of prefixes remembered per replica for prefix-aware routing (rule 7), about
+    # what one replica's KV cache holds; 0: no prefix affinity (docs/caching.md)
+    prefix_cache_tokens: int = Field(32768, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -256,7 +259,8 @@ def build_policies(config: OverloadConfig, pools: Mapping[str, Sequence[PoolRepl
     )
     weights = {name: t.weight for name, t in tenants.items() if t.weight != 1.0} or None
     limits = config.limits
-    settings = PoolSettings(engine_share=limits.engine_share, max_queued=limits.max_queued, breaker=breaker)
+    settings = PoolSettings(engine_share=limits.engine_share, max_queued=limits.max_queued, breaker=breaker,
+                            prefix_cache_tokens=limits.prefix_cache_tokens)
     # without API keys every request is one anonymous tenant: nobody to isolate from anybody
     isolation = limits.isolation if config.auth_enabled else None
     control = OverloadControl(tiers, limiter, {

@@ -59,6 +59,9 @@ class PoolRequest(NamedTuple):
     timeout_s: float | None = None  # the client's own deadline, if shorter than its tier's wait
     # the body will report its first token (a stream); a whole answer reports only its end
     streamed: bool = True
+    # chained hashes of the prompt's leading blocks (`policy.prefix`): routes it where its prefix is
+    # probably cached; empty: no affinity
+    prefix: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

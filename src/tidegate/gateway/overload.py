@@ -25,6 +25,7 @@ from tidegate.policy.degradation import DEGRADATION_HEADER, DegradationDecision,
 from tidegate.policy.identity import Identity
 from tidegate.policy.overload import ArrivalOutcome, OverloadControl, RequestFacts, ShedNotice
 from tidegate.policy.pool import REFUSED_NO_REPLICA, PoolController
+from tidegate.policy.prefix import prefix_blocks
 from tidegate.types import Assignment, Refusal
 
 __all__ = [
@@ -94,6 +95,25 @@ def estimate_prompt_tokens(body: Mapping[str, Any]) -> int:
     if isinstance(prompt, list):
         return sum(len(p) // 4 + 1 if isinstance(p, str) else len(p) if isinstance(p, list) else 1 for p in prompt)
     return 1
+
+
+def prompt_prefix(body: Mapping[str, Any]) -> tuple[int, ...]:
+    """The prompt's prefix blocks (`policy.prefix`): a chat's roles and texts in order, or the prompt."""
+    messages = body.get("messages")
+    parts: list[str] = []
+    if isinstance(messages, list):
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            parts.append(str(message.get("role", "")))
+            content = message.get("content")
+            if isinstance(content, str):
+                parts.append(content)
+            elif isinstance(content, list):
+                parts += [part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
+    elif isinstance(body.get("prompt"), str):
+        parts.append(body["prompt"])
+    return prefix_blocks(parts)
 
 
 class Ticket:
@@ -219,6 +239,7 @@ class OverloadRuntime:
         self.clock = clock
         self.bodies: dict[str, _PoolBody] = {}
         self._ttft_targets_s = {tier.name: tier.ttft_target_s for tier in self.control.tiers}
+        self._prefix_affinity = self.config.limits.prefix_cache_tokens > 0
         for tier_name, target_s in self._ttft_targets_s.items():
             metrics.ttft_target.labels(tier_name).set(target_s)
         for name, pool in pools.items():
@@ -253,8 +274,9 @@ class OverloadRuntime:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             max_tokens = 0 if "input" in body else self.config.limits.default_max_tokens
+        prefix = prompt_prefix(body) if self._prefix_affinity else ()
         facts = RequestFacts(request_id, identity.tenant, identity.tier, model, prompt_tokens, max_tokens,
-                             timeout_s=timeout_s, streamed=streamed)
+                             timeout_s=timeout_s, streamed=streamed, prefix=prefix)
         arrival = self.control.arrive(now_s, facts, cached_answer_available=cached_answer_available)
         tier = arrival.tier.name
         limits = arrival.admission.headers

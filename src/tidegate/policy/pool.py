@@ -57,7 +57,14 @@ without it; a rule no scenario needs does not belong here):
    the queue for such requests while they wait (`FairPriorityQueue.shed_hopeless`) refused ones
    that a burst's end let through: 20 fewer served in time than FIFO in `critical_burst`; removed.
 7. Routing among replicas that fit: the least predicted engine TTFT; routable (health, breaker);
-   a retried request never returns to the replica that failed it.
+   a retried request never returns to the replica that failed it. A replica that probably holds
+   the request's prompt prefix in its engine's cache (`policy.prefix`) is charged only the rest of
+   the prompt, so affinity and load are weighed in one unit; the tenants of `bench/prefix_cache.py`
+   keep to their replicas. The work budget counts prefill only, so a hot prefix would pile its
+   decodes on one replica: affinity holds only while its replica holds at most
+   `AFFINITY_IMBALANCE` x the least busy one's requests (+1)
+   (`test_requests_sharing_a_prefix_go_where_it_is_cached`,
+   `test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_saves`).
    (`test_a_retry_goes_first_and_never_to_the_replica_that_failed_it`,
    `test_every_replica_down_refuses_every_waiting_request`; `replica_killed`: its breaker opens on
    the failures of the requests it held, and only a probe each cool-down goes to it after)
@@ -74,6 +81,7 @@ from enum import Enum
 
 from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, is_routable
 from tidegate.policy.prediction import WaitPredictor, WorkUnit
+from tidegate.policy.prefix import BLOCK_TOKENS, PrefixIndex
 from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReason
 from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import TierSpec, TierTable
@@ -85,6 +93,12 @@ __all__ = ["ServiceClass", "PoolReplica", "PoolSettings", "ReplicaSnapshot", "Po
            "REFUSED_UNKNOWN_TIER", "REFUSED_NO_REPLICA", "REFUSED_PREDICTED_MISS"]
 
 REFUSED_UNKNOWN_TIER = "unknown_tier"
+# A replica holding a request's prefix is preferred while it holds at most this many times the
+# requests of the least busy one (+1): prefill saved is counted, decodes piling up are not, and a
+# hot prefix otherwise took ~30 of a 40-request burst on one of two replicas
+# (`test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_saves`); 1.5 is the
+# load imbalance `bench/prefix_cache.py` holds to
+AFFINITY_IMBALANCE = 1.5
 REFUSED_NO_REPLICA = "no_replica"
 REFUSED_PREDICTED_MISS = "predicted_miss"
 
@@ -118,11 +132,16 @@ class PoolSettings:
     max_queued: int = 10_000
     min_wait_share: float = 0.25  # a request may always wait this share of its tier's max_queue_wait_s
     ttft_memory_samples: float = 16.0  # first tokens the fitted TTFT line remembers
+    # prompt tokens whose prefix blocks are remembered per replica for prefix affinity (`policy.prefix`),
+    # about what a replica's KV cache holds; 0: no affinity
+    prefix_cache_tokens: int = 32768
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
 
     def __post_init__(self) -> None:
-        if not 0 < self.engine_share <= 1 or self.max_queued < 1 or not 0 <= self.min_wait_share <= 1:
-            raise ValueError("engine_share in (0, 1], max_queued >= 1, min_wait_share in [0, 1]")
+        if not 0 < self.engine_share <= 1 or self.max_queued < 1 or not 0 <= self.min_wait_share <= 1 \
+                or self.prefix_cache_tokens < 0:
+            raise ValueError("engine_share in (0, 1], max_queued >= 1, min_wait_share in [0, 1], "
+                             "prefix_cache_tokens >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +168,7 @@ class _Sent:
     level: int
     sent_s: float
     tokens_ahead: int  # prefill tokens its engine had to do before its first token, own included
+    prefill_tokens: int = 0  # its own prompt's, less the prefix its replica probably holds
     prefilling: bool = True  # no first token yet
     slot_level: int = 0  # the level its slot counts at (rule 5): `level`, or one below once its tenant floods
 
@@ -165,6 +185,7 @@ class _Replica:
     prefill: list[int] = field(default_factory=list)  # by level
     held: list[int] = field(default_factory=list)  # requests by level
     fit: TtftFit | None = None  # the pool's TTFT line at this replica's speed; None before its first token
+    prefixes: PrefixIndex | None = None  # prefix blocks recently routed here; None: no affinity
 
     def __post_init__(self) -> None:
         self.prefill = [0] * self.levels
@@ -189,8 +210,11 @@ class PoolController:
         self.tiers = tiers
         self.settings = settings
         self._levels = 2 * (max(t.rank for t in tiers) + 1)
-        self._replicas = {r.replica_id: _Replica(r, self._levels, ReplicaSpeed(settings.ttft_memory_samples))
+        prefix_blocks = settings.prefix_cache_tokens // BLOCK_TOKENS
+        self._replicas = {r.replica_id: _Replica(r, self._levels, ReplicaSpeed(settings.ttft_memory_samples),
+                                                 prefixes=PrefixIndex(prefix_blocks) if prefix_blocks else None)
                           for r in replicas}
+        self._prefixes: dict[int | str, tuple[int, ...]] = {}  # queued requests' prefix blocks
         self._order = list(self._replicas.values())
         self._queue = FairPriorityQueue(tiers, max_queued=settings.max_queued, tenant_weights=tenant_weights)
         self._predictor = WaitPredictor(WorkUnit.TOKENS)
@@ -299,6 +323,8 @@ class PoolController:
         self._predictor.on_queued(now_s, tier.rank, tokens)
         if not request.streamed:
             self._whole.add(request.request_id)
+        if request.prefix:
+            self._prefixes[request.request_id] = request.prefix
         return ArrivalDecision(ArrivalVerdict.QUEUED, displaced=displaced, pressure=prediction.pressure,
                                predicted_wait_s=prediction.predicted_wait_s)
 
@@ -368,6 +394,7 @@ class PoolController:
         """The client went away: forget a queued request, or end a sent one (its slot is free)."""
         if self._queue.cancel(request_id) is not None:  # type: ignore[arg-type]
             self._whole.discard(request_id)
+            self._prefixes.pop(request_id, None)
             if not len(self._queue):
                 self._predictor.on_queue_emptied()
             return
@@ -397,7 +424,7 @@ class PoolController:
             self._demote_slots_of_new_floods(now_s)
         queued = QueuedRequest(request.request_id, request.tenant, tier.name, request.prompt_tokens,  # type: ignore[arg-type]
                                request.max_output_tokens, now_s, math.inf)
-        assignment = self._try_assign(now_s, queued, frozenset(), whole=not request.streamed)
+        assignment = self._try_assign(now_s, queued, frozenset(), whole=not request.streamed, prefix=request.prefix)
         if assignment is None:
             return None
         if not request.streamed:
@@ -411,16 +438,25 @@ class PoolController:
         return assignment
 
     def _try_assign(self, now_s: float, request: QueuedRequest, exclude: frozenset[str],
-                    dequeue_skip: frozenset[str] | None = None, whole: bool | None = None) -> Assignment | None:
-        """`whole`: the request reports no first token (None: look it up in `_whole`)."""
+                    dequeue_skip: frozenset[str] | None = None, whole: bool | None = None,
+                    prefix: tuple[int, ...] | None = None) -> Assignment | None:
+        """`whole`: the request reports no first token (None: look it up in `_whole`); `prefix`:
+        its prefix blocks (None: look them up in `_prefixes`)."""
+        if prefix is None:
+            prefix = self._prefixes.get(request.request_id, ())
         tier = self.tiers[request.tier]
         level = self.engine_level(tier.name, self.service_class(now_s, tier.name, request.tenant))
         # what is left of its TTFT target after its wait so far (rule 3): an engine that would
         # start it later has no use for it now
         left_s = request.enqueued_at_s + tier.ttft_target_s - now_s
-        replica = self._pick(now_s, tier, level, request.prompt_tokens, exclude, left_s)
-        if replica is None:
+        picked = self._pick(now_s, tier, level, request.prompt_tokens, exclude, left_s, prefix)
+        if picked is None:
             return None
+        replica, prefill_tokens = picked
+        if prefix:
+            self._prefixes.pop(request.request_id, None)
+            if replica.prefixes is not None:
+                replica.prefixes.record(prefix)
         if dequeue_skip is not None:
             taken = self._queue.dequeue(now_s, dequeue_skip).request
             assert taken is not None and taken.request_id == request.request_id
@@ -429,33 +465,42 @@ class PoolController:
             if self._shares is not None:
                 self._shares.on_dispatch(now_s, request.tier, request.tokens)
         rid = replica.config.replica_id
-        ahead = replica.ahead(level) + request.prompt_tokens
+        ahead = replica.ahead(level) + prefill_tokens
         replica.requests += 1
         replica.held[level] += 1
         replica.breaker = replica.breaker.on_dispatch(now_s)
-        sent = self._sent[request.request_id] = _Sent(request, rid, level, now_s, ahead, slot_level=level)
+        sent = self._sent[request.request_id] = _Sent(request, rid, level, now_s, ahead, prefill_tokens,
+                                                      slot_level=level)
         fit = replica.fit
         if whole is None:
             whole = request.request_id in self._whole
         if not whole:
-            replica.prefill[level] += request.prompt_tokens
+            replica.prefill[level] += prefill_tokens
         elif fit is None:
             sent.prefilling = False  # nothing tells when its prefill ends, nor predicts it
         else:
             # a whole answer reports no first token: its prefill is taken as done when the
             # replica's fit predicts, so that it neither blocks the budget until its answer nor
             # is forgotten at once (`test_a_whole_answer_holds_the_budget_for_its_predicted_prefill`)
-            replica.prefill[level] += request.prompt_tokens
+            replica.prefill[level] += prefill_tokens
             heapq.heappush(self._assumed_prefills, (now_s + fit.predict_s(ahead), request.request_id))
         return Assignment(request.request_id, rid, level)
 
     def _pick(self, now_s: float, tier: TierSpec, level: int, tokens: int, exclude: frozenset[str],
-              left_s: float) -> _Replica | None:
+              left_s: float, prefix: tuple[int, ...] = ()) -> tuple[_Replica, int] | None:
+        """The replica to send it to, and the prefill tokens it would cost there (its prompt's,
+        less the prefix that replica probably holds: `policy.prefix`)."""
         best: _Replica | None = None
-        best_key: tuple[float, int, float] | None = None
+        best_key: tuple[float, int, int, float] | None = None
+        best_tokens = tokens
         order, cursor = self._order, self._cursor
         count = len(order)
         best_index = 0
+        affinity_cap = math.inf
+        if prefix:
+            # rule 7: affinity only up to AFFINITY_IMBALANCE x the least busy replica's requests
+            least = min((r.requests for r in order if r.prefixes is not None), default=0)
+            affinity_cap = AFFINITY_IMBALANCE * least + 1
         for offset in range(count):
             index = (cursor + offset) % count
             replica = order[index]
@@ -464,6 +509,10 @@ class PoolController:
                 continue
             if not replica.has_slot(level):
                 continue  # rule 5
+            own = tokens
+            if prefix and replica.prefixes is not None and replica.requests <= affinity_cap:
+                # rule 7: a cached prefix is prefill the engine skips; at least the last token is computed
+                own = max(1, tokens - tokens * replica.prefixes.matched(prefix) // len(prefix)) if tokens else 0
             ahead = replica.ahead(level)
             fit = replica.fit
             # rule 4: an empty prefill queue takes anything. Before its first token is measured a
@@ -472,15 +521,18 @@ class PoolController:
             # clients, 2 and 31 without it: no gain; a long-prompt burst on a cold pool kept critical
             # within target either way (P99 2.5 s and 2.2 s; FIFO 6.9 s)
             if ahead > 0 and fit is not None \
-                    and fit.predict_s(ahead + tokens) > min(self.engine_budget_s(now_s, tier, replica.config), left_s):
+                    and fit.predict_s(ahead + own) > min(self.engine_budget_s(now_s, tier, replica.config), left_s):
                 continue  # rule 3
-            predicted_s = fit.predict_s(ahead + tokens) if fit is not None else float(ahead)
-            key = (predicted_s, replica.requests, replica.load.kv_cache_usage)
+            # a replica not yet measured predicts in tokens (an idle one, 0, is tried first); a
+            # cached prefix also breaks ties there
+            predicted_s = fit.predict_s(ahead + own) if fit is not None else float(ahead)
+            key = (predicted_s, own, replica.requests, replica.load.kv_cache_usage)
             if best_key is None or key < best_key:
-                best, best_key, best_index = replica, key, index
-        if best is not None:
-            self._cursor = (best_index + 1) % count
-        return best
+                best, best_key, best_index, best_tokens = replica, key, index, own
+        if best is None:
+            return None
+        self._cursor = (best_index + 1) % count
+        return best, best_tokens
 
     def _learn_speed(self, replica: _Replica, tokens_ahead: int, engine_s: float) -> None:
         """One first token: the replica's speed against the pool's line, and, after four samples a
@@ -571,6 +623,7 @@ class PoolController:
 
     def _refusal(self, now_s: float, request: QueuedRequest, reason: str) -> Refusal:
         self._whole.discard(request.request_id)
+        self._prefixes.pop(request.request_id, None)
         return Refusal(request.request_id, reason, self._retry_after_s(now_s, self.tiers[request.tier]))
 
     def _retry_after_s(self, now_s: float, tier: TierSpec | None) -> float:
@@ -590,7 +643,7 @@ class PoolController:
 
     def _prefilled(self, replica: _Replica, sent: _Sent) -> None:
         sent.prefilling = False
-        replica.prefill[sent.level] -= sent.request.prompt_tokens
+        replica.prefill[sent.level] -= sent.prefill_tokens
 
     def _end(self, request_id: int | str) -> _Sent | None:
         sent = self._sent.pop(request_id, None)
