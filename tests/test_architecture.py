@@ -75,6 +75,23 @@ def test_engine_modules_the_simulator_borrows_are_pure(module: str) -> None:
             assert name in borrowed, f"{path.relative_to(SRC)} imports {name}"
 
 
+# pure modules outside policy/: what they may import of tidegate, and no I/O, clock, event loop or torch
+PURE_MODULES = {
+    # the semantic cache's core: numpy only; the gateway embeds, stores and persists around it
+    "cache/semantic.py": (),
+}
+IMPURE_FOR_PURE_MODULES = IMPURE_FOR_POLICY | {"torch", "transformers", "redis", "httpx", "os", "io", "pathlib"}
+
+
+@pytest.mark.parametrize("module", sorted(PURE_MODULES))
+def test_pure_modules_do_no_io_and_import_nothing_impure(module: str) -> None:
+    for name in _imports(SRC / module):
+        assert name.split(".")[0] not in IMPURE_FOR_PURE_MODULES, f"{module} imports {name}"
+        if name == "tidegate" or name.startswith("tidegate."):
+            assert any(name == ok or name.startswith(ok + ".") for ok in PURE_MODULES[module]), (
+                f"{module} imports {name}")
+
+
 def test_no_relative_imports() -> None:
     # absolute imports name the package a module leans on, which these checks read
     for path in sorted(SRC.rglob("*.py")):
