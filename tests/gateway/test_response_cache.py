@@ -318,3 +318,43 @@ def test_two_gateways_share_the_redis_tier_and_serve_on_without_it(tmp_path: Pat
                 process.stop()
         mock.stop()
         redis_process.stop()
+
+
+@pytest.mark.slow
+def test_a_paraphrase_gets_the_semantic_cache_answer_and_a_near_miss_does_not(tmp_path: Path) -> None:
+    mock, mock_port = _mock(ttft_ms=1500)
+    semantic = {"embedding_pool": "minilm", "rung_threshold": 0.75}
+    pools = [{**_pool("m", mock_port), "response_cache": {"semantic": semantic}},
+             {"name": "minilm", "backends": [{"type": "embedded", "model": "all-MiniLM-L6-v2", "threads": 1}]}]
+    gateway, base = _gateway(tmp_path, pools)
+    try:
+        def ask(question: str, key: str = "sk-alice", **body: object) -> Answer:
+            return _chat(base, key, messages=[{"role": "system", "content": "You are a helpful support agent."},
+                                              {"role": "user", "content": question}], **body)
+
+        stored = ask("How do I reset my password?", temperature=0)
+        assert stored.headers["x-tidegate-cache"] == "miss"
+        paraphrase = ask("How can I reset my password?", temperature=0)
+        assert paraphrase.headers["x-tidegate-cache"] == "hit"
+        assert float(paraphrase.headers["x-tidegate-cache-similarity"]) >= 0.86
+        assert paraphrase.json()["choices"] == stored.json()["choices"]
+        assert ask("How do I reset my password?", "sk-bob", temperature=0).headers["x-tidegate-cache"] == "miss"
+        assert ask("What is 15% of 200?", temperature=0).headers["x-tidegate-cache"] == "miss"
+        assert ask("What is 25% of 200?", temperature=0).headers["x-tidegate-cache"] == "miss"  # the guard
+
+        async def shed_paraphrase() -> tuple[Answer, Answer]:
+            busy = asyncio.create_task(asyncio.to_thread(ask, "something long", "sk-alice"))
+            await asyncio.sleep(0.3)  # the pool's only slot is taken; `low` may not queue
+            shed = await asyncio.to_thread(ask, "I forgot my password, how do I reset it?", "sk-free",
+                                           temperature=0.7)
+            return await busy, shed
+
+        busy, sampled = asyncio.run(shed_paraphrase())
+        assert sampled.status_code == 503  # `free` has no answer of its own: scopes are per tenant
+        assert ask("How do I reset my password?", "sk-free", temperature=0).status_code == 200
+        _, sampled = asyncio.run(shed_paraphrase())
+        assert sampled.status_code == 200 and sampled.headers["x-tidegate-degradation"] == "cached_answer"
+        assert "x-tidegate-cache-similarity" in sampled.headers
+    finally:
+        gateway.stop()
+        mock.stop()

@@ -15,11 +15,12 @@ import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
-__all__ = ["CacheMode", "CachedAnswer", "CacheKeys", "cache_mode", "is_deterministic", "request_keys", "MemoryTier"]
+__all__ = ["CacheMode", "CachedAnswer", "CacheKeys", "cache_mode", "is_deterministic", "request_keys", "SemanticQuestion",
+           "semantic_question", "MemoryTier"]
 
 # fields that never change an answer: who asked (scoped separately), bookkeeping, the gateway's own
 _IGNORED_FIELDS = frozenset(("user", "metadata", "store", "priority", "service_tier", "request_id"))
@@ -71,6 +72,33 @@ def request_keys(scope: str, endpoint: str, body: dict[str, Any]) -> CacheKeys:
     option = orjson.OPT_SORT_KEYS
     return CacheKeys(hashlib.sha256(head + orjson.dumps(kept, option=option)).hexdigest(),
                      hashlib.sha256(head + b"loose\x00" + orjson.dumps(loose, option=option)).hexdigest())
+
+
+class SemanticQuestion(NamedTuple):
+    scope: str  # everything but the last user turn: a normal semantic hit must match it exactly
+    loose_scope: str  # the same without the sampling parameters: for the ladder's cached-answer rung
+    text: str  # the last user turn
+
+
+def semantic_question(scope: str, endpoint: str, body: dict[str, Any]) -> SemanticQuestion | None:
+    """The semantic cache's view of a chat whose last turn is a user's text: the scope hashes
+    everything but that turn (tenant, model, system prompt, earlier turns, every parameter), so a
+    semantic hit differs from its entry in the wording of the last question only. None for
+    anything else (completions, a last turn that is not the user's plain text)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    last = messages[-1]
+    if not isinstance(last, dict) or last.get("role") != "user" or not isinstance(last.get("content"), str):
+        return None
+    kept = {name: value for name, value in body.items() if name not in _IGNORED_FIELDS and name != "messages"}
+    kept["earlier"] = messages[:-1]
+    loose = {name: value for name, value in kept.items() if name not in _SAMPLING_FIELDS}
+    head = f"{scope}\x00{endpoint}\x00semantic\x00".encode()
+    option = orjson.OPT_SORT_KEYS
+    return SemanticQuestion(hashlib.sha256(head + orjson.dumps(kept, option=option)).hexdigest(),
+                            hashlib.sha256(head + b"loose\x00" + orjson.dumps(loose, option=option)).hexdigest(),
+                            last["content"])
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,6 +20,7 @@ from tidegate.overload_config import build_policies
 from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.gateway.proxy import Proxy, ProxySettings
 from tidegate.gateway.response_cache import CacheSettings, PoolCacheSettings, ResponseCache
+from tidegate.gateway.semantic_cache import Embedder, SemanticCache, SemanticMetrics, SemanticSettings
 from tidegate.gateway.scaling import KubernetesActuator, LocalActuator, ScaleLoop
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
 from tidegate.policy.health import BreakerPolicy
@@ -154,10 +155,23 @@ class Gateway:
                         for p in config.pools if p.response_cache is not None}
         if cached_pools:
             tiers = config.cache
+            semantic: dict[str, SemanticCache] = {}
+            semantic_metrics = None
+            for pool_config in config.pools:
+                wanted = pool_config.response_cache.semantic if pool_config.response_cache is not None else None
+                if wanted is None:
+                    continue
+                semantic_metrics = semantic_metrics or SemanticMetrics(self.metrics.registry)
+                embedder = Embedder(self.pools[wanted.embedding_pool].replicas, time.monotonic, wanted.embed_timeout_s)
+                semantic[pool_config.name] = SemanticCache(
+                    SemanticSettings(wanted.embedding_pool, wanted.threshold, wanted.rung_threshold,
+                                     wanted.max_entries, wanted.embed_timeout_s), embedder, semantic_metrics,
+                    pool_config.name)
             self.cache = ResponseCache(
                 CacheSettings(tiers.memory_bytes, tiers.redis_url, tiers.ttl_s, tiers.redis_timeout_s,
                               tiers.redis_retry_s), cached_pools, self.metrics.registry,
-                opted_out_tenants=frozenset(name for name, t in config.tenants.items() if not t.response_cache))
+                opted_out_tenants=frozenset(name for name, t in config.tenants.items() if not t.response_cache),
+                semantic=semantic)
         self.proxy = Proxy(self.pools, settings, self.metrics, self.access_log, overload=self.overload,
                            scaling=self.scaling, cache=self.cache)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
@@ -193,6 +207,8 @@ class Gateway:
         if self.scaling is not None:
             await self.scaling.start()
         self.access_log.start()
+        if self.cache is not None and self.cache.semantic:
+            self._loading = loop.create_task(self.cache.load_semantic())  # shared entries, in the background
         server = self.config.server
         max_body = server.max_body_bytes
         handle = self.proxy.handle
