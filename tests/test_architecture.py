@@ -78,7 +78,9 @@ def test_engine_modules_the_simulator_borrows_are_pure(module: str) -> None:
 # pure modules outside policy/: what they may import of tidegate, and no I/O, clock, event loop or torch
 PURE_MODULES = {
     # the semantic cache's core: numpy only; the gateway embeds, stores and persists around it
-    "cache/semantic.py": (),
+    "cache/semantic.py": ("tidegate.cache.answer_guard",),
+    "cache/answer_guard.py": (),
+    "cache/response.py": (),
 }
 IMPURE_FOR_PURE_MODULES = IMPURE_FOR_POLICY | {"torch", "transformers", "redis", "httpx", "os", "io", "pathlib"}
 
