@@ -19,7 +19,7 @@ def test_the_committed_dashboard_is_the_generated_one() -> None:
 def test_the_dashboard_has_the_rows_operators_look_for() -> None:
     rows = [panel["title"] for panel in dashboard.build()["panels"] if panel["type"] == "row"]
     assert rows == ["Traffic", "Latency by tier, against targets", "Overload: queues, refusals, degradation",
-                    "Replicas: health, work budgets, engine load", "Scaling", "Failures"]
+                    "Replicas: health, work budgets, engine load", "Cache", "Scaling", "Failures"]
 
 
 def test_panels_are_well_formed() -> None:

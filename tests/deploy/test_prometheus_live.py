@@ -6,7 +6,8 @@ The stack: two `tidegate engine` processes (tiny-random-llama) behind one pool w
 and three tiers, a second pool of two mock upstreams of which one answers half its requests with a
 500 (upstream errors, retries), tenants on each tier plus one capped at a request a minute (rate
 limiting) and a sheddable tier that may queue nothing (preset replies under a burst); the engines'
-pool autoscales (desired replicas exported)."""
+pool autoscales (desired replicas exported); the mock pool has a response cache with a Redis tier and
+a semantic layer over an embedded MiniLM pool, and some of the load repeats deterministic questions."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from pathlib import Path
 import openai
 import pytest
 import yaml
-from support import ManagedProcess, free_port, start_process, tidegate_argv
+from support import ManagedProcess, free_port, start_process, start_redis, tidegate_argv
 
 from tidegate.telemetry import dashboard
 
@@ -80,7 +81,20 @@ def _drive_load(base_url: str) -> None:
             except openai.APIError:
                 pass  # refusals and upstream failures are what some of this load is for
 
-    threads = [threading.Thread(target=loop, args=args) for args in
+    def repeat(key: str) -> None:  # the same deterministic questions, and paraphrases of them
+        api = client(key)
+        questions = ["How do I reset my password?", "How can I reset my password?", "What is a tide gate?"]
+        for index in range(60):
+            if time.monotonic() > deadline:
+                return
+            try:
+                api.chat.completions.create(model="flaky", max_tokens=4, temperature=0,
+                                            messages=[{"role": "user", "content": questions[index % 3]}])
+            except openai.APIError:
+                pass
+
+    threads = [threading.Thread(target=repeat, args=("sk-std",))]
+    threads += [threading.Thread(target=loop, args=args) for args in
                [("sk-gold", MODEL, True, 8), ("sk-std", MODEL, True, 8), ("sk-std", MODEL, False, 8),
                 *[("sk-free", MODEL, True, 16)] * 10, ("sk-std", "flaky", False, 4), ("sk-std", "flaky", False, 4),
                 ("sk-capped", MODEL, False, 4)]]
@@ -109,6 +123,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                                                          "--tokens", "4", "--ttft-ms", "5", "--itl-ms", "1",
                                                          "--error-rate", error_rate),
                                            ready_url=f"http://127.0.0.1:{port}/health", timeout_s=30))
+        redis_process, redis_url = start_redis()
+        processes.append(redis_process)
         port, metrics_port, prometheus_port = free_port(), free_port(), free_port()
         config = {
             "server": {"port": port, "metrics_port": metrics_port, "access_log": False},
@@ -117,7 +133,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                        "autoscale": {"min_replicas": 1, "max_replicas": 4, "tick_s": 1, "stable_window_s": 5,
                                      "panic_window_s": 2}},
                       {"name": "flaky", "backends": [{"type": "upstream", "url": f"http://127.0.0.1:{p}/v1"}
-                                                     for p in mocks]}],
+                                                     for p in mocks],
+                       "response_cache": {"semantic": {"embedding_pool": "minilm"}}},
+                      {"name": "minilm", "backends": [{"type": "embedded", "model": "all-MiniLM-L6-v2", "threads": 1}]}],
+            "cache": {"redis_url": redis_url},
             "tenants": {"gold": {"api_keys": ["sk-gold"], "tier": "critical"},
                         "std": {"api_keys": ["sk-std"], "tier": "standard"},
                         "free": {"api_keys": ["sk-free"], "tier": "sheddable"},

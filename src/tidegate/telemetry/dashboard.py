@@ -110,6 +110,21 @@ ROWS: tuple[Row, ...] = (
         _p("Engine batch per step P50", "short",
            (_quantile(0.5, "tidegate_engine_step_batch_size", "instance", ""), "{{instance}}")),
     )),
+    Row("Cache", (
+        _p("Response cache, by outcome", "reqps",
+           (f"sum by (result) (rate(tidegate_response_cache_requests_total{{{POOL}}}[{RATE}]))", "{{result}}"),
+           description="hit_memory, hit_redis, hit_semantic, coalesced (joined an identical request in flight), "
+                       "miss (went to a replica and was stored), bypass (not cacheable)"),
+        _p("Requests kept off the engines", "percentunit",
+           (f'sum by (pool) (rate(tidegate_response_cache_requests_total{{{POOL}, result=~"hit.*|coalesced"}}'
+            f"[{RATE}])) / sum by (pool) (rate(tidegate_response_cache_requests_total{{{POOL}}}[{RATE}]))",
+            "{{pool}}")),
+        _p("Memory tier held", "bytes", ("sum by (instance) (tidegate_response_cache_memory_bytes)", "{{instance}}")),
+        _p("Redis tier up", "short", ("min by (instance) (tidegate_response_cache_redis_up)", "{{instance}}"),
+           description="0: the gateway serves without Redis (alert TidegateCacheRedisDown after 5 minutes)"),
+        _p("Semantic lookups, by result", "reqps",
+           (f"sum by (result) (rate(tidegate_semantic_cache_lookups_total{{{POOL}}}[{RATE}]))", "{{result}}")),
+    )),
     Row("Scaling", (
         _p("Replicas: desired by the autoscaler, and ready", "short",
            (f"max by (pool) (tidegate_desired_replicas{{{POOL}}})", "desired {{pool}}"),
