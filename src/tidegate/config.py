@@ -31,6 +31,7 @@ __all__ = [
     "HealthConfig",
     "AutoscaleConfig",
     "CacheConfig",
+    "SharedStateConfig",
     "PoolCacheConfig",
     "SemanticCacheConfig",
     "EmbeddedBackend",
@@ -240,6 +241,30 @@ class CacheConfig(_Strict):
     redis_retry_s: float = Field(5.0, gt=0)  # after a Redis failure the tier is skipped this long
 
 
+class SharedStateConfig(_Strict):
+    """Where the tenants' RPM/TPM buckets live (docs/scale-out.md). `memory`: in each gateway process,
+    so N gateways admit N times a limit. `redis`: in one Redis shared by every gateway, reserved and
+    settled by Lua scripts on Redis time, so the limits hold across processes exactly."""
+
+    backend: Literal["memory", "redis"] = "memory"
+    redis_url: str | None = None  # redis://[user:password@]host:port/db or rediss://...; needed by `redis`
+    # Redis unreachable, or slower than redis_timeout_s: `local` admits on in-process buckets of
+    # limit / gateway_count; `fail_open` admits everything; `fail_closed` answers 503 + Retry-After
+    on_redis_error: Literal["fail_open", "fail_closed", "local"] = "local"
+    gateway_count: int = Field(1, ge=1)  # gateways sharing the limits: `local` gives each 1/gateway_count
+    redis_timeout_s: float = Field(0.25, gt=0)  # a reply slower than this is an outage
+    redis_retry_s: float = Field(1.0, gt=0)  # after an outage, Redis is tried again this often
+    key_prefix: str = Field("tidegate:rl:", min_length=1)
+
+    @model_validator(mode="after")
+    def _redis_needs_url(self) -> SharedStateConfig:
+        if self.backend == "redis":
+            scheme = urlsplit(self.redis_url).scheme if self.redis_url else ""
+            if scheme not in ("redis", "rediss"):
+                raise ValueError("shared_state: backend redis needs redis_url (redis://host:port/db or rediss://)")
+        return self
+
+
 class PoolConfig(_Strict):
     name: str = Field(min_length=1)  # the `model` clients ask for
     backends: tuple[Backend, ...] = Field(min_length=1)
@@ -258,6 +283,7 @@ class GatewayConfig(_Strict):
     limits: LimitsConfig = LimitsConfig()
     degradation: DegradationConfig = DegradationConfig()
     cache: CacheConfig = CacheConfig()
+    shared_state: SharedStateConfig = SharedStateConfig()
 
     @model_validator(mode="after")
     def _unique_pool_names(self) -> GatewayConfig:

@@ -21,6 +21,7 @@ from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.gateway.proxy import Proxy, ProxySettings
 from tidegate.gateway.response_cache import CacheSettings, PoolCacheSettings, ResponseCache
 from tidegate.gateway.semantic_cache import Embedder, SemanticCache, SemanticMetrics, SemanticSettings
+from tidegate.gateway.shared_limits import SharedLimits, SharedLimitSettings
 from tidegate.gateway.scaling import KubernetesActuator, LocalActuator, ScaleLoop
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
 from tidegate.policy.health import BreakerPolicy
@@ -116,6 +117,18 @@ class Gateway:
                                     for r in pool.replicas] for name, pool in self.pools.items()}
             self.overload = OverloadRuntime(build_policies(config.overload, pool_replicas, breaker_policy), self.pools,
                                             OverloadMetrics(self.metrics.registry))
+        # tenants' rate limits kept in Redis, shared by every gateway (docs/scale-out.md)
+        self.shared_limits: SharedLimits | None = None
+        shared_state = config.shared_state
+        if shared_state.backend == "redis" and self.overload is not None:
+            assert shared_state.redis_url is not None
+            self.shared_limits = SharedLimits(
+                SharedLimitSettings(shared_state.redis_url, shared_state.on_redis_error, shared_state.gateway_count,
+                                    shared_state.redis_timeout_s, shared_state.redis_retry_s, shared_state.key_prefix),
+                self.overload.control.limiter, self.metrics.registry)
+            self.overload.shared_limits = self.shared_limits
+        elif shared_state.backend == "redis":
+            log.warning("shared_state: backend redis keeps rate limits, which need overload_control; ignored")
         settings = ProxySettings(server.max_tokens_cap, server.first_byte_timeout_s, server.request_timeout_s,
                                  api_keys, metrics_key, metrics_on_main_port=server.metrics_port is None,
                                  whole_answer_timeout_s=server.whole_answer_timeout_s,
@@ -204,6 +217,8 @@ class Gateway:
         loop = asyncio.get_running_loop()
         await self.supervisor.start()
         await self.health_checker.start()
+        if self.shared_limits is not None:
+            await self.shared_limits.start()
         if self.scaling is not None:
             await self.scaling.start()
         self.access_log.start()
@@ -249,6 +264,8 @@ class Gateway:
         await self.supervisor.stop()
         if self.cache is not None:
             await self.cache.close()
+        if self.shared_limits is not None:
+            await self.shared_limits.close()
         for pool in self.pools.values():
             for replica in pool.replicas:
                 replica.connections.close()

@@ -120,7 +120,7 @@ class Ticket:
     """What the body knows of one admitted request, from `admit` to `settle`."""
 
     __slots__ = ("request_id", "pool", "tier", "prompt_tokens", "arrived_s", "predicted_wait_s", "response_headers",
-                 "future", "replica", "priority", "dispatched_s", "failure", "completed", "settled")
+                 "future", "replica", "priority", "dispatched_s", "failure", "completed", "settled", "shared")
 
     def __init__(self, request_id: str, pool: str, tier: str, prompt_tokens: int, arrived_s: float,
                  predicted_wait_s: float | None, response_headers: bytes) -> None:
@@ -139,6 +139,7 @@ class Ticket:
         self.failure: str | None = None  # how its attempt failed at the replica, if it did
         self.completed = False  # the replica answered it whole
         self.settled = False
+        self.shared: Any = None  # its reservation in the shared limits (`gateway.shared_limits`), if they took it
 
 
 class _PoolBody:
@@ -238,6 +239,9 @@ class OverloadRuntime:
         self.metrics = metrics
         self.clock = clock
         self.bodies: dict[str, _PoolBody] = {}
+        # `gateway.shared_limits.SharedLimits` when the rate limits live in Redis (`shared_state`):
+        # the proxy awaits its decision and hands it to `admit`; None: the in-process limiter decides
+        self.shared_limits: Any = None
         self._ttft_targets_s = {tier.name: tier.ttft_target_s for tier in self.control.tiers}
         self._prefix_affinity = self.config.limits.prefix_cache_tokens > 0
         for tier_name, target_s in self._ttft_targets_s.items():
@@ -266,18 +270,29 @@ class OverloadRuntime:
         return decision.identity
 
     # -- 1. admission
-    def admit(self, now_s: float, request_id: str, identity: Identity, model: str, body: Mapping[str, Any],
-              timeout_s: float | None = None, streamed: bool = True, cached_answer_available: bool = False) -> Ticket:
-        """Admits a request into its pool's controller, or raises the answer to send at once
-        (CachedAnswerRung when `cached_answer_available` and the ladder takes that rung)."""
-        prompt_tokens = estimate_prompt_tokens(body)
+    def request_cost(self, body: Mapping[str, Any]) -> tuple[int, int]:
+        """(prompt tokens, max tokens) the rate limits reserve for a request."""
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         if not isinstance(max_tokens, int) or max_tokens <= 0:
             max_tokens = 0 if "input" in body else self.config.limits.default_max_tokens
+        return estimate_prompt_tokens(body), max_tokens
+
+    def admit(self, now_s: float, request_id: str, identity: Identity, model: str, body: Mapping[str, Any],
+              timeout_s: float | None = None, streamed: bool = True, cached_answer_available: bool = False,
+              shared: Any = None) -> Ticket:
+        """Admits a request into its pool's controller, or raises the answer to send at once
+        (CachedAnswerRung when `cached_answer_available` and the ladder takes that rung).
+        `shared`: the shared limits' admission (`SharedAdmission`), which then replaces the
+        in-process limiter's decision and is settled with the ticket."""
+        if shared is None:
+            prompt_tokens, max_tokens = self.request_cost(body)
+        else:
+            prompt_tokens, max_tokens = shared.prompt_tokens, shared.max_tokens
         prefix = prompt_prefix(body) if self._prefix_affinity else ()
         facts = RequestFacts(request_id, identity.tenant, identity.tier, model, prompt_tokens, max_tokens,
                              timeout_s=timeout_s, streamed=streamed, prefix=prefix)
-        arrival = self.control.arrive(now_s, facts, cached_answer_available=cached_answer_available)
+        arrival = self.control.arrive(now_s, facts, cached_answer_available=cached_answer_available,
+                                      admission=None if shared is None else shared.decision)
         tier = arrival.tier.name
         limits = arrival.admission.headers
         headers = _header_lines(limits.as_http_headers()) if limits is not None else b""
@@ -297,9 +312,12 @@ class OverloadRuntime:
             else:
                 ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, arrival.predicted_wait_s, headers)
                 body.wait(ticket)
+            ticket.shared = shared
             if arrival.shed:
                 self._answer_shed(now_s, arrival.shed)
             return ticket
+        if shared is not None:
+            shared.settle(0)  # admitted by the limits, answered without a model: nothing used
         self._answer_shed(now_s, arrival.shed)
         metrics.of(metrics.admissions, model, tier, outcome.value).inc()
         if outcome in (ArrivalOutcome.RATE_LIMITED, ArrivalOutcome.TOO_LARGE):
@@ -388,7 +406,10 @@ class OverloadRuntime:
             body.controller.on_cancel(now_s, ticket.request_id)  # the client left while it waited
         elif ticket.replica is not None:  # also when assigned just as the client left
             body.ended(now_s, ticket, completion_tokens)
-        self.control.finish(now_s, ticket.request_id, used_tokens=ticket.prompt_tokens + completion_tokens)
+        used_tokens = ticket.prompt_tokens + completion_tokens
+        self.control.finish(now_s, ticket.request_id, used_tokens=used_tokens)
+        if ticket.shared is not None:
+            ticket.shared.settle(used_tokens)
         if body.waiting:
             body.pump(now_s)
 

@@ -334,11 +334,15 @@ class Proxy:
         `cached_fallback`: the cache's answer to the same question, for the ladder's cached-answer rung."""
         overload = self.overload
         assert overload is not None
+        # rate limits shared by several gateways (`shared_state: redis`): decided there first
+        shared = overload.shared_limits
+        admission = None if shared is None else await shared.admit(identity.tenant, pool.name,
+                                                                     *overload.request_cost(body))
         self._ticket_ids += 1
         # raises the answer for a refusal (429, or 503 with the preset reply) at once
         try:
             ticket = overload.admit(started, str(self._ticket_ids), identity, pool.name, body, timeout_s, stream,
-                                    cached_answer_available=cached_fallback is not None)
+                                    cached_answer_available=cached_fallback is not None, shared=admission)
         except CachedAnswerRung as rung:
             assert cached_fallback is not None
             self.pool_metrics[pool.name].count(200)

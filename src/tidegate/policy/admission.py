@@ -29,7 +29,12 @@ __all__ = [
     "AdmissionDecision",
     "Settlement",
     "RateLimiter",
+    "ScopeLimit",
+    "ScopeDraw",
     "format_reset",
+    "scope_label",
+    "rate_limited_message",
+    "too_large_message",
 ]
 
 
@@ -156,6 +161,39 @@ class Settlement(NamedTuple):
     charged_tokens: float  # reserved - refunded, plus whatever of an overrun the buckets could give
 
 
+class ScopeLimit(NamedTuple):
+    """One limit that applies to a (tenant, model) request: the tenant's (`model` None), then the
+    (tenant, model) one. Lets a limiter kept elsewhere (a store shared by several gateways) apply
+    exactly the limits this one would."""
+
+    tenant: str
+    model: str | None  # None: the tenant's limit over every model
+    limit: RateLimit
+    label: str  # names the limit in error messages
+
+
+class ScopeDraw(NamedTuple):
+    """What a scope's buckets are below their capacity now: drawn beyond what refill made up."""
+
+    tenant: str
+    model: str | None
+    requests: float
+    tokens: float
+
+
+def scope_label(tenant: str, model: str | None) -> str:
+    return f"tenant {tenant}" + (f", model {model}" if model is not None else "")
+
+
+def rate_limited_message(kind: LimitKind, label: str, wait_s: float) -> str:
+    return f"Rate limit reached for {kind.value} per minute ({label}). Please try again in {format_reset(wait_s)}."
+
+
+def too_large_message(label: str, cost: int, token_capacity: float) -> str:
+    return (f"Request too large for {label}: it needs {cost} tokens (prompt + max_tokens) but the limit is "
+            f"{int(token_capacity)} tokens per minute. Reduce the prompt or max_tokens.")
+
+
 def format_reset(seconds: float) -> str:
     """OpenAI's duration style for reset headers: `20ms`, `1.5s`, `6m0s`."""
     if seconds < 1.0:
@@ -212,7 +250,7 @@ class RateLimiter:
                 limit,
                 TokenBucket(rpm, rpm / 60.0, now_s) if rpm else None,
                 TokenBucket(tpm, tpm / 60.0, now_s) if tpm else None,
-                f"tenant {tenant}" + (f", model {model}" if model is not None else ""),
+                scope_label(tenant, model),
             )
             self._scopes[key] = scope
         return scope
@@ -231,9 +269,7 @@ class RateLimiter:
         for scope in scopes:
             if scope.tokens is not None and cost > scope.tokens.capacity:
                 return self._refuse(AdmissionOutcome.TOO_LARGE, LimitKind.TOKENS, None, scopes, now_s,
-                                    f"Request too large for {scope.label}: it needs {cost} tokens "
-                                    f"(prompt + max_tokens) but the limit is {int(scope.tokens.capacity)} "
-                                    "tokens per minute. Reduce the prompt or max_tokens.")
+                                    too_large_message(scope.label, cost, scope.tokens.capacity))
         worst_wait_s, worst_kind, worst_scope = 0.0, LimitKind.REQUESTS, None
         for scope in scopes:
             for kind, bucket, amount in ((LimitKind.REQUESTS, scope.requests, 1), (LimitKind.TOKENS, scope.tokens, cost)):
@@ -243,8 +279,7 @@ class RateLimiter:
                         worst_wait_s, worst_kind, worst_scope = wait_s, kind, scope
         if worst_scope is not None:
             return self._refuse(AdmissionOutcome.RATE_LIMITED, worst_kind, worst_wait_s, scopes, now_s,
-                                f"Rate limit reached for {worst_kind.value} per minute ({worst_scope.label}). "
-                                f"Please try again in {format_reset(worst_wait_s)}.")
+                                rate_limited_message(worst_kind, worst_scope.label, worst_wait_s))
         for scope in scopes:
             if scope.requests is not None:
                 scope.requests.take(now_s, 1)
@@ -302,3 +337,48 @@ class RateLimiter:
     @property
     def open_reservations(self) -> int:
         return len(self._open)
+
+    # -- queries for a limiter kept elsewhere (the gateway's shared store): they change no account
+
+    @property
+    def unlimited(self) -> bool:
+        """No limit is configured for anyone: every request is admitted without an account."""
+        return self._unlimited
+
+    def limits_for(self, tenant: str, model: str) -> tuple[ScopeLimit, ...]:
+        """The limits a request of `tenant` for `model` must fit, in the order `admit` checks them
+        (the tenant's, then the (tenant, model) one); the last one gives the response headers."""
+        found: list[ScopeLimit] = []
+        tenant_limit = self._tenant_limits.get(tenant, self._default_limit)
+        if tenant_limit is not None:
+            found.append(ScopeLimit(tenant, None, tenant_limit, scope_label(tenant, None)))
+        model_limit = self._model_limits.get((tenant, model))
+        if model_limit is not None:
+            found.append(ScopeLimit(tenant, model, model_limit, scope_label(tenant, model)))
+        return tuple(found)
+
+    def scaled(self, divisor: float) -> RateLimiter:
+        """A fresh limiter with every limit divided by `divisor` (each of N gateways enforcing its
+        share of a limit on its own). Limits are not rounded: a bucket may hold a fraction."""
+        if divisor <= 0:
+            raise ValueError("divisor must be > 0")
+
+        def share(limit: RateLimit) -> RateLimit:
+            rpm, tpm = limit.requests_per_minute, limit.tokens_per_minute
+            return RateLimit(None if rpm is None else rpm / divisor,  # type: ignore[arg-type]
+                             None if tpm is None else tpm / divisor)  # type: ignore[arg-type]
+
+        default = None if self._default_limit is None else share(self._default_limit)
+        return RateLimiter({name: share(limit) for name, limit in self._tenant_limits.items()},
+                           model_limits={key: share(limit) for key, limit in self._model_limits.items()},
+                           default_limit=default)
+
+    def drawn(self, now_s: float) -> tuple[ScopeDraw, ...]:
+        """Every scope used so far whose buckets are below capacity now, by how much."""
+        draws: list[ScopeDraw] = []
+        for (tenant, model), scope in self._scopes.items():
+            requests = scope.requests.capacity - scope.requests.level(now_s) if scope.requests is not None else 0.0
+            tokens = scope.tokens.capacity - scope.tokens.level(now_s) if scope.tokens is not None else 0.0
+            if requests > 0 or tokens > 0:
+                draws.append(ScopeDraw(tenant, model, requests, tokens))
+        return tuple(draws)

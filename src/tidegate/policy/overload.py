@@ -6,7 +6,9 @@ the degradation ladder when the controller refuses it or the pool is pressed (Go
 before refusing; sheddable first) -> settle (refund unused tokens). Everything about when and where
 a request runs is the controller's; this facade decides only what an arrival is answered with
 when its pool will not take it, and keeps the rate limiter's accounts, per request id, so that the
-caller never forgets a refund.
+caller never forgets a refund. A rate-limit decision may also be taken outside (a store shared by
+several gateways: `arrive(admission=...)`); its reservation is then the caller's to settle, and
+`finish` only gives the settlement's arithmetic.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class _Admitted:
     request: PoolRequest
     moved: bool = False  # waits in a fallback pool already: never moved again
     cached_answer: bool = False  # the cache holds an answer to it: the ladder's cached-answer rung can serve it
+    external: bool = False  # admitted by a limiter outside this object: settled there, not by `limiter`
 
 
 class OverloadControl:
@@ -112,9 +115,12 @@ class OverloadControl:
         self.pools = dict(pools)
         self._admitted: dict[str, _Admitted] = {}  # admitted and not yet settled
 
-    def arrive(self, now_s: float, facts: RequestFacts, *, cached_answer_available: bool = False) -> Arrival:
+    def arrive(self, now_s: float, facts: RequestFacts, *, cached_answer_available: bool = False,
+               admission: AdmissionDecision | None = None) -> Arrival:
         """Admission, then the pool's controller, then the ladder when it will not take the request.
 
+        `admission`: the rate-limit decision, when a limiter outside this object took it (one shared
+        by several gateways); its reservation is then settled by that limiter, never by `limiter`.
         Raises KeyError for an unknown tier or pool (validate those first: 401 / 404), ValueError
         for a request id already in flight.
         """
@@ -122,7 +128,9 @@ class OverloadControl:
             raise ValueError(f"request {facts.request_id} is already in flight")
         tier = self.tiers.get(facts.tier)
         policies = self.pools[facts.model]
-        admission = self.limiter.admit(now_s, facts.tenant, facts.model, facts.prompt_tokens, facts.max_tokens)
+        external = admission is not None
+        if admission is None:
+            admission = self.limiter.admit(now_s, facts.tenant, facts.model, facts.prompt_tokens, facts.max_tokens)
         if not admission.admitted:
             outcome = (ArrivalOutcome.TOO_LARGE if admission.outcome is AdmissionOutcome.TOO_LARGE
                        else ArrivalOutcome.RATE_LIMITED)
@@ -131,7 +139,7 @@ class OverloadControl:
         request = PoolRequest(facts.request_id, now_s, facts.tenant, tier.name, facts.prompt_tokens, facts.max_tokens,
                               facts.timeout_s, facts.streamed, facts.prefix)
         self._admitted[facts.request_id] = _Admitted(admission.reservation, request,
-                                                     cached_answer=cached_answer_available)
+                                                     cached_answer=cached_answer_available, external=external)
         decision = policies.controller.on_arrival(now_s, request)
         if decision.verdict is ArrivalVerdict.ASSIGNED:  # nothing waited: nothing pressed, nothing shed
             return Arrival(ArrivalOutcome.ASSIGNED, tier, facts.model, Rung.PRIMARY, admission, 0.0, None, None, (),
@@ -240,4 +248,10 @@ class OverloadControl:
 
     def _settle(self, now_s: float, request_id: str, used_tokens: int) -> Settlement | None:
         admitted = self._admitted.pop(request_id, None)
-        return None if admitted is None else self.limiter.settle(now_s, admitted.reservation, used_tokens)
+        if admitted is None:
+            return None
+        if admitted.external:  # its limiter settles it: what it is to refund, or charge beyond the reservation
+            reserved = admitted.reservation.reserved_tokens
+            refund = max(0, reserved - used_tokens)
+            return Settlement(reserved, used_tokens, refund, float(reserved - refund + max(0, used_tokens - reserved)))
+        return self.limiter.settle(now_s, admitted.reservation, used_tokens)
