@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("tidegate.loadgen.report_cli", "show a bench or sim report again, or compare two side by side"),
     "sim": ("tidegate.sim_cli", "simulate a pool on a replica profile; calibrate a profile against an engine"),
     "plan": ("tidegate.plan_cli", "plan replicas per window of a trace: the seeds' formula, verified in the simulator"),
+    "chaos": ("tidegate.chaos.cli", "inject faults into a running deployment under load; report what it did"),
 }
 
 
