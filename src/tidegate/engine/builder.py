@@ -51,6 +51,7 @@ def build_generation_engine(options: EngineOptions, metrics: EngineMetrics | Non
         chunked_prefill=options.chunked_prefill,
         eos_token_ids=loaded.tokenizer.eos_token_ids,
         attention_cost_tokens=runner.model.attention_cost_tokens(),
+        enable_prefix_caching=options.enable_prefix_caching,
     )
     _warm_up(runner, config, options.kv_cache_tokens)
     max_total_tokens = min(loaded.context_tokens, blocks.capacity_tokens)
@@ -64,6 +65,7 @@ def build_generation_engine(options: EngineOptions, metrics: EngineMetrics | Non
         "max_batch_tokens": config.max_batch_tokens,
         "kv_cache_tokens": blocks.capacity_tokens,
         "attention_cost_tokens": config.attention_cost_tokens,
+        "enable_prefix_caching": config.enable_prefix_caching,
     }
     return BuiltEngine(EngineLoop(Scheduler(config, blocks), runner, metrics), loaded.tokenizer, loaded.name,
                        max_total_tokens, card)

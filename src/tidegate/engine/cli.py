@@ -32,6 +32,9 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-tokens", type=int, default=32768, help="KV-cache capacity in tokens")
     parser.add_argument("--no-chunked-prefill", dest="chunked_prefill", action="store_false",
                         help="prefill each prompt in one step (for comparison)")
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                        help="compute every prompt from scratch instead of sharing the KV blocks of prefixes "
+                             "computed before (for comparison)")
     parser.add_argument("--fault-injection", action="store_true",
                         help="serve POST /admin/slow (body: a factor >= 1) that makes every step that many times "
                              "slower; for testing how a gateway's limits follow a slow replica, never in production")
@@ -61,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         max_batch_tokens=args.max_batch_tokens,
         kv_cache_tokens=args.kv_cache_tokens,
         chunked_prefill=args.chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
         fault_injection=args.fault_injection,
         max_body_bytes=args.max_body_bytes,
     )

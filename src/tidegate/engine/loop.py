@@ -56,6 +56,8 @@ class EngineLoop:
         # `tidegate engine --step-log`: one CSV line a step (start, seconds, prefill tokens, decoding
         # sequences, summed context), what `tidegate sim calibrate --step-log` fits a profile on
         self.step_log: TextIO | None = None
+        # the block manager's prefix-cache counters as last published (the metrics take the deltas)
+        self._published_prefix_counts = (0, 0, 0)
 
     def start(self, aio_loop: asyncio.AbstractEventLoop) -> None:
         """Runs the loop in a new thread (tests; the CLI calls `run_forever` from its main thread)."""
@@ -157,7 +159,13 @@ class EngineLoop:
     def _publish_state(self) -> None:
         if self._metrics is not None:
             scheduler = self._scheduler
-            self._metrics.set_state(len(scheduler.running), len(scheduler.waiting), scheduler.blocks.usage)
+            blocks = scheduler.blocks
+            self._metrics.set_state(len(scheduler.running), len(scheduler.waiting), blocks.usage)
+            counts = (blocks.prefix_queried_tokens, blocks.prefix_hit_tokens, blocks.evicted_blocks)
+            last = self._published_prefix_counts
+            if counts != last:
+                self._metrics.add_prefix_cache_counts(*(now - then for now, then in zip(counts, last)))
+                self._published_prefix_counts = counts
 
     def _deliver(self, outputs: list[StepOutput]) -> None:
         for output in outputs:

@@ -34,6 +34,26 @@ class EngineMetrics:
         self.step_batch_size = Histogram(
             "tidegate_engine_step_batch_size", "Sequences in one engine step", buckets=_BATCH_BUCKETS, registry=r
         )
+        # prefix caching; hit rate = rate(hits) / rate(queries). Exposed with the `_total` suffix
+        self.prefix_cache_queries = Counter(
+            "tidegate_engine_prefix_cache_queries_tokens",
+            "Tokens of admitted sequences looked up in the prefix cache", registry=r,
+        )
+        self.prefix_cache_hits = Counter(
+            "tidegate_engine_prefix_cache_hits_tokens", "Looked-up tokens found in the prefix cache", registry=r
+        )
+        self.prefix_cache_evictions = Counter(
+            "tidegate_engine_prefix_cache_evictions", "Cached KV blocks evicted for another use", registry=r
+        )
+
+    def add_prefix_cache_counts(self, queried_tokens: int, hit_tokens: int, evicted_blocks: int) -> None:
+        """Called by the engine thread with what the block manager counted since the last call."""
+        if queried_tokens:
+            self.prefix_cache_queries.inc(queried_tokens)
+        if hit_tokens:
+            self.prefix_cache_hits.inc(hit_tokens)
+        if evicted_blocks:
+            self.prefix_cache_evictions.inc(evicted_blocks)
 
     def set_state(self, running: int, waiting: int, kv_usage: float) -> None:
         """Called by the engine thread after each iteration (prometheus-client is thread-safe)."""

@@ -11,6 +11,11 @@ PURE: no torch, no asyncio, no clock. Each step:
 3. if a running sequence cannot get a KV block, the worst running sequence (lowest priority, then
    newest) is preempted: its blocks are freed and it is recomputed from its tokens later.
 `update` then appends the sampled tokens; finished sequences leave at once and free their blocks.
+
+With prefix caching (`enable_prefix_caching`, on by default as in vLLM v1), a sequence being
+admitted shares the cached blocks of its leading full blocks (`BlockManager.cached_prefix`) and
+starts computing after them: a prompt that repeats a system prompt computed before is charged only
+for its new tokens. `update` registers each full block once it is computed.
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ class SchedulerConfig:
     # layers (the model's flops ratio); a prefill chunk token at context c is charged 1 + c / this
     # against the budget. None charges 1 per token whatever the context.
     attention_cost_tokens: int | None = None
+    # share the KV blocks of prompt prefixes computed before (see kv_cache.py): fewer prefill
+    # tokens computed; greedy tokens matched computing every prompt whole
+    # (tests/engine/test_prefix_cache_model.py)
+    enable_prefix_caching: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,14 +140,20 @@ class Scheduler:
                 # here would leave the engine full, idle and waiting for one of them to finish)
                 admitting = False
                 continue
-            want = self._chunk_size(head, budget, has_prefill=any(not c.seq.is_decoding for c in chunks))
+            prefix = self._cached_prefix(head)
+            start = len(prefix) * self.blocks.block_size
+            has_prefill = any(not c.seq.is_decoding for c in chunks)
+            want = self._chunk_size(head, budget, has_prefill, start=start)
             # admit only when the whole prompt fits: a half-admitted prompt would be preempted
             # by the next decode that needs a block, and its chunks computed again and again
-            if want == 0 or not self.blocks.can_hold(head, head.num_tokens):
+            if want == 0 or not self.blocks.can_hold(head, head.num_tokens, prefix):
                 admitting = False
                 continue
             self.waiting.pop(0)
-            self.blocks.grow(head, head.num_computed_tokens + want)
+            if self.config.enable_prefix_caching:
+                self.blocks.share_prefix(head, prefix)  # with no hit too: the lookup counts
+            head.num_computed_tokens = start
+            self.blocks.grow(head, start + want)
             head.status = SequenceStatus.RUNNING
             self.running.append(head)
             chunks.append(self._chunk(head, want))
@@ -156,7 +171,7 @@ class Scheduler:
             seq = chunk.seq
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted between schedule and update
-            seq.num_computed_tokens = chunk.start + chunk.num_tokens
+            self.mark_computed(seq, chunk.start + chunk.num_tokens)
             if not chunk.samples:
                 continue
             token = next(tokens)
@@ -169,15 +184,37 @@ class Scheduler:
                 outputs.append(self._finish(seq, reason, token))
         return outputs
 
+    def mark_computed(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """The keys and values of `seq`'s first `num_computed_tokens` tokens are in its blocks
+        (`update` calls it; the simulator too, for the steps it takes as one event)."""
+        seq.num_computed_tokens = num_computed_tokens
+        # most steps fill no block (a decode fills one every 16 steps); a unique prompt's blocks
+        # are registered when it releases them, as no one else can find them before (`_release`)
+        if (self.config.enable_prefix_caching and not seq.unique_prompt
+                and num_computed_tokens // self.blocks.block_size > seq.num_cached_blocks):
+            self.blocks.cache_computed_blocks(seq)
+
+    def can_admit(self, seq: Sequence) -> bool:
+        """Whether the KV cache can take waiting `seq` whole now, its cached prefix shared (the
+        admission test of `schedule`; a query, for the simulator's planning)."""
+        return self.blocks.can_hold(seq, seq.num_tokens, self._cached_prefix(seq))
+
     def prefill_chunk(self, start: int, remaining: int, budget: int) -> int:
         """Tokens a chunked prefill at position `start`, with `remaining` to go, gets from `budget`
         (a query: the simulator plans steps ahead with it)."""
         return min(remaining, self._tokens_affordable(start, budget))
 
-    def _chunk_size(self, seq: Sequence, budget: int, has_prefill: bool) -> int:
-        remaining = seq.num_uncomputed_tokens
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        return self.blocks.cached_prefix(seq) if self.config.enable_prefix_caching else []
+
+    def _chunk_size(self, seq: Sequence, budget: int, has_prefill: bool, start: int | None = None) -> int:
+        """Tokens of `seq` to compute this step from position `start` (default: its computed
+        tokens; a sequence being admitted starts after its cached prefix)."""
+        if start is None:
+            start = seq.num_computed_tokens
+        remaining = seq.num_tokens - start
         if self.config.chunked_prefill:
-            return min(remaining, self._tokens_affordable(seq.num_computed_tokens, budget))
+            return min(remaining, self._tokens_affordable(start, budget))
         # without chunking a prompt runs whole: alone past the budget, never two at once past it
         return remaining if remaining <= budget or not has_prefill else 0
 
@@ -225,11 +262,16 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq)
+        self._release(seq, finished=False)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=_rank)  # `schedule` may still admit from it this step
+
+    def _release(self, seq: Sequence, finished: bool) -> None:
+        if self.config.enable_prefix_caching and seq.unique_prompt:
+            self.blocks.cache_unique_blocks(seq, finished)
+        self.blocks.free(seq)
 
     @staticmethod
     def _chunk(seq: Sequence, num_tokens: int) -> ScheduledChunk:
@@ -245,7 +287,7 @@ class Scheduler:
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason, token_id: int | None) -> StepOutput:
-        self.blocks.free(seq)
+        self._release(seq, finished=True)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         return self._output(seq, token_id, reason)

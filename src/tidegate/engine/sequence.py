@@ -40,6 +40,15 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose keys/values are in the KV cache
     block_table: list[int] = field(default_factory=list)
+    # prefix caching: chained hashes of the full blocks hashed so far (they depend on the tokens
+    # alone, so they outlive a preemption), and how many leading blocks of `block_table` are
+    # registered in the cache or were found there
+    block_hashes: list[bytes | int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    # no other sequence's tokens start as this one's do (the simulator's made-up prompts): its
+    # blocks are cached under its own id, not hashed, where only its own recompute (after a
+    # preemption) can find them; hashing cost the simulator as much as the rest of its bookkeeping
+    unique_prompt: bool = False
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
@@ -60,6 +69,10 @@ class Sequence:
 
     def token_ids(self, start: int, count: int) -> list[int]:
         prompt_len = len(self.prompt_token_ids)
-        if start + count <= prompt_len:
-            return self.prompt_token_ids[start : start + count]
-        return (self.prompt_token_ids + self.output_token_ids)[start : start + count]
+        end = start + count
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        # slices, not prompt + output: a long sequence's generated blocks are hashed one at a time
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]

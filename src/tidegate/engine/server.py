@@ -60,6 +60,7 @@ class EngineOptions:
     max_batch_tokens: int = 96
     kv_cache_tokens: int = 32768
     chunked_prefill: bool = True
+    enable_prefix_caching: bool = True  # share the KV blocks of prompt prefixes computed before
     fault_injection: bool = False  # serve POST /admin/slow (testing only)
     # larger bodies get 413; a gateway that spawns the worker sets it above its own limit
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES

@@ -16,6 +16,12 @@ again. A request submitted, a slow-down or a death during a stretch cuts it at t
 progress, where the engine would have seen it. Records match stepping one step at a time to
 floating-point rounding (`test_stretches_of_decode_steps_give_the_records_of_one_step_at_a_time`).
 Mid-stretch, `load` reports the KV use of the stretch's start.
+
+The engine's prefix caching is modelled too, by the scheduler itself: a request's prompt computes
+only what the replica's KV cache does not already hold. A request submitted without its token ids
+gets a prompt of its own (its first token is its request id, and it is marked unique, so that its
+blocks are not hashed), so that requests share no prefix unless a caller says they do
+(`submit(..., prompt_token_ids=...)`).
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ FAILURE_TOO_LONG = "too_long"  # prompt + output cannot fit the replica's whole 
 
 # Any token but an end-of-sequence one: a sequence ends by its output length alone.
 _SAMPLED_TOKEN = 1
+_PROMPT_TOKEN = 7  # fills the prompts the simulator makes up
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,8 +166,17 @@ class ModelledReplica:
                                      kv_cache_usage=self.scheduler.blocks.usage)
         return self._load
 
-    def submit(self, request_id: int, prompt_tokens: int, output_tokens: int, priority: int = 0) -> None:
-        """Hands a request to the engine; it joins the next step (same-instant arrivals batch)."""
+    def submit(self, request_id: int, prompt_tokens: int, output_tokens: int, priority: int = 0,
+               prompt_token_ids: list[int] | None = None) -> None:
+        """Hands a request to the engine; it joins the next step (same-instant arrivals batch).
+        `prompt_token_ids` (`prompt_tokens` of them) say which requests share a prompt prefix, for
+        the KV cache; without them the prompt shares nothing with any other request's."""
+        unique_prompt = prompt_token_ids is None
+        if unique_prompt:
+            prompt_token_ids = _distinct_prompt(request_id, prompt_tokens)
+        elif len(prompt_token_ids) != prompt_tokens:
+            raise ValueError(f"request {request_id}: {len(prompt_token_ids)} prompt token ids for "
+                             f"{prompt_tokens} prompt tokens")
         if not self.alive:
             # a refused connection is reported after the caller returns, as it would be live
             self._loop.call_later(0.0, self._listener.on_failure, self._loop.now_s, self.replica_id,
@@ -173,8 +189,8 @@ class ModelledReplica:
             return
         params = SamplingParams(max_tokens=max(output_tokens, 1), ignore_eos=True)
         self._cut_stretch()  # the engine sees it at the end of the step in progress
-        self.scheduler.add(Sequence(seq_id=request_id, prompt_token_ids=[_SAMPLED_TOKEN + 6] * prompt_tokens,
-                                    params=params, priority=priority))
+        self.scheduler.add(Sequence(seq_id=request_id, prompt_token_ids=prompt_token_ids, params=params,
+                                    priority=priority, unique_prompt=unique_prompt))
         self._load = None
         self._mark_busy()
         self._wake()
@@ -279,9 +295,12 @@ class ModelledReplica:
         blocks = scheduler.blocks
         if scheduler.waiting:
             # a waiting prompt stays out while the engine is full, or the KV cache cannot hold it
-            # (decodes only take blocks), until a sequence finishes
+            # (decodes only take blocks, and evictions only shorten its cached prefix), until a
+            # sequence finishes; unless a running sequence starts as it does, when the blocks that
+            # one computes may become the waiting one's cached prefix and let it in
             head = min(scheduler.waiting, key=lambda seq: (seq.priority, seq.arrival_index))
-            if len(running) < config.max_num_seqs and blocks.can_hold(head, head.num_tokens):
+            if len(running) < config.max_num_seqs and (
+                    scheduler.can_admit(head) or self._may_share_prefix(head, running)):
                 return None
         limit = min((seq.params.max_tokens - len(seq.output_token_ids) for seq in running if seq is not prompt),
                     default=1 << 30) - 1
@@ -311,6 +330,15 @@ class ModelledReplica:
             context += decoding
             prompt_at += chunk
         return _Stretch(self._loop.now_s, ends_s, prompt, chunks)
+
+    def _may_share_prefix(self, waiting: Sequence, running: list[Sequence]) -> bool:
+        """Whether a running sequence may cache blocks that `waiting` would share: their first
+        blocks match (block hashes chain, so no later block can match where the first does not)."""
+        if not self.scheduler.config.enable_prefix_caching:
+            return False
+        size = self.scheduler.blocks.block_size
+        first = waiting.token_ids(0, size)
+        return any(seq.token_ids(0, size) == first for seq in running)
 
     @staticmethod
     def _blocks_needed(blocks: BlockManager, running: list[Sequence], prompt: Sequence | None,
@@ -345,17 +373,17 @@ class ModelledReplica:
 
     def _apply(self, stretch: _Stretch, steps: int) -> None:
         """What `steps` steps of the scheduler do to the sequences, and the counters."""
-        blocks = self.scheduler.blocks
-        running = self.scheduler.running
+        scheduler = self.scheduler
+        running = scheduler.running
         prefilled = sum(stretch.chunks[:steps])
         for seq in running:
             if seq is stretch.prefilling:
-                blocks.grow(seq, seq.num_computed_tokens + prefilled)
-                seq.num_computed_tokens += prefilled
+                scheduler.blocks.grow(seq, seq.num_computed_tokens + prefilled)
+                scheduler.mark_computed(seq, seq.num_computed_tokens + prefilled)
             else:
-                blocks.grow(seq, seq.num_computed_tokens + steps)
-                seq.num_computed_tokens += steps
+                scheduler.blocks.grow(seq, seq.num_computed_tokens + steps)
                 seq.output_token_ids.extend([_SAMPLED_TOKEN] * steps)
+                scheduler.mark_computed(seq, seq.num_computed_tokens + steps)
         self._load = None
         self.steps += steps
         self.generated_tokens += steps * (len(running) - (stretch.prefilling is not None))
@@ -371,3 +399,9 @@ class ModelledReplica:
         if self._busy_since_s is not None:
             self.busy_s += self._loop.now_s - self._busy_since_s
             self._busy_since_s = None
+
+
+def _distinct_prompt(request_id: int, prompt_tokens: int) -> list[int]:
+    """A prompt no other request's starts like: block hashes chain, so a distinct first token
+    makes every block distinct."""
+    return [request_id, *[_PROMPT_TOKEN] * (prompt_tokens - 1)] if prompt_tokens else []
