@@ -98,6 +98,15 @@ class ServerConfig(_Strict):
     metrics_host: str | None = None  # the metrics listener's address; default: `host`
     # GET /status (a live HTML page) and /status.json, served where /metrics is, to whom it is
     status_page: bool = True
+    # Shutdown (SIGTERM, SIGINT): /ready answers 503 at once while requests are still served, for
+    # `shutdown_delay_s`, so that load balancers and Kubernetes endpoints stop sending new ones; then
+    # the listener closes and the requests in flight finish, for up to `drain_timeout_s`; keep-alive
+    # connections are closed after their answer (docs/configuration.md, "Restarts")
+    shutdown_delay_s: float = Field(0.0, ge=0)
+    drain_timeout_s: float = Field(60.0, ge=0)
+    # SO_REUSEPORT: a new gateway may listen on the port of the one it replaces, both accept until
+    # the old one drains: a restart on one host refuses nothing
+    reuse_port: bool = False
 
     @model_validator(mode="after")
     def _metrics_listener_of_its_own(self) -> ServerConfig:

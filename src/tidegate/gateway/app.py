@@ -230,7 +230,8 @@ class Gateway:
         connections = self.connections
         write_timeout_s = server.client_write_timeout_s
         self._server = await loop.create_server(lambda: HttpConnection(handle, max_body, connections, write_timeout_s),
-                                                server.host, server.port, backlog=4096, reuse_address=True)
+                                                server.host, server.port, backlog=4096, reuse_address=True,
+                                                reuse_port=server.reuse_port or None)
         connections.start()
         self.port = self._server.sockets[0].getsockname()[1]
         log.info("listening", extra={"fields": {"host": server.host, "port": self.port,
@@ -252,6 +253,25 @@ class Gateway:
                 return True
             await asyncio.sleep(0.1)
         return self.ready()
+
+    async def drain(self) -> None:
+        """Shutdown's first half: /ready says 503 while requests are still served for
+        `shutdown_delay_s`; then the listener closes, idle connections close, and the requests in
+        flight finish, for up to `drain_timeout_s`. `stop` then ends what is left."""
+        server = self.config.server
+        self.proxy.draining = True
+        log.info("draining", extra={"fields": {"shutdown_delay_s": server.shutdown_delay_s,
+                                               "in_flight": self.proxy.active}})
+        if server.shutdown_delay_s:
+            await asyncio.sleep(server.shutdown_delay_s)
+        if self._server is not None:
+            self._server.close()
+        self.connections.drain()
+        deadline = time.monotonic() + server.drain_timeout_s
+        while self.proxy.active and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.proxy.active:
+            log.warning("drain timed out", extra={"fields": {"in_flight": self.proxy.active}})
 
     async def stop(self) -> None:
         for listener in (self._server, self._metrics_server):

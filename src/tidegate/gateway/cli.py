@@ -48,8 +48,15 @@ async def _serve(config) -> int:
     ready_task = loop.create_task(gateway.wait_ready(timeout_s=gateway.startup_timeout_s))
     ready_task.add_done_callback(_report_readiness)
     await stop.wait()
-    log.info("stopping")
     ready_task.cancel()
+    drained = loop.create_task(gateway.drain())
+    for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal stops at once
+        loop.add_signal_handler(signum, drained.cancel)
+    try:
+        await drained
+    except asyncio.CancelledError:
+        log.warning("stopping without waiting for requests in flight")
+    log.info("stopping")
     await gateway.stop()
     return 0
 

@@ -87,6 +87,7 @@ class ConnectionRegistry:
         self._unlogged = dict.fromkeys(CLOSE_REASONS, 0)
         self._logged_at = dict.fromkeys(CLOSE_REASONS, float("-inf"))
         self._timer: asyncio.TimerHandle | None = None
+        self.draining = False  # shutting down: connections close after their answer
 
     def __len__(self) -> int:
         return len(self._open)
@@ -136,6 +137,18 @@ class ConnectionRegistry:
                 return False
             candidates.sort(key=lambda conn: conn.phase_since or unstamped, reverse=True)  # longest idle last
             self._idle_candidates = candidates
+
+    # -- shutdown
+    def drain(self) -> None:
+        """From now on every connection closes after its answer; idle ones close now, so that
+        keep-alive clients reconnect (to the gateway that replaces this one)."""
+        self.draining = True
+        idle = [conn for conn in self._open if conn.phase == IDLE and not conn.handling]
+        for conn in idle:
+            del self._open[conn]
+            conn.time_out(answer=False, linger=False)
+        for conn in self._open:
+            conn.close_after_answer()
 
     # -- the sweep
     def start(self) -> None:

@@ -274,8 +274,12 @@ class HttpConnection(asyncio.Protocol):
         """A request of this connection is being handled: no timeout of the registry applies."""
         return self._task is not None
 
+    def close_after_answer(self) -> None:
+        """The gateway is draining: this connection closes once its answer is out."""
+        self._keep_alive = False
+
     def _start(self, request: HttpRequest) -> None:
-        self._keep_alive = request.keep_alive
+        self._keep_alive = request.keep_alive and not (self._registry is not None and self._registry.draining)
         self._answering_head = request.method == b"HEAD"
         self._stream_chunked = request.takes_chunked
         self._stream_open = False

@@ -98,6 +98,8 @@ class Proxy:
                  cache: ResponseCache | None = None) -> None:
         self.pools = pools
         self.cache = cache  # None: no pool has a response cache
+        self.draining = False  # shutting down: /ready answers 503, requests are still served
+        self.active = 0  # API requests being handled: a drain waits for them
         self.overload = overload  # None: FIFO queues, static slot limits, server.api_keys only
         self._ticket_ids = 0  # overload control's own request ids: clients may repeat x-request-id
         self.settings = settings
@@ -126,6 +128,7 @@ class Proxy:
         model: str | None = None
         status = 500
         replica_id: str | None = None
+        self.active += 1
         try:
             if endpoint is None or request.method != b"POST" or request.too_large:
                 status = self._handle_other(conn, request, request_id)
@@ -165,6 +168,7 @@ class Proxy:
             status = 500
             self._send_error(conn, TidegateError("internal error"), request_id)
         finally:
+            self.active -= 1
             self.access_log.record(request_id, request.method, request.path, model, status,
                                    self.clock() - started, replica_id)
 
@@ -202,8 +206,9 @@ class Proxy:
         if path == b"/ready":
             now_s = self.clock()
             ready = {name: pool.ready(now_s) for name, pool in self.pools.items()}
-            status = 200 if all(ready.values()) else 503
-            conn.respond(status, headers, orjson.dumps({"ready": status == 200, "pools": ready}))
+            status = 200 if all(ready.values()) and not self.draining else 503
+            conn.respond(status, headers, orjson.dumps({"ready": status == 200, "draining": self.draining,
+                                                        "pools": ready}))
             return status
         if path in self._observing:
             return self._serve_observing(conn, request, on_main_port=True)
