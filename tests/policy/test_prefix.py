@@ -106,3 +106,26 @@ def test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_sav
     # then the other takes a whole prompt, caches it too, and the two share the burst
     held = {replica: homes.count(replica) + (replica == first) for replica in ("r0", "r1")}
     assert max(held.values()) <= 1.5 * min(held.values()) + 1
+
+
+def test_decodes_do_not_pile_onto_the_replica_that_looks_fastest() -> None:
+    """r0's first tokens came fast (its prompts were cached), r1's slowly: r0 predicts the shorter
+    time to first token whenever its prefill queue is empty, and nothing in the prediction counts
+    the decodes it already runs."""
+    ctl = _controller(prefix_cache_tokens=0)
+    request_id = 2000
+    for round_, tokens in enumerate((100, 400, 900, 200, 700, 300)):
+        now_s = 10.0 * round_
+        for replica_ttft_s in (0.02, 0.5):  # r0 then r1 (the pair goes to both replicas)
+            homes = _send(ctl, PoolRequest(request_id, now_s, "t", "standard", tokens, 16), now_s)
+            ctl.on_first_token(now_s + replica_ttft_s + 0.0001 * tokens * (homes == "r1"), request_id)
+            ctl.on_finish(now_s + 1.0, request_id)
+            request_id += 1
+    held = {"r0": 0, "r1": 0}
+    for i in range(30):  # each answered at once, then decoding: held, with no prefill ahead
+        now_s = 100.0 + i
+        prompt = _request(i, f"Conversation {i}. " + SYSTEM_B, "go on", tokens=300)  # prefixes shared by none
+        home = _send(ctl, prompt._replace(arrival_s=now_s), now_s)
+        ctl.on_first_token(now_s + 0.01, i)
+        held[home] += 1
+    assert max(held.values()) <= 1.5 * min(held.values()) + 1, held
