@@ -25,7 +25,7 @@ from tidegate.policy.degradation import DEGRADATION_HEADER, DegradationDecision,
 from tidegate.policy.identity import Identity
 from tidegate.policy.overload import ArrivalOutcome, OverloadControl, RequestFacts, ShedNotice
 from tidegate.policy.pool import REFUSED_NO_REPLICA, PoolController
-from tidegate.policy.prefix import prefix_blocks
+from tidegate.policy.prefix import BLOCK_TOKENS, prefix_blocks
 from tidegate.types import Assignment, Refusal
 
 __all__ = [
@@ -288,7 +288,8 @@ class OverloadRuntime:
             prompt_tokens, max_tokens = self.request_cost(body)
         else:
             prompt_tokens, max_tokens = shared.prompt_tokens, shared.max_tokens
-        prefix = prompt_prefix(body) if self._prefix_affinity else ()
+        # a prompt shorter than one block has no prefix to route by: not hashed
+        prefix = prompt_prefix(body) if self._prefix_affinity and prompt_tokens > BLOCK_TOKENS else ()
         facts = RequestFacts(request_id, identity.tenant, identity.tier, model, prompt_tokens, max_tokens,
                              timeout_s=timeout_s, streamed=streamed, prefix=prefix)
         arrival = self.control.arrive(now_s, facts, cached_answer_available=cached_answer_available,
