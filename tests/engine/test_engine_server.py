@@ -50,6 +50,20 @@ def test_completion_returns_text(client: openai.OpenAI) -> None:
     assert reply.usage.prompt_tokens == 5 and reply.usage.completion_tokens == 3
 
 
+def test_usage_reports_the_prompt_tokens_found_in_the_prefix_cache(client: openai.OpenAI) -> None:
+    system = "You answer questions about tide gates and their maintenance. " * 12  # many full blocks
+
+    def ask(question: str) -> openai.types.CompletionUsage:
+        return client.chat.completions.create(
+            model=MODEL, max_tokens=2, extra_body={"ignore_eos": True},
+            messages=[{"role": "system", "content": system}, {"role": "user", "content": question}]).usage
+
+    first, second = ask("When are they checked?"), ask("Who repairs them?")
+    assert first.prompt_tokens_details.cached_tokens == 0
+    cached = second.prompt_tokens_details.cached_tokens
+    assert cached > 0 and cached % 16 == 0 and cached < second.prompt_tokens  # whole blocks of the shared system prompt
+
+
 def test_streaming_chat_ends_with_usage_chunk(client: openai.OpenAI) -> None:
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=5, stream=True,

@@ -26,6 +26,7 @@ class Delta:
     finish_reason: str | None  # "stop" | "length" on the last delta
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens found in the engine's prefix cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,16 +132,16 @@ class GenerationService:
                 count = output.num_output_tokens
                 cut = _find_stop(pending, prepared.stop_strings)
                 if cut is not None:
-                    yield Delta(pending[:cut], "stop", prompt_tokens, count)
+                    yield Delta(pending[:cut], "stop", prompt_tokens, count, output.num_cached_prompt_tokens)
                     return
                 if output.finish_reason is not None:
                     finished = True
-                    yield Delta(pending, output.finish_reason.value, prompt_tokens, count)
+                    yield Delta(pending, output.finish_reason.value, prompt_tokens, count, output.num_cached_prompt_tokens)
                     return
                 # one delta per token, even an empty one (half a character, a held-back stop
                 # prefix): streams then show every step, which the latency benchmarks measure
                 emit = max(0, len(pending) - holdback)
-                yield Delta(pending[:emit], None, prompt_tokens, count)
+                yield Delta(pending[:emit], None, prompt_tokens, count, output.num_cached_prompt_tokens)
                 pending = pending[emit:]
         finally:
             if not finished:

@@ -78,6 +78,7 @@ class StepOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_prompt_tokens: int = 0  # of the prompt, found in the prefix cache at admission
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:
@@ -153,6 +154,8 @@ class Scheduler:
             if self.config.enable_prefix_caching:
                 self.blocks.share_prefix(head, prefix)  # with no hit too: the lookup counts
             head.num_computed_tokens = start
+            if not head.num_preemptions:  # a recompute's hits are its own blocks, not the prompt's
+                head.num_cached_prompt_tokens = start
             self.blocks.grow(head, start + want)
             head.status = SequenceStatus.RUNNING
             self.running.append(head)
@@ -300,4 +303,5 @@ class Scheduler:
             finish_reason=reason,
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_output_tokens=len(seq.output_token_ids),
+            num_cached_prompt_tokens=seq.num_cached_prompt_tokens,
         )

@@ -45,6 +45,8 @@ class Sequence:
     # registered in the cache or were found there
     block_hashes: list[bytes | int] = field(default_factory=list)
     num_cached_blocks: int = 0
+    # prompt tokens found cached when first admitted: OpenAI's `usage.prompt_tokens_details.cached_tokens`
+    num_cached_prompt_tokens: int = 0
     # no other sequence's tokens start as this one's do (the simulator's made-up prompts): its
     # blocks are cached under its own id, not hashed, where only its own recompute (after a
     # preemption) can find them; hashing cost the simulator as much as the rest of its bookkeeping

@@ -308,9 +308,10 @@ def _envelope(obj: str, prefix: str, model: str) -> dict[str, Any]:
     return {"id": f"{prefix}-{uuid.uuid4().hex}", "object": obj, "created": int(time.time()), "model": model}
 
 
-def _usage(delta: Delta) -> dict[str, int]:
+def _usage(delta: Delta) -> dict[str, Any]:
     return {
         "prompt_tokens": delta.prompt_tokens,
         "completion_tokens": delta.completion_tokens,
         "total_tokens": delta.prompt_tokens + delta.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": delta.cached_tokens},  # OpenAI's field
     }
