@@ -19,8 +19,8 @@ from typing import Any, NamedTuple
 
 import orjson
 
-__all__ = ["CacheMode", "CachedAnswer", "CacheKeys", "cache_mode", "is_deterministic", "request_keys", "SemanticQuestion",
-           "semantic_question", "MemoryTier"]
+__all__ = ["CacheMode", "CachedAnswer", "CacheKeys", "cache_mode", "is_deterministic", "request_keys",
+           "SemanticQuestion", "semantic_question", "MemoryTier"]
 
 # fields that never change an answer: who asked (scoped separately), bookkeeping, the gateway's own
 _IGNORED_FIELDS = frozenset(("user", "metadata", "store", "priority", "service_tier", "request_id"))
@@ -45,7 +45,8 @@ def is_deterministic(body: dict[str, Any]) -> bool:
     return temperature == 0 or body.get("seed") is not None
 
 
-def cache_mode(body: dict[str, Any], cache_control: bytes | None, *, cache_sampled: bool, tenant_allows: bool) -> CacheMode:
+def cache_mode(body: dict[str, Any], cache_control: bytes | None, *, cache_sampled: bool,
+               tenant_allows: bool) -> CacheMode:
     """How the response cache treats this request. `cache_sampled`: the pool also caches requests
     that are not deterministic (an opt-in: a hit then repeats one sample)."""
     if not tenant_allows:

@@ -136,7 +136,8 @@ class GenerationService:
                     return
                 if output.finish_reason is not None:
                     finished = True
-                    yield Delta(pending, output.finish_reason.value, prompt_tokens, count, output.num_cached_prompt_tokens)
+                    yield Delta(pending, output.finish_reason.value, prompt_tokens, count,
+                                output.num_cached_prompt_tokens)
                     return
                 # one delta per token, even an empty one (half a character, a held-back stop
                 # prefix): streams then show every step, which the latency benchmarks measure

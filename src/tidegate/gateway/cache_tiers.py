@@ -41,7 +41,8 @@ class CacheMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self.requests = Counter("tidegate_response_cache_requests", "Requests of pools with a response cache, by "
-                                "outcome: hit_memory, hit_redis, hit_semantic, miss, coalesced, bypass", ["pool", "result"], registry=r)
+                                "outcome: hit_memory, hit_redis, hit_semantic, miss, coalesced, bypass",
+                                ["pool", "result"], registry=r)
         self.stores = Counter("tidegate_response_cache_stores", "Complete answers stored", ["pool"], registry=r)
         self.evictions = Counter("tidegate_response_cache_evictions", "Answers evicted from the memory tier",
                                  registry=r)

@@ -110,7 +110,8 @@ def prompt_prefix(body: Mapping[str, Any]) -> tuple[int, ...]:
             if isinstance(content, str):
                 parts.append(content)
             elif isinstance(content, list):
-                parts += [part["text"] for part in content if isinstance(part, dict) and isinstance(part.get("text"), str)]
+                parts += [part["text"] for part in content
+                          if isinstance(part, dict) and isinstance(part.get("text"), str)]
     elif isinstance(body.get("prompt"), str):
         parts.append(body["prompt"])
     return prefix_blocks(parts)

@@ -75,8 +75,9 @@ class ResponseCache:
         self._flights: dict[str, Flight] = {}
         self._writes: set[asyncio.Task[None]] = set()  # Redis stores in the background
         self._evictions_seen = 0
-        self._results = {pool: {result: self.metrics.requests.labels(pool, result) for result in
-                                ("hit_memory", "hit_redis", "hit_semantic", "miss", "coalesced", "bypass")} for pool in pools}
+        results = ("hit_memory", "hit_redis", "hit_semantic", "miss", "coalesced", "bypass")
+        self._results = {pool: {result: self.metrics.requests.labels(pool, result) for result in results}
+                         for pool in pools}
 
     def scope(self, tenant: str | None, authorization: bytes | None) -> str:
         """Whose answers a request may see: its tenant, or (no tenants configured) its API key."""
@@ -168,11 +169,6 @@ class ResponseCache:
             head = CACHE_HEADER + b": hit\r\n"
         replay(conn, entry, request_id, head + similarity)
         return True
-
-    def loose_answer(self, tenant: str | None, authorization: bytes | None, endpoint: str,
-                     body: dict[str, Any]) -> CachedAnswer | None:
-        """An answer to the same question for the cached-answer rung (memory tier only: no wait)."""
-        return self.memory.peek_loose(request_keys(self.scope(tenant, authorization), endpoint, body).loose)
 
     async def _lead(self, pool: str, keys: CacheKeys, conn: HttpConnection, request_id: bytes, forward: Forward,
                     shared: bool, asked: _Asked | None) -> tuple[int, str | None]:
