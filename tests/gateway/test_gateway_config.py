@@ -128,12 +128,14 @@ def test_serve_with_bad_config_exits_naming_the_key(tmp_path) -> None:
     assert "server.prot: unknown key" in result.stderr
 
 
-@pytest.mark.parametrize("name", ["embedded.yaml", "upstreams.yaml", "mock.yaml"])
+@pytest.mark.parametrize("name", ["embedded.yaml", "upstreams.yaml", "mock.yaml", "scale-out.yaml"])
 def test_examples_are_valid(name: str) -> None:
     from pathlib import Path
 
     path = Path(__file__).resolve().parents[2] / "examples" / name
-    parse_config(path.read_text(), source=name, environ={"TIDEGATE_API_KEY": "k", "OPENAI_API_KEY": "k"})
+    parse_config(path.read_text(), source=name, environ={
+        "TIDEGATE_API_KEY": "k", "OPENAI_API_KEY": "k", "REDIS_URL": "redis://127.0.0.1:6379/0",
+        "ACME_KEY_SHA256": "a" * 64, "TRIAL_KEY_SHA256": "b" * 64})
 
 
 @pytest.mark.parametrize(("metrics_path", "scrape_url"), [(None, None), ("/metrics", "http://10.0.0.5:8000/metrics"),
