@@ -396,7 +396,8 @@ class Harness:
         request = self._requests[int(assignment.request_id)]
         self._update(request.request_id, dispatch_s=now_s, replica_id=assignment.replica_id)
         self.replicas[assignment.replica_id].submit(request.request_id, request.prompt_tokens,
-                                                    request.output_tokens, assignment.priority)
+                                                    request.output_tokens, assignment.priority,
+                                                    prompt_token_ids=request.prompt_token_ids())
 
     def _update(self, request_id: int, **changes: object) -> None:
         self._records[request_id] = replace(self._records[request_id], **changes)

@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from tidegate.policy.prefix import BLOCK_TOKENS, MAX_BLOCKS
 from tidegate.types import (QUEUED, ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, Refusal,
                             ReplicaHealth, ReplicaLoad)
 
@@ -47,11 +48,41 @@ class SimRequest:
     tier: str
     prompt_tokens: int
     output_tokens: int  # the scenario fixes how many tokens the model generates
+    # the prompt prefix it shares with other requests (a tenant's system prompt), and its length;
+    # None: its prompt shares nothing
+    shared_prefix: int | None = None
+    shared_prefix_tokens: int = 0
 
     def as_pool_request(self) -> PoolRequest:
-        """What a dispatcher sees: the client asks for up to the tokens the model will generate."""
+        """What a dispatcher sees: the client asks for up to the tokens the model will generate; a
+        prompt with a shared prefix has its block names, as the gateway hashes them (`policy.prefix`)."""
         return PoolRequest(self.request_id, self.arrival_s, self.tenant, self.tier, self.prompt_tokens,
-                           self.output_tokens)
+                           self.output_tokens, prefix=self._prefix_blocks())
+
+    def prompt_token_ids(self) -> list[int] | None:
+        """Token ids for the modelled engine's prefix cache: the shared prefix's, then this request's
+        own (None: nothing shared)."""
+        if self.shared_prefix is None:
+            return None
+        shared = min(self.shared_prefix_tokens, self.prompt_tokens)
+        own = self.prompt_tokens - shared
+        return ([-1 - self.shared_prefix] + [0] * (shared - 1) if shared else []) + \
+            ([_OWN_MARK + self.request_id] + [0] * (own - 1) if own else [])
+
+    def _prefix_blocks(self) -> tuple[int, ...]:
+        if self.shared_prefix is None:
+            return ()
+        count = min(self.prompt_tokens // BLOCK_TOKENS, MAX_BLOCKS)
+        shared = min(self.shared_prefix_tokens, self.prompt_tokens) // BLOCK_TOKENS
+        chained, blocks = 0, []
+        for index in range(count):
+            chained = hash((chained, (0, self.shared_prefix) if index < shared else (1, self.request_id),
+                            index))
+            blocks.append(chained)
+        return tuple(blocks)
+
+
+_OWN_MARK = 1 << 40  # first token of a request's own part: no request id or prefix id reaches it
 
 
 class Dispatcher(Protocol):
