@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,29 +32,13 @@ from pathlib import Path
 import httptools
 import orjson
 
+from gateway_overhead import free_port, wait_ok  # bench/ is the script's directory
+
 GATEWAYS = 3
 PROMPT = "The tide gate opens when the sea falls below the river, and closes when it rises. " * 3
 COMPLETION_TOKENS = 45  # the mock's answer; max_tokens reserves more
 MAX_TOKENS = 100
 _COMPLETION = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_ok(url: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(url)
 
 
 def cpu_seconds(pid: int) -> float:
