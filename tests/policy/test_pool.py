@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tidegate.policy.pool import (REFUSED_NO_REPLICA, REFUSED_UNKNOWN_TIER, PoolController, PoolReplica,
-                                  ServiceClass)
+                                  PoolSettings, ServiceClass)
 from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import default_tiers
 from tidegate.types import ArrivalVerdict, Assignment, Dispatch, PoolRequest, ReplicaHealth
@@ -94,11 +94,31 @@ def test_a_better_level_counts_only_its_own_work_ahead() -> None:
 def test_headroom_lets_a_better_request_past_a_full_replica() -> None:
     """Rule 5: sheddable requests fill `max_requests`; a critical one still starts at once."""
     ctl = controller(PoolReplica("r0", max_requests=2, headroom=1))
-    arrive_all(ctl, request(1, "sheddable"), request(2, "sheddable"), request(3, "sheddable"))
-    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [1, 2]
+    arrive_all(ctl, request(0, "critical"))  # a better tier is active
+    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [0]
+    ctl.on_finish(0.05, 0)
+    arrive_all(ctl, request(1, "sheddable"), request(2, "sheddable"), request(3, "sheddable"), now_s=0.1)
+    assert [a.request_id for a in capacity(ctl, 0.1).assignments] == [1, 2]
     arrive_all(ctl, request(4, "critical"), now_s=0.2)
     assert [a.request_id for a in capacity(ctl, 0.2).assignments] == [4]
     assert ctl.queued == 1  # the third sheddable one waits: headroom is not for its level
+
+
+def test_a_tier_with_no_better_one_active_uses_the_headroom_too() -> None:
+    """Rule 5 (`small_engines`): the headroom is kept only for a better tier seen within
+    `headroom_memory_s`; a pool that serves one tier uses its whole engine."""
+    ctl = PoolController((PoolReplica("r0", max_requests=1, headroom=1),), TIERS, PoolSettings(headroom_memory_s=2.0))
+    arrive_all(ctl, request(1), request(2), request(3))
+    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [1, 2]  # the engine's two sequences
+    ctl.on_finish(1.0, 1)
+    ctl.on_finish(1.0, 2)
+    arrive_all(ctl, request(4, "critical"), now_s=1.0)  # a better tier comes: the headroom is its again
+    assert [a.request_id for a in capacity(ctl, 1.0).assignments] == [4]  # 3 would take its level's last slot
+    ctl.on_finish(1.5, 4)
+    assert [a.request_id for a in capacity(ctl, 1.5).assignments] == [3]
+    arrive_all(ctl, request(5), now_s=1.5)
+    assert capacity(ctl, 1.5).assignments == ()  # 3 holds its level's one slot; the other is critical's
+    assert [a.request_id for a in capacity(ctl, 3.1).assignments] == [5]  # critical not seen for 2 s
 
 
 def test_a_flooding_tenant_is_demoted_one_level() -> None:
@@ -135,6 +155,9 @@ def test_a_flooding_tenants_requests_sent_before_its_verdict_leave_the_others_ro
     shares = _Verdicts()
     ctl = controller(PoolReplica("r0", max_requests=4, headroom=2), shares=shares)
     teach(ctl, "r0")  # by 105 s
+    arrive_all(ctl, request(99, "critical", now_s=110.0), now_s=110.0)  # a better tier is active (rule 5)
+    assert [a.request_id for a in capacity(ctl, 110.0).assignments] == [99]
+    ctl.on_finish(110.0, 99)
     arrive_all(ctl, *(request(k, tenant="flood", now_s=110.0) for k in range(6)), now_s=110.0)
     assert len(capacity(ctl, 110.0).assignments) == 4  # at the regular level; two wait
     for k in range(4):

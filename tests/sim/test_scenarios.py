@@ -56,8 +56,9 @@ def test_long_prompt_burst_after_idle_keeps_critical_within_target_from_the_firs
 def test_a_retry_storm_serves_fifos_good_work_with_the_replicas_busy() -> None:
     verdict = scenarios.retry_storm(scenarios.STORM_SEEDS[:3])  # the bench sums all eight
     assert verdict.passed, verdict.figures
-    for count in (64, 512):  # and the noise allowed stays small: ~1 % of the work
-        assert verdict.value(f"noise_{count}") <= 0.03 * verdict.value(f"fifo_good_{count}"), verdict.figures
+    for count in (64, 512):  # and where the bar leans on the noise allowed, it stays small: ~1 % of the work
+        good, fifo_good = verdict.value(f"good_{count}"), verdict.value(f"fifo_good_{count}")
+        assert good >= fifo_good or verdict.value(f"noise_{count}") <= 0.03 * fifo_good, verdict.figures
     assert min(verdict.value("busy_64"), verdict.value("busy_512")) >= 0.8, verdict.figures
 
 
@@ -65,6 +66,11 @@ def test_a_slowed_replica_shows_twice_the_slope_within_10_s_and_stays_there_with
     verdict = scenarios.slowed_replica()
     assert verdict.passed, verdict.figures
     assert abs(verdict.value("ratio_before") - 1.0) <= 0.1, verdict.figures
+
+
+def test_engines_of_two_sequences_serving_one_tier_refuse_no_more_than_fifo() -> None:
+    verdict = scenarios.small_engines()
+    assert verdict.passed, verdict.figures
 
 
 def test_a_killed_replica_costs_what_it_held_and_a_few_probes_with_the_others_busy() -> None:

@@ -40,7 +40,12 @@ without it; a rule no scenario needs does not belong here):
    most `max_requests + headroom` in all (its engine's batch). Engines do not preempt a running
    request for a better one, so without the headroom a critical request waits for a sheddable one
    to finish; with it, it starts at once, and nothing is kept idle for it. (`critical_burst`,
-   `noisy_tenant`) A flood's verdict comes seconds after its first requests, which took the
+   `noisy_tenant`) The headroom is kept only while a better level may want it: a demoted level's
+   tier has its regular tenants, and a tier keeps it for a better tier seen within
+   `headroom_memory_s`. Kept for a better tier that never comes, it idled a third of every
+   engine: `small_engines` (two sequences per engine, one tier at 80 % load) refused 134 of 374
+   requests, FIFO 7; live, `bench/chaos.py` with overload control refused 36 % at 80 % load.
+   A flood's verdict comes seconds after its first requests, which took the
    regular level's slots meanwhile; once its tenant is judged over its share they count as
    demoted (`_demote_slots_of_new_floods`). Without it the tier's other tenants queued for seconds
    until those requests finished: others' P99 1.14x/1.25x/1.21x/1.23x/7.47x alone's over the five
@@ -141,13 +146,18 @@ class PoolSettings:
     # prompt tokens whose prefix blocks are remembered per replica for prefix affinity (`policy.prefix`),
     # about what a replica's KV cache holds; 0: no affinity
     prefix_cache_tokens: int = 32768
+    # how long after a better tier's last arrival a worse level still leaves a replica's headroom to
+    # it (rule 5): a pool that has seen no better tier that long uses its whole engine. A critical
+    # request every 10 s (Poisson) beside standard at 1.5x capacity: its P99 TTFT 188 ms with 60 s,
+    # 269 ms with 20 s, 447 ms with 5 s (docs/overload-knobs.md)
+    headroom_memory_s: float = 60.0
     breaker: BreakerPolicy = field(default_factory=BreakerPolicy)
 
     def __post_init__(self) -> None:
         if not 0 < self.engine_share <= 1 or self.max_queued < 1 or not 0 <= self.min_wait_share <= 1 \
-                or self.prefix_cache_tokens < 0:
+                or self.prefix_cache_tokens < 0 or self.headroom_memory_s < 0:
             raise ValueError("engine_share in (0, 1], max_queued >= 1, min_wait_share in [0, 1], "
-                             "prefix_cache_tokens >= 0")
+                             "prefix_cache_tokens >= 0, headroom_memory_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -197,11 +207,12 @@ class _Replica:
         self.prefill = [0] * self.levels
         self.held = [0] * self.levels
 
-    def has_slot(self, level: int) -> bool:
-        """Rule 5: under `max_requests` at this level and better, and under the engine's batch."""
+    def has_slot(self, level: int, better_active: bool) -> bool:
+        """Rule 5: under the engine's batch, and, while a better level is active, under
+        `max_requests` at this level and better."""
         config = self.config
         return (self.requests < config.max_requests + config.headroom
-                and sum(self.held[: level + 1]) < config.max_requests)
+                and (not better_active or sum(self.held[: level + 1]) < config.max_requests))
 
     def ahead(self, level: int) -> int:
         """Prefill tokens the engine does before a newcomer of `level` (its level's included)."""
@@ -275,6 +286,16 @@ class PoolController:
         if fit is None:
             return None
         return fit.tokens_within(self.engine_budget_s(now_s, self.tiers.best, replica.config))
+
+    def _better_level_active(self, now_s: float, level: int) -> bool:
+        """Whether a level better than `level` may want the headroom (rule 5): a demoted level's tier
+        has its regular tenants; a tier, any better tier that arrived within `headroom_memory_s`."""
+        if level % 2:
+            return True
+        rank = level // 2
+        memory_s = self.settings.headroom_memory_s
+        return any(t.rank < rank and now_s - self._last_arrival_s.get(t.name, -math.inf) <= memory_s
+                   for t in self.tiers)
 
     def engine_level(self, tier: str, service: ServiceClass) -> int:
         return 2 * self.tiers[tier].rank + (service is ServiceClass.DEMOTED)
@@ -496,6 +517,7 @@ class PoolController:
               left_s: float, prefix: tuple[int, ...] = ()) -> tuple[_Replica, int] | None:
         """The replica to send it to, and the prefill tokens it would cost there (its prompt's,
         less the prefix that replica probably holds: `policy.prefix`)."""
+        better_active = self._better_level_active(now_s, level)
         best: _Replica | None = None
         best_key: tuple[bool, float, int, int, float] | None = None
         best_tokens = tokens
@@ -513,7 +535,7 @@ class PoolController:
             if (exclude and replica.config.replica_id in exclude) \
                     or not is_routable(replica.health, replica.breaker, now_s):
                 continue
-            if not replica.has_slot(level):
+            if not replica.has_slot(level, better_active):
                 continue  # rule 5
             own = tokens
             if prefix and replica.prefixes is not None:
