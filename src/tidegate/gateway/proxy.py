@@ -157,7 +157,9 @@ class Proxy:
                 status, replica_id = await self._forward(conn, pool, endpoint, body, request.body, stream,
                                                          request_id, started, identity, timeout_s)
         except TidegateError as refused:
-            status, error = refused.status, refused
+            status = refused.status
+            if trace is not None:
+                error = refused  # for its span; dropped below (its traceback holds this frame)
             self._send_error(conn, refused, request_id)
             if model is None or model not in self.pools:
                 self.metrics.unrouted.labels(str(status)).inc()
@@ -176,6 +178,7 @@ class Proxy:
             self.active -= 1
             if trace is not None:
                 trace.end(model, status, replica_id, error)
+                error = None
             self.access_log.record(request_id, request.method, request.path, model, status,
                                    self.clock() - started, replica_id)
 

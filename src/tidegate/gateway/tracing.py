@@ -53,6 +53,7 @@ __all__ = ["CURRENT_TRACE", "Tracing", "TracingSettings", "SpanSink", "RequestTr
 CURRENT_TRACE: ContextVar[RequestTrace | PassThrough | None] = ContextVar("tidegate_trace", default=None)
 
 _OPERATIONS = {Endpoint.CHAT: "chat", Endpoint.COMPLETIONS: "text_completion", Endpoint.EMBEDDINGS: "embeddings"}
+_ROUTES = {operation: "/v1" + endpoint.value for endpoint, operation in _OPERATIONS.items()}
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _RUNG = re.compile(DEGRADATION_HEADER.encode() + rb": ([a-z_]+)")
@@ -190,13 +191,17 @@ class RequestTrace:
             self.attempts[-1].first_token_s = now_s
 
     def answered(self, body: bytes) -> None:
-        """A whole answer: the token counts of its `usage`."""
-        found = _PROMPT_TOKENS.search(body)
+        """A whole answer: the token counts of its `usage`, which closes an OpenAI answer (found from
+        the end: a long answer is not scanned)."""
+        at = body.rfind(b'"prompt_tokens"')
+        found = _PROMPT_TOKENS.match(body, at) if at >= 0 else None
         if found is not None:
             self.input_tokens = int(found.group(1))
-        found = _COMPLETION_TOKENS.search(body)
-        if found is not None:
-            self.output_tokens = int(found.group(1))
+        if self.usage is None:  # overload control's `_Usage` reads completion_tokens already
+            at = body.rfind(b'"completion_tokens"')
+            found = _COMPLETION_TOKENS.match(body, at) if at >= 0 else None
+            if found is not None:
+                self.output_tokens = int(found.group(1))
 
     def end(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None) -> None:
         """The request is answered: its spans are built and handed to the sink."""
@@ -228,8 +233,7 @@ class RequestTrace:
         # control's cached-answer rung
         answered_by = ("cache" if rung is None else rung) if status == 200 and replica_id is None \
             and not self.attempts else None
-        key = ("root", self.operation, model, self.path, status, tenant, tier, replica_id, rung, error_type,
-               answered_by)
+        key = ("root", self.operation, model, status, tenant, tier, replica_id, rung, error_type, answered_by)
         attributes = tracing.attribute_set(key, self._root_attributes)
         own: dict[str, AttributeValue] = {"tidegate.request_id": self.request_id.decode("latin-1")}
         if self.input_tokens is not None:
@@ -241,7 +245,7 @@ class RequestTrace:
                 own["tidegate.output_tokens_estimate"] = usage.completion_tokens()
         if output_tokens is not None:
             own["gen_ai.usage.output_tokens"] = output_tokens
-        events = [] if self.first_token_s is None else [("first_token", self._ns(self.first_token_s), {})]
+        events = () if self.first_token_s is None else (("first_token", self._ns(self.first_token_s), {}),)
         failed = status >= 500 or status == 499
         spans = [SpanRecord(f"{self.operation} {model}", trace_id, root_id, self.parent_id, SpanKind.SERVER,
                             self._ns(self.started_s), self._ns(now_s), attributes, events,
@@ -275,7 +279,8 @@ class RequestTrace:
             ended_s = attempt.ended_s if attempt.ended_s is not None else now_s
             outcome = attempt.outcome if attempt.ended_s is not None else ("cancelled" if status == 499 else "ok")
             key = ("attempt", self.operation, replica, number, outcome)
-            attempt_events = [] if attempt.first_token_s is None else [("first_token", self._ns(attempt.first_token_s), {})]
+            attempt_events = () if attempt.first_token_s is None \
+                else (("first_token", self._ns(attempt.first_token_s), {}),)
             spans.append(SpanRecord(f"{self.operation} {replica.upstream_model}", trace_id, attempt.span_id, root_id,
                                     SpanKind.CLIENT, self._ns(attempt.sent_s), self._ns(ended_s),
                                     tracing.attribute_set(key, _attempt_attributes), attempt_events,
@@ -284,10 +289,10 @@ class RequestTrace:
 
     @staticmethod
     def _root_attributes(key: tuple) -> dict[str, AttributeValue]:
-        _, operation, model, path, status, tenant, tier, replica_id, rung, error_type, answered_by = key
+        _, operation, model, status, tenant, tier, replica_id, rung, error_type, answered_by = key
         attributes: dict[str, AttributeValue] = {
             "gen_ai.operation.name": operation, "gen_ai.request.model": model, "http.request.method": "POST",
-            "http.route": path.decode("latin-1"), "http.response.status_code": status}
+            "http.route": _ROUTES[operation], "http.response.status_code": status}
         for name, value in (("tidegate.tenant", tenant), ("tidegate.tier", tier), ("tidegate.replica", replica_id),
                             ("tidegate.degradation", rung), ("error.type", error_type),
                             ("tidegate.answered_by", answered_by)):
@@ -319,7 +324,7 @@ def _attempt_attributes(key: tuple) -> dict[str, AttributeValue]:
 
 
 def _rung(headers: bytes) -> str | None:
-    found = _RUNG.search(headers) if headers else None
+    found = _RUNG.search(headers) if headers and b"degradation" in headers else None
     return found.group(1).decode() if found is not None else None
 
 
@@ -361,7 +366,7 @@ class Tracing:
     def begin(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes, started_s: float
               ) -> RequestTrace | PassThrough:
         settings = self.settings
-        parent = parse_traceparent(request.traceparent)
+        parent = parse_traceparent(request.traceparent) if request.traceparent is not None else None
         tracestate = clean_tracestate(request.tracestate) if parent is not None else None
         if parent is not None:
             trace_id, parent_id = parent.trace_id, parent.parent_id

@@ -11,8 +11,8 @@ encoded here once, at the request's end, straight to bytes; tests decode it with
 from __future__ import annotations
 
 import struct
-from collections.abc import Hashable
-from dataclasses import dataclass, field
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from enum import IntEnum
 
 __all__ = ["SpanKind", "SpanRecord", "encode_span", "encode_export_request", "AttributeValue"]
@@ -40,7 +40,7 @@ class SpanRecord:
     start_ns: int
     end_ns: int
     attributes: dict[str, AttributeValue]
-    events: list[tuple[str, int, dict[str, AttributeValue]]] = field(default_factory=list)
+    events: Sequence[tuple[str, int, dict[str, AttributeValue]]] = ()
     error: str | None = None  # status ERROR with this message; None: status unset
     tracestate: bytes = b""
     flags: int = 0x01  # W3C trace flags (sampled)
@@ -58,6 +58,8 @@ _pack_double = struct.Struct("<d").pack
 def _varint(value: int) -> bytes:
     if value < 0x80:
         return bytes((value,))
+    if value < 0x4000:  # most lengths: a span is a few hundred bytes
+        return bytes(((value & 0x7F) | 0x80, value >> 7))
     out = bytearray()
     while value >= 0x80:
         out.append((value & 0x7F) | 0x80)
@@ -123,6 +125,11 @@ def _own_attributes(attributes: dict[str, AttributeValue]) -> bytes:
             encoded = _SPAN_ATTRIBUTES.get(item)
             if encoded is None:
                 encoded = _SPAN_ATTRIBUTES[item] = _field(b"\x4a", _key(name) + _field(b"\x12", _any_value(value)))
+        elif value.__class__ is str and len(value) < 120:  # an id: one length byte at every level
+            text = value.encode()
+            key = _key(name)
+            size = len(text)
+            encoded = b"\x4a" + _varint(len(key) + size + 4) + key + bytes((0x12, size + 2, 0x0A, size)) + text
         else:
             encoded = _field(b"\x4a", _key(name) + _field(b"\x12", _any_value(value)))
         out.append(encoded)
@@ -161,19 +168,19 @@ def encode_span(span: SpanRecord) -> bytes:
     """opentelemetry.proto.trace.v1.Span, framed as an element of `ScopeSpans.spans` (field 2): ready to
     be joined into `encode_export_request`."""
     trace_id = span.trace_id
-    encoded = _IDS(0x0A, 16, trace_id >> 64, trace_id & _LOW64, 0x12, 8, span.span_id)
+    parts = [_IDS(0x0A, 16, trace_id >> 64, trace_id & _LOW64, 0x12, 8, span.span_id)]
     if span.tracestate:
-        encoded += _field(b"\x1a", span.tracestate)
+        parts.append(_field(b"\x1a", span.tracestate))
     if span.parent_id:
-        encoded += _PARENT(0x22, 8, span.parent_id)
+        parts.append(_PARENT(0x22, 8, span.parent_id))
     named = _SPAN_NAMES.get((span.name, span.kind))
     if named is None:
         if len(_SPAN_NAMES) >= _ENCODED_LIMIT:
             _SPAN_NAMES.clear()
         named = _SPAN_NAMES[span.name, span.kind] = _field(b"\x2a", span.name.encode()) + b"\x30" + bytes((span.kind,))
-    encoded += named + _TIMES(0x39, span.start_ns, 0x41, span.end_ns) + _attribute_block(span)
+    parts += (named, _TIMES(0x39, span.start_ns, 0x41, span.end_ns), _attribute_block(span))
     if span.request_attributes:
-        encoded += _own_attributes(span.request_attributes)
+        parts.append(_own_attributes(span.request_attributes))
     for name, time_ns, attributes in span.events:
         event_name = _EVENT_NAMES.get(name)
         if event_name is None:
@@ -181,13 +188,14 @@ def encode_span(span: SpanRecord) -> bytes:
         event = _EVENT_TIME(0x09, time_ns) + event_name
         if attributes:
             event += _attributes(b"\x1a", attributes, _EVENT_ATTRIBUTES)
-        encoded += _field(b"\x5a", event)
+        parts.append(_field(b"\x5a", event))
     if span.error is not None:  # Status: 2 message, 3 code (2 = ERROR)
-        encoded += _field(b"\x7a", _field(b"\x12", span.error.encode()) + b"\x18\x02")
+        parts.append(_field(b"\x7a", _field(b"\x12", span.error.encode()) + b"\x18\x02"))
     # flags: the W3C trace flags, and whether the parent's context came from another process (0x100
     # says the bit 0x200 is set on purpose)
-    encoded += _FLAGS(0x85, 0x01, (span.flags & 0xFF) | (0x300 if span.remote_parent else 0x100))
-    return _field(b"\x12", encoded)
+    parts.append(_FLAGS(0x85, 0x01, (span.flags & 0xFF) | (0x300 if span.remote_parent else 0x100)))
+    encoded = b"".join(parts)
+    return b"\x12" + _varint(len(encoded)) + encoded
 
 
 def encode_export_request(resource: dict[str, AttributeValue], scope_name: str, scope_version: str,
