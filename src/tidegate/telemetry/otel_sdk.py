@@ -59,8 +59,9 @@ class SdkSpanSink:
                 if span.parent_id else None
             status = api.Status(api.StatusCode.ERROR, span.error) if span.error is not None else api.Status()
             events = [self._sdk_event(name, attributes, time_ns) for name, time_ns, attributes in span.events]
+            attributes = {**span.attributes, **(span.request_attributes or {})}
             self.processor.on_end(self._readable(
-                span.name, context=context, parent=parent, resource=self._resource, attributes=dict(span.attributes),
+                span.name, context=context, parent=parent, resource=self._resource, attributes=attributes,
                 events=events, kind=self._kinds[span.kind], status=status, start_time=span.start_ns,
                 end_time=span.end_ns, instrumentation_scope=self._scope))
 
