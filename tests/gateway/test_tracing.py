@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -83,13 +84,14 @@ def _upstream_saw(upstream: Upstream, request_id: str) -> dict:
     return next(entry for entry in seen if entry["x-request-id"] == request_id)
 
 
-def _trace_of(receiver: OtlpReceiver, request_id: str, spans: int) -> list:
-    """The spans of the trace whose root span names `request_id`."""
-    for _ in range(2):
+def _trace_of(receiver: OtlpReceiver, request_id: str, spans: int, timeout_s: float = 15.0) -> list:
+    """The spans of the trace whose root span names `request_id`, once `spans` of them arrived."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         roots = [s for s in receiver.spans if attributes(s).get("tidegate.request_id") == request_id]
         if roots:
-            return receiver.wait_for_trace(roots[0].trace_id, spans)
-        receiver.wait_for_trace(b"none", 1, timeout_s=5)  # let the exporter's next batch arrive
+            return receiver.wait_for_trace(roots[0].trace_id, spans, timeout_s=deadline - time.monotonic())
+        time.sleep(0.05)  # the exporter's next batch
     raise AssertionError(f"no span names request {request_id}")
 
 
