@@ -71,7 +71,7 @@ def _tracing(config: TracingConfig, registry: CollectorRegistry) -> tuple[Tracin
     headers = {name: value.get_secret_value() for name, value in config.headers.items()}
     sink: Any
     if config.exporter == "builtin":
-        from tidegate.telemetry.otlp_export import OtlpHttpExporter
+        from tidegate.gateway.trace_export import OtlpHttpExporter
 
         sink = OtlpHttpExporter(config.endpoint, resource, scope_version=__version__, headers=headers,
                                 max_queue_spans=config.max_queue_spans, max_batch_spans=config.max_batch_spans,

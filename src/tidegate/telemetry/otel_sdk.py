@@ -82,7 +82,7 @@ def sdk_exporter(protocol: str, endpoint: str, headers: Mapping[str, str], timeo
                                     insecure=endpoint.startswith("http://"))
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter as HttpExporter
 
-        from tidegate.telemetry.otlp_export import traces_url
+        from tidegate.telemetry.otlp import traces_url
         return HttpExporter(endpoint=traces_url(endpoint), headers=dict(headers) or None, timeout=timeout_s)
     except ImportError:
         package = "opentelemetry-exporter-otlp-proto-grpc" if protocol == "grpc" \

@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-__all__ = ["SpanKind", "SpanRecord", "encode_span", "encode_export_request", "AttributeValue"]
+__all__ = ["SpanKind", "SpanRecord", "encode_span", "encode_export_request", "traces_url", "AttributeValue"]
 
 AttributeValue = str | bool | int | float
 
@@ -205,3 +205,9 @@ def encode_export_request(resource: dict[str, AttributeValue], scope_name: str, 
     scope_spans = _field(b"\x0a", scope) + b"".join(spans)
     resource_spans = _field(b"\x0a", _attributes(b"\x0a", resource, {})) + _field(b"\x12", scope_spans)
     return _field(b"\x0a", resource_spans)
+
+
+def traces_url(endpoint: str) -> str:
+    """OTEL_EXPORTER_OTLP_ENDPOINT's rule: a base URL gets `/v1/traces`; one that names it is kept."""
+    endpoint = endpoint.rstrip("/")
+    return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"

@@ -17,19 +17,13 @@ from urllib.parse import urlsplit
 from prometheus_client import CollectorRegistry, Counter
 
 from tidegate.gateway.upstream import ConnectionPool, Endpoint, Exchange, UpstreamFailure
-from tidegate.telemetry.otlp import AttributeValue, SpanRecord, encode_export_request, encode_span
+from tidegate.telemetry.otlp import AttributeValue, SpanRecord, encode_export_request, encode_span, traces_url
 
-__all__ = ["OtlpHttpExporter", "traces_url", "SCOPE_NAME"]
+__all__ = ["OtlpHttpExporter", "SCOPE_NAME"]
 
 log = logging.getLogger("tidegate.tracing")
 
 SCOPE_NAME = "tidegate"
-
-
-def traces_url(endpoint: str) -> str:
-    """OTEL_EXPORTER_OTLP_ENDPOINT's rule: a base URL gets `/v1/traces`; one that names it is kept."""
-    endpoint = endpoint.rstrip("/")
-    return endpoint if endpoint.endswith("/v1/traces") else endpoint + "/v1/traces"
 
 
 class OtlpHttpExporter:
