@@ -1,6 +1,7 @@
 """Gateway overhead against a 0 ms mock upstream, as ratios against baselines measured in the same run.
 
     python bench/gateway_overhead.py [--pin] [--rounds 3]      # alone on the machine: it measures CPU
+    python bench/gateway_overhead.py --tracing [--pin]         # tracing on vs off, CPU per request
 
 Prints, for non-streaming and streaming (16 chunks) requests:
 - added latency at concurrency 16 (p50, p99 of end-to-end; streaming: time to first chunk), gateway
@@ -13,12 +14,18 @@ Latency comes from a raw asyncio + httptools client; throughput from `wrk` when 
 cannot hide the difference between proxies), else from the same raw client.
 Bars: added p50 <= 0.6 ms, p99 <= 3 ms; rps >= 1.5x (non-streaming) and >= 1.2x (streaming) the minimal proxy;
 non-streaming CPU per request with overload control on <= 0.3x the minimal proxy's.
+
+--tracing: two gateways over the same mock, tracing off and on (sampling 1.0, the built-in OTLP/HTTP
+exporter sending every span to a loopback sink, bench/otlp_sink.py), driven in alternating rounds at
+c=64: CPU per request of each, non-streaming and streaming. Bar: on <= 1.15x off, with no span
+dropped or failed (a gateway that dropped spans would have done less than asked).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -215,6 +222,102 @@ class Stack:
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+class TracingStack(Stack):
+    """mock and OTLP sink (CPU 0), a gateway with tracing off and one with it on (CPU 1)."""
+
+    def start(self) -> None:
+        py = sys.executable
+        self.sink_port = free_port()
+        self._start([py, "-m", "tidegate", "mock-upstream", "--port", str(self.mock_port), "--tokens", str(TOKENS),
+                     "--ttft-ms", "0", "--itl-ms", "0"], "0", "mock")
+        self._start([py, str(HERE / "otlp_sink.py"), "--port", str(self.sink_port)], "0", "sink")
+        tracing_on = (f"tracing:\n  enabled: true\n  sampling_ratio: 1.0\n"
+                      f"  endpoint: http://127.0.0.1:{self.sink_port}\n  max_queue_spans: 1000000\n")
+        for name, port, tracing in (("tracing off", self.gateway_port, ""),
+                                    ("tracing on", self.fifo_gateway_port, tracing_on)):
+            config = Path(self.workdir, f"{name.replace(' ', '-')}.yaml")
+            config.write_text(
+                f"server:\n  port: {port}\n  access_log: false\n{tracing}"
+                f"pools:\n  - name: mock\n    backends:\n      - type: upstream\n"
+                f"        url: http://127.0.0.1:{self.mock_port}/v1\n")
+            self._start([py, "-m", "tidegate", "serve", "--config", str(config), "--log-level", "warning"], "1", name)
+        wait_ok(f"http://127.0.0.1:{self.mock_port}/health")
+        wait_ok(f"http://127.0.0.1:{self.sink_port}/stats")
+        wait_ok(f"http://127.0.0.1:{self.gateway_port}/ready")
+        wait_ok(f"http://127.0.0.1:{self.fifo_gateway_port}/ready")
+
+
+def _span_counts(port: int) -> dict[str, float]:
+    """tidegate_tracing_spans_total by outcome, from a gateway's /metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'^tidegate_tracing_spans_total\{outcome="(\w+)"\} (\S+)$', text, re.M)}
+
+
+def tracing_main(args: argparse.Namespace) -> int:
+    """Tracing on vs off: CPU per request of the gateway process, same run, alternating rounds."""
+    use_wrk = shutil.which("wrk") is not None and not args.no_wrk
+    client_cpu = "0" if args.pin else None
+    if args.pin:
+        os.sched_setaffinity(0, {0})
+    stack = TracingStack(args.pin)
+    stack.start()
+    path = "/v1/chat/completions"
+    ok = True
+    ports = {"tracing off": stack.gateway_port, "tracing on": stack.fifo_gateway_port}
+    served_on = 0
+    try:
+        print(f"cores: {os.cpu_count()}  pinned: {args.pin}  client: {'wrk' if use_wrk else 'raw asyncio'}"
+              f"  rounds: {args.rounds} x {args.seconds}s at c=64  sampling 1.0, built-in OTLP/HTTP exporter")
+        for stream in (False, True):
+            label = "streaming, 16 chunks" if stream else "non-streaming"
+            body = request_body(stream, "mock")
+            for port in ports.values():
+                drive(port, path, body, 16, 0.5)  # warm-up
+            cpu_s = {name: 0.0 for name in ports}
+            served = {name: 0 for name in ports}
+            rates: dict[str, list[float]] = {name: [] for name in ports}
+            for round_index in range(args.rounds):
+                order = list(ports.items()) if round_index % 2 == 0 else list(reversed(ports.items()))
+                for name, port in order:
+                    cpu_before = cpu_seconds(stack.pids[name])
+                    if use_wrk:
+                        rate, count = wrk_run(port, path, body, 64, args.seconds, client_cpu)
+                    else:
+                        e2e, _, elapsed, errors = drive(port, path, body, 64, args.seconds)
+                        assert errors == 0, f"{name}: {errors} errors"
+                        rate, count = len(e2e) / elapsed, len(e2e)
+                    cpu_s[name] += cpu_seconds(stack.pids[name]) - cpu_before
+                    served[name] += count
+                    rates[name].append(rate)
+            served_on += served["tracing on"]
+            cpu_us = {name: cpu_s[name] / max(1, served[name]) * 1e6 for name in ports}
+            ratio = cpu_us["tracing on"] / cpu_us["tracing off"]
+            ok &= ratio <= 1.15
+            print(f"\n{label}: CPU per request  tracing off {cpu_us['tracing off']:.1f} us  "
+                  f"tracing on {cpu_us['tracing on']:.1f} us  = {ratio:.3f}x (bar 1.15x) "
+                  f"{'PASS' if ratio <= 1.15 else 'FAIL'}")
+            print("  req/s (median): " + "  ".join(f"{name} {statistics.median(values):,.0f}"
+                                                   for name, values in rates.items()))
+        time.sleep(2.5)  # the exporter's last batches (1 s interval)
+        spans = _span_counts(stack.fifo_gateway_port)
+        with urllib.request.urlopen(f"http://127.0.0.1:{stack.sink_port}/stats", timeout=5) as response:
+            sink = json.loads(response.read())
+        lost = spans.get("dropped", 0) + spans.get("failed", 0)
+        exported = spans.get("exported", 0)
+        print(f"\nspans: exported {exported:,.0f}  dropped {spans.get('dropped', 0):,.0f}  failed "
+              f"{spans.get('failed', 0):,.0f}  ({exported / max(1, served_on):.2f} a traced request; the sink received "
+              f"{sink['exports']:,} exports, {sink['bytes'] / 1e6:.1f} MB)")
+        if lost or not sink["exports"]:
+            ok = False
+            print("  FAIL: spans were lost, so the traced gateway did less than asked")
+    finally:
+        stack.stop()
+    print(f"\ntracing bar: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -226,7 +329,11 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=2.0, help="length of one measurement")
     parser.add_argument("--no-wrk", action="store_true", help="use the raw Python client for throughput too")
+    parser.add_argument("--tracing", action="store_true",
+                        help="only: CPU per request with tracing on (sampling 1.0) vs off, bar 1.15x")
     args = parser.parse_args()
+    if args.tracing:
+        return tracing_main(args)
     use_wrk = shutil.which("wrk") is not None and not args.no_wrk
     client_cpu = "0" if args.pin else None
     if args.pin:

@@ -81,6 +81,8 @@ PURE_MODULES = {
     "cache/semantic.py": ("tidegate.cache.answer_guard",),
     "cache/answer_guard.py": (),
     "cache/response.py": (),
+    # spans to OTLP protobuf bytes; the gateway's exporter sends them
+    "telemetry/otlp.py": (),
 }
 IMPURE_FOR_PURE_MODULES = IMPURE_FOR_POLICY | {"torch", "transformers", "redis", "httpx", "os", "io", "pathlib"}
 

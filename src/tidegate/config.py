@@ -32,6 +32,7 @@ __all__ = [
     "AutoscaleConfig",
     "CacheConfig",
     "SharedStateConfig",
+    "TracingConfig",
     "PoolCacheConfig",
     "SemanticCacheConfig",
     "EmbeddedBackend",
@@ -274,6 +275,39 @@ class SharedStateConfig(_Strict):
         return self
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry traces of requests, exported over OTLP (docs/observability.md, "Tracing"). Off by
+    default; a client's `traceparent` is passed on to upstreams either way."""
+
+    enabled: bool = False
+    # the collector's OTLP/HTTP base URL (`/v1/traces` is appended unless it is there); for
+    # protocol grpc its gRPC address, e.g. http://otel-collector:4317
+    endpoint: str = "http://127.0.0.1:4318"
+    protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    # builtin: tidegate's own OTLP/HTTP encoder, no dependency, a few µs a request; sdk: the
+    # OpenTelemetry SDK's exporters (`pip install 'tidegate[tracing]'`), needed for grpc
+    exporter: Literal["builtin", "sdk"] = "builtin"
+    sampling_ratio: float = Field(1.0, ge=0, le=1)  # of traces that start here (by trace id, as TraceIdRatioBased)
+    parent_based: bool = True  # a client's traceparent decides by its sampled flag
+    propagate: bool = True  # upstreams get a traceparent naming the attempt's span (vLLM, SGLang continue it)
+    service_name: str = Field("tidegate", min_length=1)
+    resource_attributes: dict[str, str] = {}  # e.g. deployment.environment: prod
+    headers: dict[str, SecretStr] = {}  # sent with each export, e.g. a collector's authorization
+    max_queue_spans: int = Field(8192, ge=1)  # spans waiting for export; past it new ones are dropped, counted
+    max_batch_spans: int = Field(512, ge=1)
+    export_interval_s: float = Field(1.0, gt=0)
+    export_timeout_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _exporter_speaks_protocol(self) -> TracingConfig:
+        if self.protocol == "grpc" and self.exporter == "builtin":
+            raise ValueError("tracing: protocol grpc needs exporter: sdk (the built-in exporter speaks OTLP/HTTP)")
+        parts = urlsplit(self.endpoint)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"tracing.endpoint must be an http(s) URL with a host, got {self.endpoint!r}")
+        return self
+
+
 class PoolConfig(_Strict):
     name: str = Field(min_length=1)  # the `model` clients ask for
     backends: tuple[Backend, ...] = Field(min_length=1)
@@ -293,6 +327,7 @@ class GatewayConfig(_Strict):
     degradation: DegradationConfig = DegradationConfig()
     cache: CacheConfig = CacheConfig()
     shared_state: SharedStateConfig = SharedStateConfig()
+    tracing: TracingConfig = TracingConfig()
 
     @model_validator(mode="after")
     def _unique_pool_names(self) -> GatewayConfig:

@@ -7,9 +7,13 @@ import logging
 import socket
 import sys
 import time
+from typing import Any
 from urllib.parse import urlsplit
 
-from tidegate.config import EmbeddedBackend, GatewayConfig, UpstreamBackend
+from prometheus_client import CollectorRegistry
+
+from tidegate import __version__
+from tidegate.config import EmbeddedBackend, GatewayConfig, TracingConfig, UpstreamBackend
 from tidegate.control.health_checks import HealthChecker
 from tidegate.control.supervisor import WorkerSpec, WorkerSupervisor
 from tidegate.gateway.connections import ConnectionLimits, ConnectionRegistry, connection_cap, raise_open_file_limit
@@ -22,6 +26,7 @@ from tidegate.gateway.proxy import Proxy, ProxySettings
 from tidegate.gateway.response_cache import CacheSettings, PoolCacheSettings, ResponseCache
 from tidegate.gateway.semantic_cache import Embedder, SemanticCache, SemanticMetrics, SemanticSettings
 from tidegate.gateway.shared_limits import SharedLimits, SharedLimitSettings
+from tidegate.gateway.tracing import Tracing, TracingSettings
 from tidegate.gateway.scaling import KubernetesActuator, LocalActuator, ScaleLoop
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
 from tidegate.policy.health import BreakerPolicy
@@ -57,6 +62,33 @@ def _upstream_replica(pool: str, index: int, backend: UpstreamBackend, connect_t
         upstream_model=backend.model or pool,
         api_key=backend.api_key.get_secret_value() if backend.api_key else None, health_url=health_url,
         scrape_url=scrape_url, forward_priority=backend.forward_priority)
+
+
+def _tracing(config: TracingConfig, registry: CollectorRegistry) -> tuple[Tracing, Any]:
+    """The tracer and its span sink (exporter), from the `tracing` section."""
+    resource: dict[str, str] = {"service.name": config.service_name, "service.version": __version__,
+                                **config.resource_attributes}
+    headers = {name: value.get_secret_value() for name, value in config.headers.items()}
+    sink: Any
+    if config.exporter == "builtin":
+        from tidegate.gateway.trace_export import OtlpHttpExporter
+
+        sink = OtlpHttpExporter(config.endpoint, resource, scope_version=__version__, headers=headers,
+                                max_queue_spans=config.max_queue_spans, max_batch_spans=config.max_batch_spans,
+                                interval_s=config.export_interval_s, timeout_s=config.export_timeout_s,
+                                registry=registry)
+    else:
+        from tidegate.telemetry.otel_sdk import SdkSpanSink, sdk_exporter
+
+        exporter = sdk_exporter(config.protocol, config.endpoint, headers, config.export_timeout_s)
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor  # there: sdk_exporter found the SDK
+
+        processor = BatchSpanProcessor(exporter, max_queue_size=config.max_queue_spans,
+                                       max_export_batch_size=min(config.max_batch_spans, config.max_queue_spans),
+                                       schedule_delay_millis=config.export_interval_s * 1000)
+        sink = SdkSpanSink(processor, resource, __version__)
+    settings = TracingSettings(config.sampling_ratio, config.parent_based, config.propagate)
+    return Tracing(settings, sink), sink
 
 
 def _embedded_replica(pool: str, index: int, backend: EmbeddedBackend, connect_timeout_s: float,
@@ -185,8 +217,13 @@ class Gateway:
                               tiers.redis_retry_s), cached_pools, self.metrics.registry,
                 opted_out_tenants=frozenset(name for name, t in config.tenants.items() if not t.response_cache),
                 semantic=semantic)
+        # OpenTelemetry spans of requests (gateway/tracing.py); off: no tracer at all
+        self.tracing: Tracing | None = None
+        self._span_sink: Any = None
+        if config.tracing.enabled:
+            self.tracing, self._span_sink = _tracing(config.tracing, self.metrics.registry)
         self.proxy = Proxy(self.pools, settings, self.metrics, self.access_log, overload=self.overload,
-                           scaling=self.scaling, cache=self.cache)
+                           scaling=self.scaling, cache=self.cache, tracing=self.tracing)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
         # each request in flight holds an upstream connection: their descriptors are kept out of the cap
         open_file_limit = raise_open_file_limit()
@@ -222,6 +259,8 @@ class Gateway:
         if self.scaling is not None:
             await self.scaling.start()
         self.access_log.start()
+        if self._span_sink is not None:
+            await self._span_sink.start()
         if self.cache is not None and self.cache.semantic:
             self._loading = loop.create_task(self.cache.load_semantic())  # shared entries, in the background
         server = self.config.server
@@ -290,3 +329,5 @@ class Gateway:
             for replica in pool.replicas:
                 replica.connections.close()
         await self.access_log.stop()
+        if self._span_sink is not None:
+            await self._span_sink.stop()  # what is queued goes out, within the export timeout

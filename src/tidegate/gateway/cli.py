@@ -34,10 +34,11 @@ def _report_readiness(task: asyncio.Task[bool]) -> None:
 async def _serve(config) -> int:
     from tidegate.control.kubernetes_scaler import KubernetesScaleError
     from tidegate.gateway.app import Gateway
+    from tidegate.telemetry.otel_sdk import MissingTracingExtra
 
     try:
         gateway = Gateway(config)
-    except KubernetesScaleError as error:
+    except (KubernetesScaleError, MissingTracingExtra) as error:
         print(f"tidegate serve: {error}", file=sys.stderr)
         return 2
     stop = asyncio.Event()

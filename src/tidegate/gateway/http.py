@@ -36,7 +36,7 @@ class HttpRequest:
     """One parsed request: only the headers the gateway reads are kept."""
 
     __slots__ = ("method", "path", "body", "authorization", "request_id", "request_timeout", "cache_control",
-                 "keep_alive", "too_large", "takes_chunked")
+                 "traceparent", "tracestate", "keep_alive", "too_large", "takes_chunked")
 
     def __init__(self) -> None:
         self.method = b""
@@ -46,6 +46,8 @@ class HttpRequest:
         self.request_id: bytes | None = None
         self.request_timeout: bytes | None = None  # the client's `x-request-timeout`, seconds, unparsed
         self.cache_control: bytes | None = None  # `Cache-Control` (no-cache, no-store) for the response cache
+        self.traceparent: bytes | None = None  # W3C trace context, unparsed (gateway/tracing.py)
+        self.tracestate: bytes | None = None
         self.keep_alive = True
         self.too_large = False  # the body passed the size cap and was discarded: answer 413
         self.takes_chunked = True  # False for HTTP/1.0, which has no chunked transfer encoding
@@ -219,6 +221,10 @@ class HttpConnection(asyncio.Protocol):
             request.request_timeout = value[:32]
         elif lowered == b"cache-control":
             request.cache_control = value[:128]
+        elif lowered == b"traceparent":
+            request.traceparent = value[:128]
+        elif lowered == b"tracestate":
+            request.tracestate = value[:1024]
         elif lowered == b"content-length":
             if value.isdigit() and int(value) > self._max_body_bytes:
                 self._too_large = True

@@ -38,6 +38,7 @@ from tidegate.gateway.response_cache import ResponseCache, replay
 from tidegate.gateway.scaling import ScaleLoop
 from tidegate.gateway.scrub import SecretScrubber, StreamScrubber, safe_content_type
 from tidegate.gateway.status import StatusPage
+from tidegate.gateway.tracing import CURRENT_TRACE, Tracing, start_trace
 from tidegate.gateway.upstream import Exchange, UpstreamFailure, UpstreamConnection
 from tidegate.gateway.validation import Endpoint, check_body, check_nesting
 from tidegate.policy.health import is_routable
@@ -95,8 +96,9 @@ class Proxy:
     def __init__(self, pools: dict[str, ModelPool], settings: ProxySettings, metrics: GatewayMetrics,
                  access_log: AccessLog, clock: Callable[[], float] = time.monotonic,
                  overload: OverloadRuntime | None = None, scaling: ScaleLoop | None = None,
-                 cache: ResponseCache | None = None) -> None:
+                 cache: ResponseCache | None = None, tracing: Tracing | None = None) -> None:
         self.pools = pools
+        self.tracing = tracing  # None: tracing off (a client's traceparent still goes upstream)
         self.cache = cache  # None: no pool has a response cache
         self.draining = False  # shutting down: /ready answers 503, requests are still served
         self.active = 0  # API requests being handled: a drain waits for them
@@ -128,11 +130,14 @@ class Proxy:
         model: str | None = None
         status = 500
         replica_id: str | None = None
+        trace = error = None
         self.active += 1
         try:
             if endpoint is None or request.method != b"POST" or request.too_large:
                 status = self._handle_other(conn, request, request_id)
                 return
+            if self.tracing is not None or request.traceparent is not None:
+                trace = start_trace(self.tracing, request, endpoint, request_id, started)
             identity = self._authenticate(request)
             try:
                 body = orjson.loads(request.body)
@@ -151,9 +156,11 @@ class Proxy:
             else:
                 status, replica_id = await self._forward(conn, pool, endpoint, body, request.body, stream,
                                                          request_id, started, identity, timeout_s)
-        except TidegateError as error:
-            status = error.status
-            self._send_error(conn, error, request_id)
+        except TidegateError as refused:
+            status = refused.status
+            if trace is not None:
+                error = refused  # for its span; dropped below (its traceback holds this frame)
+            self._send_error(conn, refused, request_id)
             if model is None or model not in self.pools:
                 self.metrics.unrouted.labels(str(status)).inc()
             else:
@@ -169,6 +176,9 @@ class Proxy:
             self._send_error(conn, TidegateError("internal error"), request_id)
         finally:
             self.active -= 1
+            if trace is not None:
+                trace.end(model, status, replica_id, error)
+                error = None
             self.access_log.record(request_id, request.method, request.path, model, status,
                                    self.clock() - started, replica_id)
 
@@ -339,6 +349,9 @@ class Proxy:
         `cached_fallback`: the cache's answer to the same question, for the ladder's cached-answer rung."""
         overload = self.overload
         assert overload is not None
+        trace = CURRENT_TRACE.get() if self.tracing is not None else None
+        if trace is not None:
+            trace.admitted(identity)
         # rate limits shared by several gateways (`shared_state: redis`): decided there first
         shared = overload.shared_limits
         admission = None if shared is None else await shared.admit(identity.tenant, pool.name,
@@ -356,6 +369,8 @@ class Proxy:
         metrics = self.pool_metrics[pool.name]
         metrics.in_flight.inc()
         usage = _Usage(ticket)
+        if trace is not None:
+            trace.admitted(identity, ticket, usage)
         try:
             try:
                 replica = await overload.acquire(ticket)
@@ -402,7 +417,9 @@ class Proxy:
             # the client may have sent
             rewrites["priority"] = usage.ticket.priority
         payload = orjson.dumps({**body, **rewrites}) if rewrites else raw_body
-        data = b"".join((replica.request_head(endpoint.value), b"x-request-id: ", request_id,
+        trace = CURRENT_TRACE.get()  # tracing off, still the client's traceparent to pass on
+        trace_lines = b"" if trace is None else trace.upstream_headers(replica)
+        data = b"".join((replica.request_head(endpoint.value), trace_lines, b"x-request-id: ", request_id,
                          b"\r\ncontent-length: ", str(len(payload)).encode(), b"\r\n\r\n", payload))
         sent_s = self.clock()
         try:
@@ -422,6 +439,10 @@ class Proxy:
     def _record(self, pool: ModelPool, replica: Replica, sent_s: float, usage: _Usage | None,
                 failure: str | None) -> None:
         """How the attempt ended, for the replica's breaker: the pool's, or its controller's."""
+        if self.tracing is not None:
+            trace = CURRENT_TRACE.get()
+            if trace is not None:
+                trace.attempt_ended(failure)
         if usage is not None:
             self.overload.ended(usage.ticket, failure)  # type: ignore[union-attr]
         elif failure is None:
@@ -510,6 +531,10 @@ class Proxy:
             self._record(pool, replica, sent_s, usage, None)
             if usage is not None:
                 usage.answered_whole(body)
+            if self.tracing is not None:
+                trace = CURRENT_TRACE.get()
+                if trace is not None:
+                    trace.answered(body)
         extra = usage.ticket.response_headers if usage is not None else b""
         scrubber = replica.scrubber
         if scrubber is not None:
@@ -524,7 +549,7 @@ class _StreamRelay:
     """Passes a 200 SSE response on as it arrives, from the upstream protocol's callbacks."""
 
     __slots__ = ("proxy", "conn", "connection", "request_id", "started", "metrics", "timer", "streaming",
-                 "pending", "exchange", "usage", "saw_token", "last_read_s", "client_paused", "scrub")
+                 "pending", "exchange", "usage", "saw_token", "last_read_s", "client_paused", "scrub", "trace")
 
     def __init__(self, proxy: Proxy, conn: HttpConnection, connection: UpstreamConnection, request_id: bytes,
                  started: float, metrics: PoolMetrics, usage: _Usage | None = None,
@@ -545,6 +570,8 @@ class _StreamRelay:
         self.client_paused = False  # the client reads slower than the upstream writes: not the upstream's silence
         # the replica's key kept out of the stream: body pieces go through it, whole lines come out
         self.scrub = StreamScrubber(scrubber) if scrubber is not None else None
+        # its callbacks run outside the request's context: the trace is kept here
+        self.trace = CURRENT_TRACE.get() if proxy.tracing is not None else None
 
     def on_head(self, exchange: Exchange) -> None:
         if exchange.status == 200:
@@ -581,6 +608,8 @@ class _StreamRelay:
         proxy = self.proxy
         now_s = proxy.clock()
         self.metrics.ttft.observe(now_s - self.started)
+        if self.trace is not None:
+            self.trace.first_token()
         if self.usage is not None:
             proxy.overload.first_token(self.usage.ticket)  # type: ignore[union-attr]
 

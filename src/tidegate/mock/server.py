@@ -4,6 +4,9 @@ benchmark measures the gateway, with latency models and error injection for load
 Per-request overrides, for tests: `x-mock-status: 503` answers that status with an OpenAI error
 body; `x-mock-ttft-ms: 250` replaces the sampled time to first token; `x-mock-stall-after: 8`
 stalls after 8 tokens (a stream goes silent, a whole answer never comes) with the connection open.
+
+`GET /mock/requests` lists the last 256 API requests' trace headers (`traceparent`, `tracestate`)
+and `x-request-id`, oldest first, so that a test sees what a gateway propagated.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+from collections import deque
 import random
 import signal
 import time
@@ -52,6 +56,8 @@ class MockState:
         self.errors_total = 0
         self.inflight = 0
         self.ids = itertools.count()
+        # (path, traceparent, tracestate, x-request-id) of the latest API requests
+        self.recent: deque[tuple[bytes, bytes | None, bytes | None, bytes | None]] = deque(maxlen=256)
         self.timer = PreciseTimer() if config.precise_timing else MillisecondTimer()
         self.models_body = orjson.dumps(
             {"object": "list", "data": [{"id": config.model, "object": "model", "created": 0, "owned_by": "mock"}]}
@@ -128,6 +134,9 @@ class MockProtocol(asyncio.Protocol):
             self._send(404, _error_body(404, f"unknown path {path.decode(errors='replace')}", "invalid_request_error"), keep_alive)
             return
         self.state.api_requests_total += 1
+        headers = self.headers
+        self.state.recent.append((path, headers.get(b"traceparent"), headers.get(b"tracestate"),
+                                  headers.get(b"x-request-id")))
         try:
             request = orjson.loads(b"".join(self.body) or b"null")
             if not isinstance(request, dict):
@@ -158,6 +167,11 @@ class MockProtocol(asyncio.Protocol):
             self._send(200, b'{"status":"ok"}', keep_alive)
         elif path == b"/v1/models":
             self._send(200, self.state.models_body, keep_alive)
+        elif path == b"/mock/requests":
+            names = ("path", "traceparent", "tracestate", "x-request-id")
+            seen = [{name: None if value is None else value.decode("latin-1") for name, value in zip(names, entry)}
+                    for entry in self.state.recent]
+            self._send(200, orjson.dumps(seen), keep_alive)
         elif path == b"/metrics":
             text = (
                 f"# TYPE mock_requests_total counter\nmock_requests_total {self.state.requests_total}\n"
