@@ -13,6 +13,7 @@ import http.client
 import json
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -303,3 +304,10 @@ def test_the_routes_answer_wrong_methods_and_raw_uploads_clearly(gateway: str) -
                        headers={"authorization": f"Bearer {KEY_A}", "content-type": "application/json"})
     response = connection.getresponse()
     assert response.status == 400 and "multipart/form-data" in json.loads(response.read())["error"]["message"]
+
+
+def test_a_path_that_only_begins_like_a_batch_route_is_not_found(gateway: str) -> None:
+    request = urllib.request.Request(f"{gateway}/v1/filesystem", headers={"authorization": f"Bearer {KEY_A}"})
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(request, timeout=5)
+    assert answer.value.code == 404

@@ -52,6 +52,8 @@ class BatchApi:
     async def _route(self, request: HttpRequest, tenant: str) -> tuple[int, bytes, bytes]:
         parts = request.path.decode("utf-8", "replace").strip("/").split("/")  # v1, files|batches, id?, action?
         method = request.method
+        if parts[1] not in ("files", "batches"):
+            raise NotFoundError(f"no route {request.path.decode('latin-1')}", code="not_found")
         if parts[1] == "files":
             if len(parts) == 2:
                 _expect(method, b"POST", request.path)

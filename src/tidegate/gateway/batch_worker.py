@@ -99,6 +99,7 @@ class BatchWorker:
         self._slot_freed = asyncio.Event()
         self._tasks: list[asyncio.Task[None]] = []
         self._redis_down_logged = False
+        self._claim_cursor = "0-0"
         self.runs = 0  # requests sent through the gateway (a test and the bench read it)
 
     async def start(self) -> None:
@@ -132,8 +133,12 @@ class BatchWorker:
                     continue
                 if time.monotonic() >= next_claim_s:  # entries of a dead consumer, or of failed runs
                     next_claim_s = time.monotonic() + self.claim_idle_s / 3
-                    _, claimed, *_ = await self.store.redis.xautoclaim(
-                        self.store.queue, GROUP, self.consumer, int(self.claim_idle_s * 1000), "0-0", count=free)
+                    # XAUTOCLAIM scans a bounded stretch of the pending list per call: the cursor
+                    # goes on from there, so stalled entries behind live ones are reached too
+                    cursor, claimed, *_ = await self.store.redis.xautoclaim(
+                        self.store.queue, GROUP, self.consumer, int(self.claim_idle_s * 1000), self._claim_cursor,
+                        count=free)
+                    self._claim_cursor = cursor.decode() if isinstance(cursor, bytes) else cursor
                     if claimed:
                         self._start_runs(claimed)
                         continue
