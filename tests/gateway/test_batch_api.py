@@ -63,10 +63,10 @@ def mocks(started: list[ManagedProcess]) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def gateway_factory(started: list[ManagedProcess], mocks: dict[str, str], redis_url: str,
                     tmp_path_factory: pytest.TempPathFactory) -> Callable[..., tuple[str, ManagedProcess]]:
-    def start(**batch: object) -> tuple[str, ManagedProcess]:
+    def start(server: dict | None = None, **batch: object) -> tuple[str, ManagedProcess]:
         port = free_port()
         config = {
-            "server": {"port": port, "access_log": False},
+            "server": {"port": port, "access_log": False, **(server or {})},
             "health": {"failure_threshold": 1000, "failure_ratio": 1.0},
             "pools": [{"name": name, "backends": [{"type": "upstream", "url": url, "slot_limit": 4}]}
                       for name, url in mocks.items()],
@@ -311,3 +311,19 @@ def test_a_path_that_only_begins_like_a_batch_route_is_not_found(gateway: str) -
     with pytest.raises(urllib.error.HTTPError) as answer:
         urllib.request.urlopen(request, timeout=5)
     assert answer.value.code == 404
+
+
+def test_a_draining_gateway_hands_its_runs_to_another_at_once_without_counting_them(
+        gateway_factory: Callable[..., tuple[str, ManagedProcess]]) -> None:
+    # a minute before anything is taken over from a dead consumer, one attempt each, and a drain
+    # that waits for nothing: the batch completes only if the drained gateway's runs are handed
+    # back, idle, and not counted
+    settings = {"key_prefix": "drain:", "claim_idle_s": 60.0, "max_attempts": 1, "max_in_flight": 4}
+    first, first_process = gateway_factory(server={"drain_timeout_s": 0}, **settings)
+    gateway_factory(**settings)
+    client = _client(first)
+    created = _run_batch(client, _jsonl(40, model="slow"))
+    time.sleep(0.6)
+    assert first_process.stop() == 0  # SIGTERM: drains
+    batch = _wait_final(_client(gateway_factory(**{**settings, "worker": False})[0]), created.id, timeout_s=40)
+    assert batch.status == "completed" and batch.request_counts.completed == 40

@@ -293,7 +293,7 @@ class Gateway:
         server = self.config.server
         self.proxy.draining = True
         if self.batch_worker is not None:
-            self.batch_worker.stop_taking()
+            await self.batch_worker.hand_back()  # internal and durable: not waited for like clients' requests
         log.info("draining", extra={"fields": {"shutdown_delay_s": server.shutdown_delay_s,
                                                "in_flight": self.proxy.active}})
         if server.shutdown_delay_s:

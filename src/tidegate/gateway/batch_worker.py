@@ -94,6 +94,7 @@ class BatchWorker:
         self.lease_s = request_timeout_s + claim_idle_s  # a run that outlives this is dead
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(2).hex()}"
         self.running: dict[str, asyncio.Task[None]] = {}  # entry id -> its run
+        self.running_ids: dict[str, tuple[str, str]] = {}  # entry id -> (batch id, custom_id), once begun
         self.taking = True  # False once draining: no new entry is read
         self.stopping = False
         self._slot_freed = asyncio.Event()
@@ -107,8 +108,29 @@ class BatchWorker:
         self._tasks = [loop.create_task(self._read_loop()), loop.create_task(self._confirm_loop()),
                        loop.create_task(self._sweep_loop())]
 
-    def stop_taking(self) -> None:
+    async def hand_back(self) -> None:
+        """Draining: the runs still going are cancelled and their entries handed back, made idle for
+        `claim_idle_s` at once so that another gateway takes them over now, with the run not
+        counted as an attempt (a rolling restart must not dead-letter anything)."""
         self.taking = False
+        held = dict(self.running_ids)
+        tasks = list(self.running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if not held:
+            return
+        store = self.store
+        try:
+            await store.redis.xclaim(store.queue, GROUP, self.consumer, 0, list(held),
+                                     idle=int(self.claim_idle_s * 1000), justid=True)
+            async with store.redis.pipeline(transaction=False) as pipe:
+                for batch_id, custom_id in held.values():
+                    pipe.hincrby(store.key("batch", batch_id, "attempts"), custom_id, -1)
+                    pipe.hdel(store.key("batch", batch_id, "running"), custom_id)
+                await pipe.execute()
+        except _REDIS_ERRORS as error:
+            self._redis_down(error)  # they are taken over after claim_idle_s all the same
 
     async def stop(self) -> None:
         """Runs still going are cancelled: their entries stay pending and are taken over."""
@@ -132,7 +154,8 @@ class BatchWorker:
                     await self._slot_freed.wait()
                     continue
                 if time.monotonic() >= next_claim_s:  # entries of a dead consumer, or of failed runs
-                    next_claim_s = time.monotonic() + self.claim_idle_s / 3
+                    # looked for often (cheap): entries a draining gateway handed back are idle at once
+                    next_claim_s = time.monotonic() + min(1.0, self.claim_idle_s / 3)
                     # XAUTOCLAIM scans a bounded stretch of the pending list per call: the cursor
                     # goes on from there, so stalled entries behind live ones are reached too
                     cursor, claimed, *_ = await self.store.redis.xautoclaim(
@@ -231,12 +254,14 @@ class BatchWorker:
             log.exception("batch: run failed", extra={"fields": {"entry": entry_id}})
         finally:
             self.running.pop(entry_id, None)
+            self.running_ids.pop(entry_id, None)
             self._slot_freed.set()
 
     async def _run_entry(self, entry_id: str, fields: dict[str, str]) -> None:
         store = self.store
         batch_id, custom_id = fields["b"], fields["c"]
         status, tenant, attempts, has_result = await store.begin(batch_id, custom_id, self.lease_s)
+        self.running_ids[entry_id] = (batch_id, custom_id)
         if status != BatchStatus.IN_PROGRESS.value or has_result or tenant is None:
             # cancelled, expiring, gone, or answered by an earlier run: nothing to do
             await store.end_run(batch_id, custom_id)
