@@ -10,6 +10,7 @@ import time
 from urllib.parse import urlsplit
 
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tidegate.config import EmbeddedBackend, GatewayConfig, UpstreamBackend
 from tidegate.control.health_checks import HealthChecker
@@ -273,7 +274,7 @@ class Gateway:
         assert self.batch_store is not None
         try:
             await self.batch_store.ensure_group()
-        except (RedisConnectionError, OSError) as error:
+        except (RedisConnectionError, RedisTimeoutError, OSError) as error:
             log.warning("batch: redis unavailable at start", extra={"fields": {"error": str(error)}})
         if self.batch_worker is not None:
             await self.batch_worker.start()
