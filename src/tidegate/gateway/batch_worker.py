@@ -171,12 +171,19 @@ class BatchWorker:
                     self._start_runs(entries)
                 self._redis_back()
             except aioredis.ResponseError as error:
-                if "NOGROUP" not in str(error):
-                    raise
-                await self.store.ensure_group()
+                if "NOGROUP" in str(error):  # a Redis that lost its data: the group is made again
+                    await self.store.ensure_group()
+                    continue
+                log.exception("batch: reading the queue failed")
+                await asyncio.sleep(1.0)
             except _REDIS_ERRORS as error:
                 self._redis_down(error)
                 await asyncio.sleep(0.5)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the loop must outlive anything one read brings
+                log.exception("batch: reading the queue failed")
+                await asyncio.sleep(1.0)
 
     def _start_runs(self, entries: list) -> None:
         loop = asyncio.get_running_loop()
