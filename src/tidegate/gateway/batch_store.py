@@ -138,6 +138,7 @@ class BatchStore:
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.key("batch", record["id"]), mapping={**record, "tenant": tenant, "seq": str(seq)})
             pipe.zadd(self.key("batches", tenant), {record["id"]: seq})
+            pipe.sadd(self.key("active"), record["id"])  # a sweep fails it if its creator dies validating
             await pipe.execute()
 
     async def start_batch(self, batch_id: str, lines: Sequence[BatchLine]) -> None:
@@ -154,9 +155,12 @@ class BatchStore:
             await pipe.execute()
 
     async def fail_batch(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
-        await self.redis.hset(self.key("batch", batch_id), mapping={
-            "status": BatchStatus.FAILED.value, "failed_at": str(int(time.time())),
-            "errors": orjson.dumps({"object": "list", "data": errors})})
+        async with self.redis.pipeline(transaction=True) as pipe:
+            pipe.hset(self.key("batch", batch_id), mapping={
+                "status": BatchStatus.FAILED.value, "failed_at": str(int(time.time())),
+                "errors": orjson.dumps({"object": "list", "data": errors})})
+            pipe.srem(self.key("active"), batch_id)
+            await pipe.execute()
 
     async def batch(self, batch_id: str, tenant: str | None = None) -> dict[str, str] | None:
         record = _decoded(await self.redis.hgetall(self.key("batch", batch_id)))

@@ -36,6 +36,8 @@ log = logging.getLogger("tidegate.batch")
 _REDIS_ERRORS = (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError, OSError)
 _CAPACITY_STATUSES = frozenset((429, 503))  # refused for capacity now: waits and goes again, not a failure
 _MAX_CAPACITY_WAIT_S = 5.0  # a refused request goes again at least this often
+# a batch still validating this long after its creation lost the gateway that was queueing it
+VALIDATION_LOST_S = 60.0
 _NO_RESULT = (408, 500, 502, 504)  # the replica or gateway failed it: another run may answer it
 
 
@@ -240,7 +242,11 @@ class BatchWorker:
             status = record["status"]
             done = int(record.get("completed", 0)) + int(record.get("failed", 0))
             total = int(record.get("total", 0))
-            if status == BatchStatus.FINALIZING.value:
+            if status == BatchStatus.VALIDATING.value and now - float(record["created_at"]) > VALIDATION_LOST_S:
+                await store.fail_batch(batch_id, [{"code": "validation_interrupted", "param": None, "line": None,
+                                                   "message": "the gateway validating this batch stopped; "
+                                                              "create it again"}])
+            elif status == BatchStatus.FINALIZING.value:
                 await store.finalize(batch_id, BatchStatus(record.get("final") or BatchStatus.COMPLETED.value))
             elif status == BatchStatus.IN_PROGRESS.value and done >= total:
                 await store.finalize(batch_id, BatchStatus.COMPLETED)
