@@ -16,7 +16,7 @@ knee, so the slots are the capacity. Figures printed:
   redis        the same with redis-server (appendonly yes) SIGKILLed mid-batch and started again on
                its data directory
 
-Run: flock /tmp/bench.lock python bench/batch_api.py [--phase-s 20 --windows 3] [--batch 1000] [--crash-batch 600]
+Run: flock /tmp/tidegate-bench.lock python bench/batch_api.py [--phase-s 20 --windows 3] [--batch 1000] [--crash-batch 600]
 """
 
 from __future__ import annotations
