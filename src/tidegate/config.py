@@ -350,7 +350,8 @@ class GatewayConfig(_Strict):
         check_tenant_tiers(self.tenants, self.tiers)
         if self.batch.enabled and self.batch_redis_url is None:
             raise ValueError("batch: enabled needs batch.redis_url or shared_state.redis_url")
-        if self.batch_redis_url is not None and self.batch.tier not in self.tiers.table():
+        wanted = self.batch.enabled or self.batch.redis_url is not None
+        if wanted and self.batch.enabled is not False and self.batch.tier not in self.tiers.table():
             raise ValueError(f"batch: tier {self.batch.tier!r} is not a configured tier")
         return self
 
@@ -359,6 +360,8 @@ class GatewayConfig(_Strict):
         """Where the Batch API keeps its files, batches and queue; None: the Batch API is off."""
         if self.batch.enabled is False:
             return None
+        if self.batch.enabled is None and self.batch.redis_url is None and self.batch.tier not in self.tiers.table():
+            return None  # on by default only where its tier exists (custom tiers may have none)
         return self.batch.redis_url or self.shared_state.redis_url
 
     @property

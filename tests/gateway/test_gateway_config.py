@@ -177,3 +177,9 @@ def test_a_batch_api_without_a_redis_or_with_an_unknown_tier_is_a_config_error()
         parse_config(MINIMAL + "batch:\n  redis_url: redis://r:6379/0\n  tier: nightly\n")
     with pytest.raises(ConfigError, match="redis_url"):
         parse_config(MINIMAL + "batch:\n  redis_url: http://r:6379/0\n")
+
+
+def test_a_shared_redis_with_custom_tiers_and_no_batch_tier_leaves_the_batch_api_off() -> None:
+    config = parse_config(MINIMAL + "shared_state:\n  backend: redis\n  redis_url: redis://r:6379/0\n"
+                          "tiers:\n  default: only\n  levels:\n    only: {rank: 0, max_queue_wait_s: 5, ttft_target_s: 5}\n")
+    assert config.batch_redis_url is None
