@@ -31,6 +31,7 @@ __all__ = [
     "HealthConfig",
     "AutoscaleConfig",
     "CacheConfig",
+    "BatchConfig",
     "SharedStateConfig",
     "TracingConfig",
     "PoolCacheConfig",
@@ -308,6 +309,35 @@ class TracingConfig(_Strict):
         return self
 
 
+class BatchConfig(_Strict):
+    """The OpenAI Batch API (docs/batch.md): files and batches kept in Redis (run it with AOF), their
+    requests queued on a Redis Stream and run by every gateway whose `worker` is on, in `tier`, so
+    that they take only the capacity interactive tiers leave idle. Off unless a Redis is configured:
+    `redis_url`, or else `shared_state.redis_url`."""
+
+    enabled: bool | None = None  # None: on exactly when a Redis URL is known
+    redis_url: str | None = None  # None: shared_state.redis_url
+    worker: bool = True  # this process runs queued batch requests (any number of gateways may)
+    tier: str = "batch"  # the tier its requests are admitted in (a configured tier)
+    # batch requests this gateway holds in its own queue and at replicas at once: enough to fill idle
+    # slots, few enough that the queue is not flooded (the controller still decides when each goes)
+    max_in_flight: int = Field(16, ge=1)
+    max_attempts: int = Field(3, ge=1)  # runs of a request that failed (5xx, a dead gateway) before it is dead-lettered
+    # an entry held this long by a consumer that stopped confirming it (a dead gateway) is taken over;
+    # live workers confirm theirs every claim_idle_s / 3, so a slow request is never taken from them
+    claim_idle_s: float = Field(30.0, gt=0)
+    sweep_interval_s: float = Field(1.0, gt=0)  # how often finished, expired and cancelled batches are closed
+    max_file_bytes: int = Field(100 << 20, ge=1024)  # an upload is also bounded by server.max_body_bytes
+    max_requests_per_batch: int = Field(50_000, ge=1)  # OpenAI's limit
+    key_prefix: str = Field("tidegate:batch:", min_length=1)
+
+    @model_validator(mode="after")
+    def _url_is_redis(self) -> BatchConfig:
+        if self.redis_url is not None and urlsplit(self.redis_url).scheme not in ("redis", "rediss"):
+            raise ValueError("batch: redis_url must be redis://host:port/db or rediss://")
+        return self
+
+
 class PoolConfig(_Strict):
     name: str = Field(min_length=1)  # the `model` clients ask for
     backends: tuple[Backend, ...] = Field(min_length=1)
@@ -328,6 +358,7 @@ class GatewayConfig(_Strict):
     cache: CacheConfig = CacheConfig()
     shared_state: SharedStateConfig = SharedStateConfig()
     tracing: TracingConfig = TracingConfig()
+    batch: BatchConfig = BatchConfig()
 
     @model_validator(mode="after")
     def _unique_pool_names(self) -> GatewayConfig:
@@ -352,7 +383,21 @@ class GatewayConfig(_Strict):
                 if name is not None and name not in names:
                     raise ValueError(f"degradation.pools: unknown pool {name!r}")
         check_tenant_tiers(self.tenants, self.tiers)
+        if self.batch.enabled and self.batch_redis_url is None:
+            raise ValueError("batch: enabled needs batch.redis_url or shared_state.redis_url")
+        wanted = self.batch.enabled or self.batch.redis_url is not None
+        if wanted and self.batch.enabled is not False and self.batch.tier not in self.tiers.table():
+            raise ValueError(f"batch: tier {self.batch.tier!r} is not a configured tier")
         return self
+
+    @property
+    def batch_redis_url(self) -> str | None:
+        """Where the Batch API keeps its files, batches and queue; None: the Batch API is off."""
+        if self.batch.enabled is False:
+            return None
+        if self.batch.enabled is None and self.batch.redis_url is None and self.batch.tier not in self.tiers.table():
+            return None  # on by default only where its tier exists (custom tiers may have none)
+        return self.batch.redis_url or self.shared_state.redis_url
 
     @property
     def overload(self) -> OverloadConfig:

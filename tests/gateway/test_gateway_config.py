@@ -159,3 +159,27 @@ def test_autoscale_parses_and_an_embedded_pool_cannot_want_more_workers_than_it_
     with pytest.raises(ConfigError, match="min_replicas must be <= max_replicas"):
         parse_config("pools:\n  - name: m\n    autoscale: {min_replicas: 3, max_replicas: 2}\n"
                      "    backends:\n      - {type: upstream, url: 'http://127.0.0.1:9/v1'}\n", environ={})
+
+
+def test_the_batch_api_is_off_without_a_redis_and_on_with_one() -> None:
+    assert parse_config(MINIMAL).batch_redis_url is None
+    shared = MINIMAL + "shared_state:\n  backend: redis\n  redis_url: redis://127.0.0.1:6379/0\n"
+    assert parse_config(shared).batch_redis_url == "redis://127.0.0.1:6379/0"
+    assert parse_config(shared + "batch:\n  enabled: false\n").batch_redis_url is None
+    own = MINIMAL + "batch:\n  redis_url: redis://jobs:6379/2\n"
+    assert parse_config(own).batch_redis_url == "redis://jobs:6379/2"
+
+
+def test_a_batch_api_without_a_redis_or_with_an_unknown_tier_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="batch: enabled needs"):
+        parse_config(MINIMAL + "batch:\n  enabled: true\n")
+    with pytest.raises(ConfigError, match="tier 'nightly'"):
+        parse_config(MINIMAL + "batch:\n  redis_url: redis://r:6379/0\n  tier: nightly\n")
+    with pytest.raises(ConfigError, match="redis_url"):
+        parse_config(MINIMAL + "batch:\n  redis_url: http://r:6379/0\n")
+
+
+def test_a_shared_redis_with_custom_tiers_and_no_batch_tier_leaves_the_batch_api_off() -> None:
+    config = parse_config(MINIMAL + "shared_state:\n  backend: redis\n  redis_url: redis://r:6379/0\n"
+                          "tiers:\n  default: only\n  levels:\n    only: {rank: 0, max_queue_wait_s: 5, ttft_target_s: 5}\n")
+    assert config.batch_redis_url is None

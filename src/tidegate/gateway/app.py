@@ -11,11 +11,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tidegate import __version__
 from tidegate.config import EmbeddedBackend, GatewayConfig, TracingConfig, UpstreamBackend
 from tidegate.control.health_checks import HealthChecker
 from tidegate.control.supervisor import WorkerSpec, WorkerSupervisor
+from tidegate.gateway.batch_api import BatchApi
+from tidegate.gateway.batch_store import BatchStore
+from tidegate.gateway.batch_worker import BatchWorker
 from tidegate.gateway.connections import ConnectionLimits, ConnectionRegistry, connection_cap, raise_open_file_limit
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection
@@ -224,6 +229,20 @@ class Gateway:
             self.tracing, self._span_sink = _tracing(config.tracing, self.metrics.registry)
         self.proxy = Proxy(self.pools, settings, self.metrics, self.access_log, overload=self.overload,
                            scaling=self.scaling, cache=self.cache, tracing=self.tracing)
+        # the Batch API (docs/batch.md): its routes on every gateway, its worker where `batch.worker` is on
+        self.batch_store: BatchStore | None = None
+        self.batch_worker: BatchWorker | None = None
+        batch, batch_url = config.batch, config.batch_redis_url
+        if batch_url is not None:
+            if not config.overload_control:
+                log.warning("batch: without overload_control its requests queue FIFO with interactive ones")
+            self.batch_store = BatchStore(batch_url, batch.key_prefix)
+            self.proxy.batch_api = BatchApi(self.batch_store, lambda: self.pools.keys(), batch.max_file_bytes,
+                                            batch.max_requests_per_batch)
+            if batch.worker:
+                self.batch_worker = BatchWorker(self.batch_store, self.proxy.handle, batch.tier, batch.max_in_flight,
+                                                batch.max_attempts, batch.claim_idle_s, batch.sweep_interval_s,
+                                                server.request_timeout_s)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
         # each request in flight holds an upstream connection: their descriptors are kept out of the cap
         open_file_limit = raise_open_file_limit()
@@ -258,6 +277,8 @@ class Gateway:
             await self.shared_limits.start()
         if self.scaling is not None:
             await self.scaling.start()
+        if self.batch_store is not None:
+            await self._start_batch()
         self.access_log.start()
         if self._span_sink is not None:
             await self._span_sink.start()
@@ -285,6 +306,17 @@ class Gateway:
             self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
             log.info("metrics listening", extra={"fields": {"host": metrics_host, "port": self.metrics_port}})
 
+    async def _start_batch(self) -> None:
+        """The stream's consumer group, then the worker; a Redis not up yet is waited for by the
+        worker's own loop (it creates the group when it finds it missing)."""
+        assert self.batch_store is not None
+        try:
+            await self.batch_store.ensure_group()
+        except (RedisConnectionError, RedisTimeoutError, OSError) as error:
+            log.warning("batch: redis unavailable at start", extra={"fields": {"error": str(error)}})
+        if self.batch_worker is not None:
+            await self.batch_worker.start()
+
     async def wait_ready(self, timeout_s: float) -> bool:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -299,6 +331,8 @@ class Gateway:
         flight finish, for up to `drain_timeout_s`. `stop` then ends what is left."""
         server = self.config.server
         self.proxy.draining = True
+        if self.batch_worker is not None:
+            await self.batch_worker.hand_back()  # internal and durable: not waited for like clients' requests
         log.info("draining", extra={"fields": {"shutdown_delay_s": server.shutdown_delay_s,
                                                "in_flight": self.proxy.active}})
         if server.shutdown_delay_s:
@@ -325,6 +359,10 @@ class Gateway:
             await self.cache.close()
         if self.shared_limits is not None:
             await self.shared_limits.close()
+        if self.batch_worker is not None:
+            await self.batch_worker.stop()
+        if self.batch_store is not None:
+            await self.batch_store.close()
         for pool in self.pools.values():
             for replica in pool.replicas:
                 replica.connections.close()

@@ -35,12 +35,13 @@ def status_line(status: int) -> bytes:
 class HttpRequest:
     """One parsed request: only the headers the gateway reads are kept."""
 
-    __slots__ = ("method", "path", "body", "authorization", "request_id", "request_timeout", "cache_control",
+    __slots__ = ("method", "path", "query", "body", "authorization", "request_id", "request_timeout", "cache_control",
                  "traceparent", "tracestate", "keep_alive", "too_large", "takes_chunked")
 
     def __init__(self) -> None:
         self.method = b""
         self.path = b""
+        self.query = b""  # after the `?`, for the few routes that read one (GET /v1/batches)
         self.body = b""
         self.authorization: bytes | None = None
         self.request_id: bytes | None = None
@@ -261,7 +262,10 @@ class HttpConnection(asyncio.Protocol):
             return
         request.method = self._parser.get_method()
         query_at = self._url.find(b"?")
-        request.path = self._url if query_at < 0 else self._url[:query_at]
+        if query_at < 0:
+            request.path = self._url
+        else:
+            request.path, request.query = self._url[:query_at], self._url[query_at + 1:]
         request.keep_alive = self._parser.should_keep_alive()
         request.takes_chunked = self._parser.get_http_version() != "1.0"
         if self._too_large:

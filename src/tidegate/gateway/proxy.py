@@ -30,6 +30,7 @@ from tidegate.errors import (
     UpstreamTimeoutError,
     openai_error_body,
 )
+from tidegate.gateway.batch_api import BATCH_PATHS, BatchApi
 from tidegate.gateway.dispatch import ModelPool, Replica
 from tidegate.gateway.http import HttpConnection, HttpRequest
 from tidegate.cache.response import CachedAnswer
@@ -100,6 +101,7 @@ class Proxy:
         self.pools = pools
         self.tracing = tracing  # None: tracing off (a client's traceparent still goes upstream)
         self.cache = cache  # None: no pool has a response cache
+        self.batch_api: BatchApi | None = None  # the Batch API's routes, when `batch` is on
         self.draining = False  # shutting down: /ready answers 503, requests are still served
         self.active = 0  # API requests being handled: a drain waits for them
         self.overload = overload  # None: FIFO queues, static slot limits, server.api_keys only
@@ -120,7 +122,8 @@ class Proxy:
         self._get_routes = _GET_ROUTES | observing if settings.metrics_on_main_port else _GET_ROUTES
 
     # -- entry point (an HttpConnection's handler)
-    async def handle(self, conn: HttpConnection, request: HttpRequest) -> None:
+    async def handle(self, conn: HttpConnection, request: HttpRequest, identity: Identity | None = None) -> None:
+        """`identity`: a request the gateway makes itself (the batch worker), already authenticated."""
         started = self.clock()
         request_id = request.request_id
         if request_id is None:
@@ -134,11 +137,15 @@ class Proxy:
         self.active += 1
         try:
             if endpoint is None or request.method != b"POST" or request.too_large:
+                if self.batch_api is not None and request.path.startswith(BATCH_PATHS) and not request.too_large:
+                    status = await self.batch_api.handle(conn, request, request_id, self._authenticate(request))
+                    return
                 status = self._handle_other(conn, request, request_id)
                 return
             if self.tracing is not None or request.traceparent is not None:
                 trace = start_trace(self.tracing, request, endpoint, request_id, started)
-            identity = self._authenticate(request)
+            if identity is None:
+                identity = self._authenticate(request)
             try:
                 body = orjson.loads(request.body)
             except orjson.JSONDecodeError:
