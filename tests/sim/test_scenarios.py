@@ -11,6 +11,7 @@ serves the flood's backlog after the flood by making the others wait).
 
 from __future__ import annotations
 
+from tidegate.overload_config import LimitsConfig
 from tidegate.sim import scenarios
 
 
@@ -71,6 +72,8 @@ def test_a_slowed_replica_shows_twice_the_slope_within_10_s_and_stays_there_with
 def test_engines_of_two_sequences_serving_one_tier_refuse_no_more_than_fifo() -> None:
     verdict = scenarios.small_engines()
     assert verdict.passed, verdict.figures
+    # the scenario's replicas are what `tidegate serve` makes of such a backend by default
+    assert scenarios.small_engine_replica("r0") == LimitsConfig().pool_replica("r0", scenarios.SMALL_SLOTS, True)
 
 
 def test_a_killed_replica_costs_what_it_held_and_a_few_probes_with_the_others_busy() -> None:

@@ -22,7 +22,6 @@ import numpy as np
 from tidegate.engine.scheduler import SchedulerConfig
 from tidegate.loadgen.arrivals import Poisson
 from tidegate.loadgen.mix import LengthDistribution
-from tidegate.overload_config import LimitsConfig
 from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
 from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import TierTable, default_tiers
@@ -568,6 +567,12 @@ SMALL_SLOTS = 2  # sequences one engine runs: bench/chaos.py's mock replicas, a 
 SMALL_SEEDS = (91, 92, 93, 94, 95, 96)
 
 
+def small_engine_replica(replica_id: str) -> PoolReplica:
+    """What the live default (`limits.headroom_share` 1/3, `LimitsConfig.pool_replica`) makes of a
+    backend's `slot_limit: 2`: one request of a level and better, one of headroom."""
+    return PoolReplica(replica_id, max_requests=1, headroom=1)
+
+
 def small_engines(seeds: Sequence[int] = SMALL_SEEDS) -> Verdict:
     """Replicas whose engines run two sequences (`slot_limit: 2`), one tier at 80 % of their
     capacity: the controller refuses no more than FIFO and serves as many requests within target
@@ -580,13 +585,11 @@ def small_engines(seeds: Sequence[int] = SMALL_SEEDS) -> Verdict:
     specs = [replace(replica_spec(i), scheduler=SchedulerConfig(max_num_seqs=SMALL_SLOTS, max_batch_tokens=512))
              for i in ids]
     cap = REPLICAS * saturated_rps(specs[0], 544, 144, SMALL_SLOTS)
-    limits = LimitsConfig()
     window = (5.0, 55.0)
     pairs, refused, fifo_refused, busy = [], 0, 0, []
     for seed in seeds:
         requests = mixed(0.8 * cap, DURATION_S, (("a", "standard", 1.0),), seed=seed)
-        ctl = PoolController([limits.pool_replica(i, SMALL_SLOTS, orders_by_priority=True) for i in ids], tiers,
-                             shares=TenantShares())
+        ctl = PoolController([small_engine_replica(i) for i in ids], tiers, shares=TenantShares())
         ctl_run = ScenarioRun(Harness(specs, ctl).run(requests, probes_s=window), tiers)
         ref_run = ScenarioRun(Harness(specs, FifoDispatcher(ids, tiers, slot_limit=SMALL_SLOTS)).run(
             requests, probes_s=window), tiers)
