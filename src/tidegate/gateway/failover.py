@@ -114,10 +114,8 @@ def parse_sent(data: bytes, chat: bool) -> StreamSoFar:
     """Parses the SSE bytes sent to the client. Only whole events count; a partial last line (the
     relay holds those back, so only a bug leaves one) makes the stream unsafe to continue."""
     state = StreamSoFar(chat=chat, token_ids=[])
-    if data and not data.endswith(b"\n"):
-        state.problem = "the client holds part of an event"
     ids: list[int] | None = None  # announced for the next event
-    for line in data.split(b"\n"):
+    for line in data[:data.rfind(b"\n") + 1].split(b"\n"):
         if line.startswith(_TOKEN_IDS_COMMENT):
             ids = _comment_ids(line)
             continue
@@ -136,6 +134,8 @@ def parse_sent(data: bytes, chat: bool) -> StreamSoFar:
         ids = None
     if not state.token_ids:
         state.token_ids = None  # no ids announced (an upstream other than `tidegate engine`)
+    if data and not data.endswith(b"\n"):
+        state.problem = "the client holds part of an event"
     return state
 
 
