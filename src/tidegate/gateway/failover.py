@@ -369,7 +369,8 @@ def _role_only(choice: Any) -> bool:
 class _ContinuationRelay:
     """The continuation's response, passed on through `Splice` as it arrives (a `BodyRelay`)."""
 
-    __slots__ = ("splice", "conn", "pending", "exchange", "last_read_s", "clock", "connection", "scrubber")
+    __slots__ = ("splice", "conn", "pending", "exchange", "last_read_s", "clock", "connection", "scrubber",
+                 "client_paused")
 
     def __init__(self, splice: Splice, conn: HttpConnection, clock: Any, scrubber: Any = None) -> None:
         self.splice = splice
@@ -380,6 +381,7 @@ class _ContinuationRelay:
         self.clock = clock
         self.last_read_s = clock()
         self.connection: UpstreamConnection | None = None
+        self.client_paused = False  # the client reads slower than the upstream writes: not the upstream's silence
 
     def on_head(self, exchange: Exchange) -> None:
         if exchange.status == 200:
@@ -399,10 +401,12 @@ class _ContinuationRelay:
             self.conn.stream_chunks(out)
 
     def pause(self) -> None:
+        self.client_paused = True
         if self.connection is not None:
             self.connection.pause_reading()
 
     def resume(self) -> None:
+        self.client_paused = False
         self.last_read_s = self.clock()
         if self.connection is not None:
             self.connection.resume_reading()
@@ -498,6 +502,8 @@ class StreamFailover:
             def check_silence() -> None:
                 nonlocal timer
                 now_s = proxy.clock()
+                if relay.client_paused:
+                    relay.last_read_s = now_s  # the client's write timeout answers for a client that stopped reading
                 limit_s = settings.first_byte_timeout_s if not exchange.got_bytes else settings.stream_idle_timeout_s
                 if now_s >= deadline_s or now_s - relay.last_read_s >= limit_s:
                     exchange.fail(UpstreamFailure("timed out", before_first_byte=not exchange.got_bytes,
