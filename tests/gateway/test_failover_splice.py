@@ -90,5 +90,8 @@ def test_sent_stream_stops_keeping_past_its_bound() -> None:
     sent = SentStream()
     sent.add([b"x" * 10])
     assert sent.kept and sent.data() == b"x" * 10
-    sent.add([b"y" * (5 * 1024 * 1024)])
-    assert not sent.kept and sent.pieces == []
+    for _ in range(600):  # measured every 256 pieces
+        sent.add([b"y" * 16384])
+    assert not sent.kept and sent == []
+    sent.add([b"z"])
+    assert sent == []

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from itertools import islice
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,32 +62,40 @@ class FailoverPolicy:
     max_failovers: int = 1  # continuations per request; a replica failing the continuation too is tried no more
 
 
-class SentStream:
-    """The bytes of one stream passed on to the client, kept as the pieces themselves (no copy, no
-    parsing): all that the common case, a stream that does not fail, pays for failover."""
+class SentStream(list):
+    """The pieces of one stream passed on to the client, kept as they are (no copy, no parsing): all
+    that the common case, a stream that does not fail, pays for failover is `sent += pieces` and a
+    length check per read. Their size is measured every `_CHECK_EVERY` pieces only."""
 
-    __slots__ = ("pieces", "size")
+    __slots__ = ("check_at", "kept", "size")
+    _CHECK_EVERY = 256
 
     def __init__(self) -> None:
-        self.pieces: list[bytes] = []
-        self.size = 0  # -1: past MAX_SENT_BYTES, no longer kept
+        super().__init__()
+        self.check_at = self._CHECK_EVERY  # len(self) at which to measure the bytes kept
+        self.kept = True  # False: past MAX_SENT_BYTES, no longer kept
+        self.size = 0  # bytes of the pieces measured so far
+
+    def measure(self) -> None:
+        """Called by the relay once `len(self) >= check_at`: stops keeping past the bound."""
+        measured = self.check_at - self._CHECK_EVERY
+        self.size += sum(map(len, islice(self, measured, None)))
+        if self.size > MAX_SENT_BYTES:
+            self.clear()
+            self.kept = False
+            self.check_at = 1 << 62
+        else:
+            self.check_at = len(self) + self._CHECK_EVERY  # the next measure starts where this one ended
 
     def add(self, pieces: list[bytes]) -> None:
-        if self.size < 0:
-            return
-        self.pieces.extend(pieces)
-        for piece in pieces:
-            self.size += len(piece)
-        if self.size > MAX_SENT_BYTES:
-            self.pieces.clear()
-            self.size = -1
-
-    @property
-    def kept(self) -> bool:
-        return self.size >= 0
+        """What the relay does inline: keep `pieces`, measure now and then."""
+        if self.kept:
+            self += pieces
+            if len(self) >= self.check_at:
+                self.measure()
 
     def data(self) -> bytes:
-        return b"".join(self.pieces)
+        return b"".join(self)
 
 
 @dataclass(slots=True)

@@ -578,8 +578,8 @@ class _StreamRelay:
             if not self.saw_token and not at_end:
                 return  # only a role-only opening event so far: held, so silence past the timeout is a clean 504
             self._start(conn)
-        held = b""
-        if not at_end and pending[-1][-1:] != b"\n":
+        held = None
+        if pending[-1][-1:] != b"\n" and not at_end:
             # half an event stays here until its end comes: a client never holds a part of one that
             # a failed upstream will not finish (a continuation then splices in at an event's end)
             data = b"".join(pending)
@@ -592,9 +592,13 @@ class _StreamRelay:
         if self.usage is not None:
             self.usage.stream_pieces(pending)
         conn.stream_chunks(pending)
-        self.sent.add(pending)
+        sent = self.sent  # kept for a continuation (gateway/failover.py): SentStream.add, inline
+        if sent.kept:
+            sent += pending
+            if len(sent) >= sent.check_at:
+                sent.measure()
         pending.clear()
-        if held:
+        if held is not None:
             pending.append(held)
 
     def _first_token(self) -> None:
