@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import orjson
-from prometheus_client import Counter
 
 from tidegate.errors import OverloadedError, UpstreamError, UpstreamTimeoutError, openai_error_body
 from tidegate.gateway.upstream import Exchange, UpstreamConnection, UpstreamFailure
@@ -426,11 +425,7 @@ class StreamFailover:
 
     def __init__(self, proxy: Proxy) -> None:
         self.proxy = proxy
-        registry = proxy.metrics.registry
-        self.outcomes = Counter("tidegate_stream_failovers", "Streams broken mid-answer by their replica "
-                                "(dead or silent), by outcome: resumed on another replica, failed (the "
-                                "continuation failed too), refused (not safe or not allowed: error event)",
-                                ["pool", "outcome"], registry=registry)
+        self.outcomes = proxy.metrics.stream_failovers
 
     async def resume(self, conn: HttpConnection, pool: ModelPool, failed: Replica, sent: SentStream,
                      endpoint_path: str, body: dict, request_id: bytes, started: float, usage: Any,
