@@ -11,8 +11,9 @@ open loop (Poisson), streaming chat, on loopback only.
 
 1. kill: load at 80 % of the five replicas' capacity (40/s: 100 % of the four left after the kill);
    SIGKILL one replica of five at 5 s, restart it at 25 s. Bars: success >= 99.5 % of all requests, 0 hung.
-   Streams that were running on the killed replica are counted apart: mid-stream failover is NOT
-   implemented, so they fail (the gateway ends them with an error event).
+   Streams that were running on the killed replica are counted apart: the gateway continues them on
+   another replica (mid-stream failover, `gateway/failover.py`); its `tidegate_stream_failovers_total`
+   says how many were failed over (resumed) and how many failed, the load how many the clients saw fail.
 2. outliers: load at 70 % (35/s); from 5 s one replica (behind a fault proxy) answers 500 to 30 % of
    API requests and another (behind a second proxy) gets 2 s added before each API request, both to the
    end. Bars: success >= 99.5 %; each outlier's share of the requests the replicas received from 10 s
@@ -264,9 +265,12 @@ async def scenario_kill(procs: Processes, mocks: list[int], log_dir: Path) -> No
     bar("success, all requests (%)", summary["success_pct"], ">= 99.5", summary["success_pct"] >= 99.5,
         f"{served}; {replica_load}")
     bar("hung requests", summary["hung"], "0", summary["hung"] == 0, f"{served}")
-    print(f"  streams cut on the killed replica: {cut_streams} (of {len(cut)} failures ending within 2 s of the "
-          f"kill; {other_failures} other failures). Mid-stream failover is NOT implemented: a stream already "
-          f"answering from the killed replica fails (error event), it is not resumed elsewhere.")
+    failovers = (report["gateway"] or {}).get("stream_failovers") or {}
+    print(f"  streams failed over / failed: {failovers.get('resumed', 0)} / {cut_streams} -- the gateway resumed "
+          f"{failovers.get('resumed', 0)} streams broken mid-answer on another replica (not continued: "
+          f"{failovers.get('refused', 0)}, continuation failed: {failovers.get('failed', 0)}); the clients saw "
+          f"{cut_streams} streams fail (of {len(cut)} failures ending within 2 s of the kill; {other_failures} "
+          f"other failures)")
     recovery = report.get("recovery")
     if recovery:
         print(f"  recovery: {recovery}")

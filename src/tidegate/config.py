@@ -38,6 +38,7 @@ __all__ = [
     "SemanticCacheConfig",
     "EmbeddedBackend",
     "UpstreamBackend",
+    "FailoverConfig",
     "PoolConfig",
     "GatewayConfig",
     "load_config",
@@ -338,9 +339,20 @@ class BatchConfig(_Strict):
         return self
 
 
+class FailoverConfig(_Strict):
+    """Mid-stream failover (docs/configuration.md): a stream whose replica dies or stalls after output
+    began is continued on another replica, the client's stream uninterrupted."""
+
+    # off: such a stream ends with an error event. Turn it off for upstreams that do not take an
+    # assistant prefix (`continue_final_message`, as vLLM and `tidegate engine` do) and would start over
+    enabled: bool = True
+    max_failovers: int = Field(1, ge=1, le=8)  # continuations of one request
+
+
 class PoolConfig(_Strict):
     name: str = Field(min_length=1)  # the `model` clients ask for
     backends: tuple[Backend, ...] = Field(min_length=1)
+    failover: FailoverConfig = FailoverConfig()
     autoscale: AutoscaleConfig | None = None
     response_cache: PoolCacheConfig | None = None  # None: every request goes to a replica
 

@@ -98,3 +98,11 @@ def test_replica_labels_match_by_host_and_port_or_host_alone() -> None:
     assert label_matches("pool#3@10.0.0.5:8000", "10.0.0.5")
     assert not label_matches("pool#3@10.0.0.5:8000", "10.0.0.5:80")
     assert not label_matches("pool#3@10.0.0.50:8000", "10.0.0.5")
+
+
+def test_streams_failed_over_are_the_gateway_counters_growth_over_the_run() -> None:
+    result = _result([_record(0, 1.0)])
+    result.samples += [GatewaySample(0.0, "tidegate_stream_failovers_total", "m", "", 2.0, "resumed"),
+                       GatewaySample(9.5, "tidegate_stream_failovers_total", "m", "", 5.0, "resumed"),
+                       GatewaySample(9.5, "tidegate_stream_failovers_total", "m", "", 1.0, "refused")]
+    assert build_report(result)["gateway"]["stream_failovers"] == {"resumed": 3, "failed": 0, "refused": 1}

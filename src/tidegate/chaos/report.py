@@ -156,6 +156,21 @@ def _survivors(samples: list[GatewaySample], changes: dict[str, list[tuple[float
              "ratio": during[r] / before[r] if before.get(r) and r in during else None} for r in survivors]
 
 
+def _stream_failovers(samples: list[GatewaySample]) -> dict[str, int]:
+    """Streams broken mid-answer by their replica during the run, by what the gateway did: resumed on
+    another replica (the client saw one answer), failed (the continuation failed too), refused (not
+    safe or not allowed: an error event). The counter's growth from the first sample to the last."""
+    totals: dict[float, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    times = sorted({s.t_s for s in samples})
+    for sample in samples:
+        if sample.metric == "tidegate_stream_failovers_total":
+            totals[sample.t_s][sample.outcome] += sample.value
+    if not times:
+        return {"resumed": 0, "failed": 0, "refused": 0}
+    first, last = totals.get(times[0], {}), totals.get(times[-1], {})
+    return {outcome: int(last.get(outcome, 0.0) - first.get(outcome, 0.0)) for outcome in ("resumed", "failed", "refused")}
+
+
 def _per_second(points: list[tuple[float, RequestRecord]], samples: list[GatewaySample]) -> list[dict]:
     bins: dict[int, dict[str, float]] = defaultdict(lambda: {"ended": 0, "ok": 0, "failed": 0})
     for t_s, record in points:
@@ -232,6 +247,7 @@ def build_report(result: ChaosResult) -> dict[str, Any]:
                                     for replica, history in changes.items()},
             "reactions": _gateway_reactions(timeline, changes),
             "survivors": _survivors(result.samples, changes, timeline, window),
+            "stream_failovers": _stream_failovers(result.samples),
         }
     return {
         "experiment": experiment.name, "duration_s": experiment.duration_s, "load_elapsed_s": result.load_elapsed_s,
@@ -272,6 +288,11 @@ def print_report(report: dict[str, Any], console=None) -> None:
                       str(s["streams_failed"]), str(s["refused"]), str(s["http_errors"]),
                       str(s["connection_errors"]), _fmt(s["e2e_p50_s"], " s"), _fmt(s["e2e_p99_s"], " s"))
     console.print(table)
+    failovers = (report["gateway"] or {}).get("stream_failovers")
+    if failovers is not None:  # invisible to the load: a resumed stream is one whole answer
+        console.print(f"streams broken by their replica mid-answer (gateway): {failovers['resumed']} failed over "
+                      f"(resumed on another replica), {failovers['failed'] + failovers['refused']} failed "
+                      f"({failovers['refused']} not continued, {failovers['failed']} whose continuation failed)")
 
     timeline = Table(title="faults, on the load's clock (requests counted where their answers ended)")
     for column in ("t (s)", "planned", "action", "subject", "outcome", "detail", "failed/ended until next",

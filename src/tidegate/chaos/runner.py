@@ -55,10 +55,11 @@ class TimelineEvent:
 @dataclass(frozen=True, slots=True)
 class GatewaySample:
     t_s: float
-    metric: str  # tidegate_replica_healthy | tidegate_replica_outstanding
+    metric: str  # tidegate_replica_healthy | tidegate_replica_outstanding | tidegate_stream_failovers_total
     pool: str
     replica: str
     value: float
+    outcome: str = ""  # tidegate_stream_failovers_total: resumed | failed | refused
 
 
 @dataclass
@@ -297,7 +298,8 @@ class _Run:
 
     def _parse_samples(self, t_s: float, text: str, pool_filter: str | None) -> None:
         for line in text.splitlines():
-            if not line.startswith(("tidegate_replica_healthy{", "tidegate_replica_outstanding{")):
+            if not line.startswith(("tidegate_replica_healthy{", "tidegate_replica_outstanding{",
+                                    "tidegate_stream_failovers_total{")):
                 continue
             series, _, value = line.rpartition(" ")
             labels = dict(_LABELS.findall(series))
@@ -305,7 +307,7 @@ class _Run:
             if pool_filter is not None and pool != pool_filter:
                 continue
             self.samples.append(GatewaySample(t_s, series.split("{", 1)[0], pool, labels.get("replica", ""),
-                                              float(value)))
+                                              float(value), labels.get("outcome", "")))
 
     # -- after the load
     async def cleanup(self) -> dict[str, dict]:

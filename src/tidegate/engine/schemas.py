@@ -72,6 +72,24 @@ class ChatMessage(_Body):
 class ChatRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    # vLLM's chat template switches: `continue_final_message` leaves the final (assistant) message's
+    # turn open and generates its continuation (a gateway's mid-stream failover sends one)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    # tidegate's extension, with continue_final_message: the token ids this engine generated for the
+    # final message's text (announced on `: token_ids` comment lines), used instead of re-encoding it
+    continue_token_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _continuation_is_consistent(self) -> ChatRequest:
+        if self.continue_final_message:
+            if self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message needs the final message to be the assistant's")
+            if self.add_generation_prompt and "add_generation_prompt" in self.model_fields_set:
+                raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
+        elif self.continue_token_ids is not None:
+            raise ValueError("continue_token_ids needs continue_final_message")
+        return self
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -80,6 +98,9 @@ class ChatRequest(_SamplingFields):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str]
+    # tidegate's extension: token ids this engine generated after the prompt, continued from (a
+    # gateway's mid-stream failover sends them)
+    continue_token_ids: list[int] | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

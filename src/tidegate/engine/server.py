@@ -34,7 +34,9 @@ from tidegate.errors import (
 if TYPE_CHECKING:
     from tidegate.engine.builder import BuiltEngine
 
-__all__ = ["EngineOptions", "EngineServer", "ServerState"]
+__all__ = ["EngineOptions", "EngineServer", "ServerState", "TOKEN_IDS_HEADER"]
+
+TOKEN_IDS_HEADER = "x-tidegate-token-ids"  # "1": each streamed step's token id on a comment line
 
 log = logging.getLogger(__name__)
 
@@ -270,11 +272,17 @@ class EngineServer:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
 
-        async def send(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> None:
+        # a gateway that may continue this stream elsewhere asks for each step's token id, on an SSE
+        # comment line (which clients ignore) before the event (gateway/failover.py)
+        with_ids = request.headers.get(TOKEN_IDS_HEADER) == "1"
+
+        async def send(choices: list[dict[str, Any]], usage: dict[str, int] | None = None,
+                       token_id: int | None = None) -> None:
             chunk = {**envelope, "choices": choices}
             if body.include_usage:
                 chunk["usage"] = usage
-            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+            ids = b": token_ids %d\n" % token_id if with_ids and token_id is not None else b""
+            await response.write(ids + b"data: " + orjson.dumps(chunk) + b"\n\n")
 
         last: Delta | None = None
         try:
@@ -288,7 +296,8 @@ class EngineServer:
                         choice = {"index": 0, "delta": delta}
                     else:
                         choice = {"index": 0, "text": last.text}
-                    await send([{**choice, "logprobs": None, "finish_reason": last.finish_reason}])
+                    await send([{**choice, "logprobs": None, "finish_reason": last.finish_reason}],
+                               token_id=last.token_id)
             if body.include_usage and last is not None:
                 await send([], _usage(last))
         except TidegateError as error:

@@ -28,7 +28,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]: ...
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Text that continues a prompt (an open assistant turn): no BOS or other specials added."""
+        ...
 
     def decoder(self) -> IncrementalDecoder: ...
 
@@ -57,13 +61,16 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         # specials are inserted as ids, so message text can never forge a role boundary
         ids: list[int] = []
         for message in messages:
             ids += [self.IM_START, *self.encode(f"{message['role']}\n{message['content']}"), self.IM_END]
             ids += self.encode("\n")
-        return ids + [self.IM_START, *self.encode("assistant\n")]
+        return ids + [self.IM_START, *self.encode("assistant\n")] if add_generation_prompt else ids
+
+    def encode_continuation(self, text: str) -> list[int]:
+        return self.encode(text)
 
     def decoder(self) -> IncrementalDecoder:
         return _ByteDecoder()
@@ -98,14 +105,18 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=True))
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
         if getattr(self._tokenizer, "chat_template", None):
-            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            text = self._tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                       tokenize=False)
         else:
             text = "".join(
                 f"{_FALLBACK_TEMPLATE_ROLE_START}{m['role']}\n{m['content']}{_FALLBACK_TEMPLATE_ROLE_END}\n"
                 for m in messages
-            ) + f"{_FALLBACK_TEMPLATE_ROLE_START}assistant\n"
+            ) + (f"{_FALLBACK_TEMPLATE_ROLE_START}assistant\n" if add_generation_prompt else "")
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def encode_continuation(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def decoder(self) -> IncrementalDecoder:

@@ -23,6 +23,7 @@ from tidegate.gateway.batch_store import BatchStore
 from tidegate.gateway.batch_worker import BatchWorker
 from tidegate.gateway.connections import ConnectionLimits, ConnectionRegistry, connection_cap, raise_open_file_limit
 from tidegate.gateway.dispatch import ModelPool, Replica
+from tidegate.gateway.failover import TOKEN_IDS_HEADER, FailoverPolicy
 from tidegate.gateway.http import HttpConnection
 from tidegate.gateway.overload import OverloadRuntime
 from tidegate.overload_config import build_policies
@@ -106,7 +107,7 @@ def _embedded_replica(pool: str, index: int, backend: EmbeddedBackend, connect_t
         replica_id=replica_id, pool_name=pool, connections=ConnectionPool(endpoint, connect_timeout_s),
         slot_limit=backend.slot_limit, upstream_model=backend.model, api_key=None,
         health_url=f"http://127.0.0.1:{port}/health", scrape_url=f"http://127.0.0.1:{port}/metrics",
-        forward_priority=True)
+        forward_priority=True, extra_headers=TOKEN_IDS_HEADER)  # exact continuations (gateway/failover.py)
     # the gateway's limit is the one clients see: the worker takes whatever got past it, with room
     # for the gateway's rewrites of the body (`model`, `priority`, numbers re-serialized)
     worker_max_body_bytes = 2 * max_body_bytes + 64 * 1024
@@ -141,6 +142,8 @@ class Gateway:
             self.pools[pool_config.name] = ModelPool(
                 pool_config.name, replicas, breaker_policy, server.max_queued_requests,
                 server.queue_timeout_s, server.retry_after_s, retry_budget=retry_budget, created_s=time.monotonic())
+            failover = pool_config.failover
+            self.pools[pool_config.name].failover = FailoverPolicy(failover.enabled, failover.max_failovers)
         self.metrics = GatewayMetrics()
         self.access_log = AccessLog(server.access_log)
         api_keys = frozenset(b"Bearer " + key.get_secret_value().encode() for key in server.api_keys)

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable, Collection
 
 from tidegate.errors import OverloadedError
+from tidegate.gateway.failover import FailoverPolicy
 from tidegate.gateway.scrub import SecretScrubber
 from tidegate.gateway.upstream import ConnectionPool
 from tidegate.policy.health import CLOSED_BREAKER, Breaker, BreakerPolicy, BreakerState
@@ -31,7 +32,7 @@ class Replica:
 
     __slots__ = ("replica_id", "pool_name", "health", "breaker", "outstanding", "slot_limit", "load",
                  "connections", "upstream_model", "auth_header", "scrubber", "health_url", "scrape_url",
-                 "request_heads", "forward_priority")
+                 "request_heads", "forward_priority", "extra_headers")
 
     def __init__(
         self,
@@ -44,6 +45,7 @@ class Replica:
         health_url: str | None,
         scrape_url: str | None = None,
         forward_priority: bool = False,
+        extra_headers: bytes = b"",
     ) -> None:
         self.replica_id = replica_id
         self.pool_name = pool_name
@@ -62,6 +64,7 @@ class Replica:
         self.scrape_url = scrape_url  # engine /metrics with running/waiting/KV gauges, if any
         self.request_heads: dict[str, bytes] = {}  # API path -> request line and fixed headers
         self.forward_priority = forward_priority  # the engine schedules by the body's `priority` field
+        self.extra_headers = extra_headers  # b"name: value\r\n" lines sent with every request
 
     def request_head(self, api_path: str) -> bytes:
         head = self.request_heads.get(api_path)
@@ -69,7 +72,7 @@ class Replica:
             endpoint = self.connections.endpoint
             head = self.request_heads[api_path] = (
                 b"POST " + endpoint.base_path + api_path.encode() + b" HTTP/1.1\r\nhost: " + endpoint.host_header
-                + b"\r\ncontent-type: application/json\r\n" + self.auth_header
+                + b"\r\ncontent-type: application/json\r\n" + self.auth_header + self.extra_headers
             )
         return head
 
@@ -135,6 +138,7 @@ class ModelPool:
         self._cursor = 0
         self.retry_budget = RetryBudget(retry_budget)  # retries on another replica, per pool
         self._released_s = created_s  # when a slot was last given back: a queue with no release is stuck
+        self.failover = FailoverPolicy()  # mid-stream failover (gateway/failover.py); the config sets it
         # overload control's body of this pool's controller (`overload._PoolBody.wake`): it owns the
         # queue and the slots then, and a health change wakes it instead of the FIFO queue
         self.controlled: Callable[[float], None] | None = None

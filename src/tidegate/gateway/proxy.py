@@ -32,6 +32,7 @@ from tidegate.errors import (
 )
 from tidegate.gateway.batch_api import BATCH_PATHS, BatchApi
 from tidegate.gateway.dispatch import ModelPool, Replica
+from tidegate.gateway.failover import SentStream, StreamFailover, error_event
 from tidegate.gateway.http import HttpConnection, HttpRequest
 from tidegate.cache.response import CachedAnswer
 from tidegate.gateway.overload import CachedAnswerRung, OverloadRuntime, Ticket, extra_headers
@@ -120,6 +121,7 @@ class Proxy:
         observing = _OBSERVING_ROUTES if self.status is not None else frozenset((b"/metrics",))
         self._observing = observing  # served where /metrics is (the metrics listener, if any), to whom it is
         self._get_routes = _GET_ROUTES | observing if settings.metrics_on_main_port else _GET_ROUTES
+        self.failover = StreamFailover(self)  # continues a stream whose replica broke mid-answer
 
     # -- entry point (an HttpConnection's handler)
     async def handle(self, conn: HttpConnection, request: HttpRequest, identity: Identity | None = None) -> None:
@@ -431,7 +433,7 @@ class Proxy:
         sent_s = self.clock()
         try:
             return await self._exchange(conn, replica, data, stream, request_id, started, metrics, usage, sent_s,
-                                        may_retry=not retried)
+                                        may_retry=not retried, request=(endpoint.value, body))
         except UpstreamFailure as failure:
             kind = "timeout" if failure.timed_out else ("connect" if failure.connect else "broken")
             self.metrics.upstream_errors.labels(pool.name, replica.replica_id, kind).inc()
@@ -464,7 +466,7 @@ class Proxy:
 
     async def _exchange(self, conn: HttpConnection, replica: Replica, data: bytes, stream: bool,
                         request_id: bytes, started: float, metrics: PoolMetrics, usage: _Usage | None,
-                        sent_s: float, may_retry: bool) -> int:
+                        sent_s: float, may_retry: bool, request: tuple[str, dict] | None = None) -> int:
         loop = asyncio.get_running_loop()
         settings = self.settings
         connection, reused = await replica.connections.connection()
@@ -504,16 +506,21 @@ class Proxy:
         except UpstreamFailure as failure:
             if relay is None or not relay.streaming:
                 raise
-            # headers are out: say what happened in the stream, then end it, so it cannot look complete
+            # headers are out: continue the answer on another replica (gateway/failover.py), or say
+            # what happened in the stream, then end it, so it cannot look complete
             pool = self.pools[replica.pool_name]
             kind = "timeout" if failure.timed_out else "broken"
             self._record(pool, replica, sent_s, usage, kind)
             self.metrics.upstream_errors.labels(pool.name, replica.replica_id, kind).inc()
-            error = UpstreamTimeoutError("the upstream timed out mid-stream") if failure.timed_out \
-                else UpstreamError("the upstream failed mid-stream")
-            conn.stream_chunk(b"data: " + orjson.dumps(openai_error_body(error)) + b"\n\n")
+            relay.timer.cancel()  # type: ignore[union-attr]
+            if request is not None:
+                status = await self.failover.resume(conn, pool, replica, relay.sent, request[0], request[1],
+                                                    request_id, started, usage, failure)
+                if status is not None:
+                    return status
+            conn.stream_chunk(error_event(failure))
             conn.end_stream()
-            return error.status
+            return 504 if failure.timed_out else 502
         finally:
             (relay.timer if relay is not None else timer).cancel()
             done = exchange.done
@@ -556,7 +563,8 @@ class _StreamRelay:
     """Passes a 200 SSE response on as it arrives, from the upstream protocol's callbacks."""
 
     __slots__ = ("proxy", "conn", "connection", "request_id", "started", "metrics", "timer", "streaming",
-                 "pending", "exchange", "usage", "saw_token", "last_read_s", "client_paused", "scrub", "trace")
+                 "pending", "exchange", "usage", "saw_token", "last_read_s", "client_paused", "scrub", "trace",
+                 "sent")
 
     def __init__(self, proxy: Proxy, conn: HttpConnection, connection: UpstreamConnection, request_id: bytes,
                  started: float, metrics: PoolMetrics, usage: _Usage | None = None,
@@ -579,6 +587,7 @@ class _StreamRelay:
         self.scrub = StreamScrubber(scrubber) if scrubber is not None else None
         # its callbacks run outside the request's context: the trace is kept here
         self.trace = CURRENT_TRACE.get() if proxy.tracing is not None else None
+        self.sent = SentStream()  # what the client got, for a continuation should the upstream break
 
     def on_head(self, exchange: Exchange) -> None:
         if exchange.status == 200:
@@ -604,10 +613,28 @@ class _StreamRelay:
             if not self.saw_token and not at_end:
                 return  # only a role-only opening event so far: held, so silence past the timeout is a clean 504
             self._start(conn)
+        held = None
+        if pending[-1][-1:] != b"\n" and not at_end:
+            # half an event stays here until its end comes: a client never holds a part of one that
+            # a failed upstream will not finish (a continuation then splices in at an event's end)
+            data = b"".join(pending)
+            cut = data.rfind(b"\n") + 1
+            held = data[cut:]
+            pending[:] = [data[:cut]] if cut else []
+            if not pending:
+                pending.append(held)
+                return
         if self.usage is not None:
             self.usage.stream_pieces(pending)
         conn.stream_chunks(pending)
+        sent = self.sent  # kept for a continuation (gateway/failover.py): SentStream.add, inline
+        if sent.kept:
+            sent += pending
+            if len(sent) >= sent.check_at:
+                sent.measure()
         pending.clear()
+        if held is not None:
+            pending.append(held)
 
     def _first_token(self) -> None:
         """TTFT for the gateway's histogram and the replica's slot limit: the first event with output."""

@@ -7,6 +7,12 @@ stalls after 8 tokens (a stream goes silent, a whole answer never comes) with th
 
 `GET /mock/requests` lists the last 256 API requests' trace headers (`traceparent`, `tracestate`)
 and `x-request-id`, oldest first, so that a test sees what a gateway propagated.
+
+The text is a function of the request, as greedy decoding is: each word is chosen by a hash of the
+prompt and the words before it (`MockText`), and an answer ends after `tokens` words. So a
+continuation (chat: a final assistant message with `continue_final_message: true`; completions:
+the prompt followed by the words already generated) yields exactly the rest of the uninterrupted
+answer, which is what a gateway's mid-stream failover must splice.
 """
 
 from __future__ import annotations
@@ -14,10 +20,11 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-from collections import deque
 import random
 import signal
 import time
+import zlib
+from collections import deque
 from dataclasses import dataclass, field
 
 import httptools
@@ -29,7 +36,78 @@ __all__ = ["MockConfig", "MockState", "serve"]
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 429: b"Too Many Requests",
             500: b"Internal Server Error", 502: b"Bad Gateway", 503: b"Service Unavailable"}
-_WORDS = [" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit"]
+_WORDS = (" lorem", " ipsum", " dolor", " sit", " amet", " consectetur", " adipiscing", " elit", " sed", " do",
+          " eiusmod", " tempor", " incididunt", " ut", " labore", " et", " dolore", " magna", " aliqua", " enim",
+          " ad", " minim", " veniam", " quis", " nostrud", " exercitation", " ullamco", " laboris", " nisi",
+          " aliquip", " ex", " commodo")
+_WORD_INDEX = {word: index for index, word in enumerate(_WORDS)}
+
+
+class MockText:
+    """The mock's deterministic "model": the next word is `_WORDS[crc32(context) % 32]`, the context
+    being the prompt's key and the text generated so far, so a continuation picks up where the
+    uninterrupted answer would have gone. CRC-32 runs on, so each word costs its own bytes only."""
+
+    __slots__ = ("crc", "continued", "head_chars")
+
+    def __init__(self, key: bytes, continued_text: str = "") -> None:
+        self.crc = zlib.crc32(key)
+        # the words at the end of `continued_text` that this rule generated: the answer so far
+        self.continued = _generated_words(self.crc, continued_text)
+        self.head_chars = len(continued_text) - sum(len(w) for w in self.continued)  # text before them
+        self.crc = zlib.crc32(continued_text.encode(), self.crc)
+
+    def next_word(self) -> str:
+        word = _WORDS[self.crc % len(_WORDS)]
+        self.crc = zlib.crc32(word.encode(), self.crc)
+        return word
+
+
+def _generated_words(key_crc: int, text: str) -> list[str]:
+    """The longest run of words ending `text` each of which the rule picks after what precedes it."""
+    ends: list[str] = []
+    end = len(text)
+    while True:
+        start = text.rfind(" ", 0, end)
+        word = text[start:end] if start >= 0 else ""
+        if word not in _WORD_INDEX:
+            break
+        ends.append(word)
+        end = start
+    run: list[str] = []
+    crc = zlib.crc32(text[:end].encode(), key_crc)
+    for word in reversed(ends):  # from the first candidate on: each must follow from the text before it
+        if _WORDS[crc % len(_WORDS)] != word:
+            run = []  # the rule did not write this one: the run starts after it
+        else:
+            run.append(word)
+        crc = zlib.crc32(word.encode(), crc)
+    return run
+
+
+def _mock_text(is_chat: bool, request: dict) -> tuple[MockText, int]:
+    """The request's text generator and its prompt tokens (an engine's count: the prompt's, plus the
+    words being continued, which a continuation's prompt holds)."""
+    if is_chat:
+        messages = request.get("messages")
+        messages = messages if isinstance(messages, list) else []
+        continued = ""
+        if request.get("continue_final_message") and messages and isinstance(messages[-1], dict) \
+                and messages[-1].get("role") == "assistant":
+            continued = str(messages[-1].get("content") or "")
+            messages = messages[:-1]
+        key = orjson.dumps(messages)
+    else:
+        prompt = request.get("prompt")
+        continued = prompt if isinstance(prompt, str) else prompt[0] if isinstance(prompt, list) and prompt \
+            and isinstance(prompt[0], str) else ""
+        key = b"" if continued else orjson.dumps(prompt)
+    text = MockText(key, continued)
+    head = orjson.dumps(continued[:text.head_chars]) if not is_chat else key
+    prompt_tokens = len(head) // 4 + 1 + len(text.continued)
+    if is_chat and text.head_chars:
+        prompt_tokens += text.head_chars // 4
+    return text, prompt_tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +222,11 @@ class MockProtocol(asyncio.Protocol):
         except ValueError as error:
             self._send(400, _error_body(400, f"invalid JSON body: {error}", "invalid_request_error"), keep_alive)
             return
+        if request.get("continue_final_message") and not _ends_with_assistant(request.get("messages")):
+            # as vLLM answers it
+            self._send(400, _error_body(400, "continue_final_message needs a final assistant message",
+                                        "invalid_request_error"), keep_alive)
+            return
         forced_status = self.headers.get(b"x-mock-status")
         if forced_status is not None or (self.state.config.error_rate > 0 and self.state.rng.random() < self.state.config.error_rate):
             status = int(forced_status) if forced_status is not None else 500
@@ -221,11 +304,12 @@ class MockProtocol(asyncio.Protocol):
     async def _generate(self, is_chat: bool, request: dict, keep_alive: bool) -> None:
         config, rng = self.state.config, self.state.rng
         max_tokens = request.get("max_completion_tokens", request.get("max_tokens"))
-        n_tokens = config.tokens if not isinstance(max_tokens, int) or max_tokens <= 0 else min(config.tokens, max_tokens)
-        n_tokens = max(n_tokens, 1)
-        finish_reason = "length" if isinstance(max_tokens, int) and max_tokens <= config.tokens else "stop"
-        prompt_source = request.get("messages") if is_chat else request.get("prompt")
-        prompt_tokens = len(orjson.dumps(prompt_source)) // 4 + 1
+        text, prompt_tokens = _mock_text(is_chat, request)
+        natural = max(0, config.tokens - len(text.continued))  # an answer ends after `tokens` words in all
+        n_tokens = natural if not isinstance(max_tokens, int) or max_tokens <= 0 else min(natural, max_tokens)
+        n_tokens = max(n_tokens, 1 if not text.continued else 0)
+        finish_reason = "length" if isinstance(max_tokens, int) and max_tokens <= natural else "stop"
+        words = [text.next_word() for _ in range(n_tokens)]
         usage = {"prompt_tokens": prompt_tokens, "completion_tokens": n_tokens, "total_tokens": prompt_tokens + n_tokens}
         model = request.get("model", config.model)
         request_id = f"{'chatcmpl' if is_chat else 'cmpl'}-mock{next(self.state.ids)}"
@@ -239,17 +323,18 @@ class MockProtocol(asyncio.Protocol):
                 offsets_s.append(offsets_s[-1] + config.itl.sample_s(rng))
         else:
             offsets_s.extend([ttft_s] * (n_tokens - 1))
+        offsets_s = offsets_s[:n_tokens]
 
         stall_after = self.headers.get(b"x-mock-stall-after")
         stall_at = int(stall_after) if stall_after is not None else config.stall_after
         if not request.get("stream"):
-            await self.state.timer.sleep_until(start_s + offsets_s[-1])
+            await self.state.timer.sleep_until(start_s + (offsets_s[-1] if offsets_s else ttft_s))
             if stall_at is not None:
                 await self._stall()
                 return
-            text = "".join(_WORDS[i % len(_WORDS)] for i in range(n_tokens))
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-                      if is_chat else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason})
+            answer = "".join(words)
+            choice = ({"index": 0, "message": {"role": "assistant", "content": answer}, "finish_reason": finish_reason}
+                      if is_chat else {"index": 0, "text": answer, "logprobs": None, "finish_reason": finish_reason})
             body = {"id": request_id, "object": "chat.completion" if is_chat else "text_completion",
                     "created": created, "model": model, "choices": [choice], "usage": usage}
             if "priority" in request:  # echoed, so a test sees the priority a gateway forwarded
@@ -283,7 +368,7 @@ class MockProtocol(asyncio.Protocol):
             await self.state.timer.sleep_until(start_s + offset_s)
             if self.transport is None:
                 return  # client went away: stop generating, as an engine would
-            self.transport.write(chunk(_WORDS[index % len(_WORDS)], None))
+            self.transport.write(chunk(words[index], None))
         tail = [chunk(None, finish_reason)]
         if include_usage:
             usage_payload = {"id": request_id, "object": object_name, "created": created, "model": model,
@@ -300,6 +385,11 @@ class MockProtocol(asyncio.Protocol):
         """A replica hung mid-answer: silent, the connection open, until the client goes."""
         while self.transport is not None:
             await asyncio.sleep(0.5)
+
+
+def _ends_with_assistant(messages: object) -> bool:
+    return isinstance(messages, list) and bool(messages) and isinstance(messages[-1], dict) \
+        and messages[-1].get("role") == "assistant"
 
 
 class MillisecondTimer:

@@ -49,6 +49,10 @@ class GatewayMetrics:
                                        ["pool", "replica", "kind"], registry=r)
         self.upstream_retries = Counter("tidegate_upstream_retries", "Requests retried on another replica "
                                         "before anything reached the client", ["pool", "reason"], registry=r)
+        self.stream_failovers = Counter("tidegate_stream_failovers", "Streams broken mid-answer by their replica "
+                                        "(dead or silent), by outcome: resumed on another replica, failed (the "
+                                        "continuation failed too), refused (not continued: error event)",
+                                        ["pool", "outcome"], registry=r)
         self.replica_healthy = Gauge("tidegate_replica_healthy", "1 when the replica takes traffic",
                                      ["pool", "replica"], registry=r)
         self.replica_outstanding = Gauge("tidegate_replica_outstanding", "Requests sent and not finished",
