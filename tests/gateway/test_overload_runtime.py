@@ -176,9 +176,13 @@ async def test_critical_overtakes_earlier_sheddable_when_a_slot_frees() -> None:
 
 
 async def test_only_a_better_level_takes_the_headroom() -> None:
-    """Rule 5 live: a slot_limit of 2 with half as headroom: sheddable holds one, critical the other."""
+    """Rule 5 live: a slot_limit of 2 with half as headroom: sheddable holds one, critical the other
+    (the headroom is kept while a better tier has been seen lately)."""
     runtime, pool = _runtime(dict(_TENANTS), slot_limit=2, headroom_share=0.5)
     gold, free = runtime.authenticate(b"Bearer sk-gold"), runtime.authenticate(b"Bearer sk-free")
+    earlier = runtime.admit(runtime.clock(), "c0", gold, "m", _BODY)
+    await asyncio.wait_for(runtime.acquire(earlier), 1.0)
+    await _served(runtime, earlier)
     await runtime.acquire(runtime.admit(runtime.clock(), "s1", free, "m", _BODY))
     second = asyncio.ensure_future(runtime.acquire(runtime.admit(runtime.clock(), "s2", free, "m", _BODY)))
     await asyncio.sleep(0)
@@ -187,6 +191,16 @@ async def test_only_a_better_level_takes_the_headroom() -> None:
     assert (await asyncio.wait_for(runtime.acquire(critical), 1.0)) is pool.replicas[0]
     assert critical.priority == 0 and pool.replicas[0].outstanding == 2
     second.cancel()
+
+
+async def test_with_no_better_tier_seen_a_tier_takes_the_headroom_too() -> None:
+    """Rule 5 live (`small_engines`): no better tier lately, so the engine's two sequences are sheddable's."""
+    runtime, pool = _runtime(dict(_TENANTS), slot_limit=2, headroom_share=0.5)
+    free = runtime.authenticate(b"Bearer sk-free")
+    await runtime.acquire(runtime.admit(runtime.clock(), "s1", free, "m", _BODY))
+    assert (await asyncio.wait_for(runtime.acquire(runtime.admit(runtime.clock(), "s2", free, "m", _BODY)), 1.0)) \
+        is pool.replicas[0]
+    assert pool.replicas[0].outstanding == 2
 
 
 async def test_the_engine_priority_is_the_controllers_level() -> None:
