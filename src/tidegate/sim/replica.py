@@ -158,7 +158,7 @@ class ModelledReplica:
         self.preemptions = 0
         # called as (replica_id, start_s, step_s, batch) when a single step starts (not for the
         # decode stretches taken as one event: set `ReplicaSpec.stretches` False to see every step);
-        # for analyses of what a request waited for, such as bench/critical_burst_anatomy.py
+        # for analyses of what a request waited for, such as bench/protection_anatomy.py
         self.step_observer: Callable[[str, float, float, ScheduledBatch], None] | None = None
 
     @property
