@@ -148,7 +148,17 @@ def run(scenario: Scenario, policy: ScalePolicy, args, initial: int, capacity_tp
             "p99_ttft_s": float(np.percentile([r.ttft_s for r in served], 99)),
             "replica_hours": loop.replica_hours, "peak_ready": peak_ready,
             "peak_utilisation": peak_tokens / (end - start) / (peak_ready * capacity_tps),
-            "first_out_s": first_out, "oscillations": oscillations(loop.events, 300.0), "cpu_s": cpu_s}
+            "first_out_s": first_out, "oscillations": oscillations(loop.events, 300.0), "cpu_s": cpu_s,
+            "paid": [e.ready + e.starting + e.draining for e in loop.events]}
+
+
+def print_timeline(rows: dict, last_s: float, points: int = 24) -> None:
+    """Replicas paid for (starting, ready or draining) by each policy at `points` instants."""
+    at = [int(last_s * (k + 0.5) / points) for k in range(points)]
+    print("  replicas paid over the run (" + ", ".join(f"{t}" for t in at[:1]) + f" s, then every {at[1] - at[0]} s):")
+    for name, row in rows.items():
+        paid = row["paid"]
+        print(f"    {name:<15} " + " ".join(f"{paid[min(t, len(paid) - 1)]:>2d}" for t in at))
 
 
 def _overlap(a_s: float, b_s: float, start_s: float, end_s: float) -> float:
@@ -172,7 +182,10 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--max-replicas", type=int, default=20)
     parser.add_argument("--target-utilisation", type=float, default=0.85)
+    parser.add_argument("--scale-down-window-s", type=float, default=300.0, help="tidegate's (HPA's stays 300 s)")
     parser.add_argument("--only", choices=["day", "surge", "trace"])
+    parser.add_argument("--policies", default="tidegate,HPA default,static 2x peak,oracle",
+                        help="comma-separated; the oracle always runs (the ratios are to it)")
     args = parser.parse_args()
     profile = load_profile(args.profile)
     print(f"profile {args.profile} ({'estimate' if profile.estimate else 'measured'}), {args.slots} slots, cold start "
@@ -199,8 +212,8 @@ def run_scenario(scenario: Scenario, args) -> bool:
     forecaster = HoltWinters(BUCKET_S, scenario.season_s)
     for end_s, rate in scenario.history:
         forecaster.observe(end_s, rate)
-    ours = Autoscaler(replace(settings, replica_tokens_per_s=capacity_tps, target_utilisation=args.target_utilisation),
-                      forecaster)
+    ours = Autoscaler(replace(settings, replica_tokens_per_s=capacity_tps, target_utilisation=args.target_utilisation,
+                              scale_down_window_s=args.scale_down_window_s), forecaster)
     schedule = oracle_schedule(work_per_bucket(scenario.requests, BUCKET_S), BUCKET_S, capacity_tps,
                                args.cold_start_s, max_replicas=args.max_replicas)
     policies: dict[str, tuple[ScalePolicy, int]] = {
@@ -211,7 +224,9 @@ def run_scenario(scenario: Scenario, args) -> bool:
           f"{initial} replicas (static: {static}); oracle plan {schedule.replica_hours:.2f} replica-hours")
     print(f"  {'policy':<15} {'success':>8} {'P99 TTFT':>9} {'rep-hours':>9} {'vs oracle':>9} {'peak ready':>10} "
           f"{'peak util':>9} {'first out':>9} {'flaps':>5} {'cpu s':>6}")
-    rows = {name: run(scenario, policy, args, fleet, capacity_tps) for name, (policy, fleet) in policies.items()}
+    wanted = set(args.policies.split(",")) | {"oracle"}
+    rows = {name: run(scenario, policy, args, fleet, capacity_tps) for name, (policy, fleet) in policies.items()
+            if name in wanted}
     oracle_hours = rows["oracle"]["replica_hours"]
     for name, row in rows.items():
         first = "-" if row["first_out_s"] is None else f"{row['first_out_s']:.0f} s"
@@ -220,6 +235,9 @@ def run_scenario(scenario: Scenario, args) -> bool:
               f"{row['peak_utilisation']:>9.0%} {first:>9} {row['oscillations']:>5d} {row['cpu_s']:>6.1f}")
     oracle_ok = rows["oracle"]["success"] >= 0.995 and rows["oracle"]["p99_ttft_s"] <= 0.8
     print(f"  the oracle's schedule {'meets' if oracle_ok else 'MISSES'} the SLO in the simulator")
+    print_timeline(rows, last_s)
+    if "tidegate" not in rows:
+        return False
     row = rows["tidegate"]
     bars = [("success >= 99.5 %", row["success"] >= 0.995), ("P99 TTFT <= 800 ms", row["p99_ttft_s"] <= 0.8),
             ("replica-hours <= 1.15x oracle", row["replica_hours"] <= 1.15 * oracle_hours),

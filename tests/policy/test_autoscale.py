@@ -140,3 +140,15 @@ def test_the_predictive_layer_turns_a_forecast_rate_into_work() -> None:
     ahead = feed_work(scaler, 60, 90, 2000, ready=4, held=20)
     assert early.desired == 4
     assert ahead.layer is ScaleLayer.PREDICTIVE and ahead.desired == 8  # 20/s x 200 tokens / (1000 x 0.5)
+
+
+def test_on_work_demand_a_scale_in_is_not_stepped() -> None:
+    scaler = Autoscaler(replace(WORK, scale_down_window_s=60.0))
+    feed_work(scaler, 0, 60, 8000, ready=16, held=80)  # 16 replicas' worth at the target
+    # the body does not act: the fleet stays 16; once the window forgets the high work, one cut
+    decisions = [scaler.on_tick(ScaleSignals(float(t), 16, 0, 10, 0, 10, arrived_tokens=1000))
+                 for t in range(60, 240)]
+    desired = [d.desired for d in decisions]
+    assert desired[0] == 16  # the window still remembers the high work
+    assert all(b <= a for a, b in zip(desired, desired[1:]))  # down only: no flapping on the way
+    assert desired.index(2) <= 121  # 1,000 tokens/s at 0.5 of 1,000: there two windows on, not a step a minute
