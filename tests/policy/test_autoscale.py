@@ -104,3 +104,51 @@ def test_arrivals_refused_at_once_count_as_demand_the_fleet_did_not_hold() -> No
     # 20 held x 10 arrived / 2 admitted = 100 held wanted: 20 replicas, 5x the fleet: panic
     assert decision.layer is ScaleLayer.PANIC and decision.desired == 20
     assert Autoscaler(SETTINGS).on_tick(ScaleSignals(0.0, 4, 0, 20, 0, 10, refused=0)).desired == 4
+
+
+WORK = replace(SETTINGS, replica_tokens_per_s=1000.0)  # a replica serves 1,000 tokens/s at its 10 slots
+
+
+def feed_work(scaler, start_s: float, end_s: float, tokens_per_s: int, *, ready: int, held: int):
+    decision = None
+    for t in range(int(start_s), int(end_s)):
+        decision = scaler.on_tick(ScaleSignals(float(t), ready, 0, held, 0, 10, arrived_tokens=tokens_per_s))
+    return decision
+
+
+def test_work_demand_does_not_grow_with_the_time_requests_are_held() -> None:
+    # 2,000 tokens/s: two replicas' full capacity, four at the 0.5 target, whether the requests are
+    # held 1 s (20 held) or, near saturation, 3 s (60 held: what requests held would scale on)
+    quick = feed_work(Autoscaler(WORK), 0, 120, 2000, ready=4, held=20)
+    slow = feed_work(Autoscaler(WORK), 0, 120, 2000, ready=4, held=60)
+    assert quick.desired == slow.desired == 4
+    assert feed(Autoscaler(SETTINGS), 0, 120, demand=60, ready=4).desired > 4  # held: it over-provisions
+
+
+def test_work_demand_leaves_out_the_first_tick_and_follows_a_rise() -> None:
+    scaler = Autoscaler(WORK)
+    first = scaler.on_tick(ScaleSignals(0.0, 4, 0, 0, 0, 10, arrived_tokens=10**6))  # covers an unknown span
+    assert first.desired == 4
+    feed_work(scaler, 1, 60, 2000, ready=4, held=20)
+    risen = feed_work(scaler, 60, 66, 6000, ready=4, held=20)  # 3x within the panic window: 12 replicas
+    assert risen.layer is ScaleLayer.PANIC and risen.desired == 12
+
+
+def test_the_predictive_layer_turns_a_forecast_rate_into_work() -> None:
+    scaler = Autoscaler(WORK, Doubling())
+    early = feed_work(scaler, 0, 60, 2000, ready=4, held=20)  # 10 arrivals/s of 200 tokens
+    ahead = feed_work(scaler, 60, 90, 2000, ready=4, held=20)
+    assert early.desired == 4
+    assert ahead.layer is ScaleLayer.PREDICTIVE and ahead.desired == 8  # 20/s x 200 tokens / (1000 x 0.5)
+
+
+def test_on_work_demand_a_scale_in_is_not_stepped() -> None:
+    scaler = Autoscaler(replace(WORK, scale_down_window_s=60.0))
+    feed_work(scaler, 0, 60, 8000, ready=16, held=80)  # 16 replicas' worth at the target
+    # the body does not act: the fleet stays 16; once the window forgets the high work, one cut
+    decisions = [scaler.on_tick(ScaleSignals(float(t), 16, 0, 10, 0, 10, arrived_tokens=1000))
+                 for t in range(60, 240)]
+    desired = [d.desired for d in decisions]
+    assert desired[0] == 16  # the window still remembers the high work
+    assert all(b <= a for a, b in zip(desired, desired[1:]))  # down only: no flapping on the way
+    assert desired.index(2) <= 121  # 1,000 tokens/s at 0.5 of 1,000: there two windows on, not a step a minute

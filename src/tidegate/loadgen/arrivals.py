@@ -7,6 +7,7 @@ processes with the same rate offer the same load and only their shape differs.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -23,6 +24,7 @@ __all__ = [
     "Ramp",
     "Surge",
     "Diurnal",
+    "WorkingDay",
     "sample_arrivals",
 ]
 
@@ -218,3 +220,75 @@ class Diurnal(_RateFunction):
 
     def rate_at(self, t_s: np.ndarray) -> np.ndarray:
         return self.mean_rps * (1.0 + self.amplitude * np.sin(2.0 * np.pi * np.asarray(t_s) / self.period_s))
+
+
+@dataclass(frozen=True, slots=True)
+class WorkingDay(_RateFunction):
+    """A working day compressed into `period_s` (86,400 for a real one): a floor all day and a bump
+    centred on `peak_hour`, shaped so that the busiest hour's mean rate is `peak_to_mean` x the
+    day's (a day's traffic is read by the hour; the instant peak is a little higher) and
+    `busy_share` of the day's requests arrive between `busy_from_hour` and `busy_to_hour` (the
+    seeds' day: peak 4.2x the mean, 65 % of requests between 10:00 and 20:00). The bump is a
+    Gaussian in the hour of the day; its width is solved for the share (bisection), its floor for
+    the peak ratio, so both figures hold exactly whatever the period."""
+
+    mean_rps: float
+    period_s: float = 86_400.0
+    peak_to_mean: float = 4.2
+    busy_share: float = 0.65
+    busy_from_hour: float = 10.0
+    busy_to_hour: float = 20.0
+    peak_hour: float = 15.0
+
+    def _shape(self) -> tuple[float, float]:
+        """(floor, width in hours) of floor + exp(-d^2 / 2 width^2), d the hours from the peak."""
+        return _working_day_shape(self.peak_to_mean, self.busy_share, self.busy_from_hour, self.busy_to_hour,
+                                  self.peak_hour)
+
+    def peak_rps(self) -> float:
+        floor, width = self._shape()
+        mean_shape = floor + float(_bump(_MINUTES_H, width, self.peak_hour).mean())
+        return self.mean_rps * (floor + 1.0) / mean_shape
+
+    def rate_at(self, t_s: np.ndarray) -> np.ndarray:
+        floor, width = self._shape()
+        hours = np.mod(np.asarray(t_s, dtype=np.float64) / self.period_s * 24.0, 24.0)
+        mean_shape = floor + float(_bump(_MINUTES_H, width, self.peak_hour).mean())
+        return self.mean_rps * (floor + _bump(hours, width, self.peak_hour)) / mean_shape
+
+
+_MINUTES_H = (np.arange(24 * 60) + 0.5) / 60  # a day's minutes, in hours: the grid the shape is solved on
+
+
+def _bump(hours: np.ndarray, width: float, peak_hour: float) -> np.ndarray:
+    distance = np.abs(np.mod(hours - peak_hour + 12.0, 24.0) - 12.0)  # hours from the peak, across midnight
+    return np.exp(-0.5 * (distance / width) ** 2)
+
+
+@functools.lru_cache(maxsize=32)
+def _working_day_shape(peak_to_mean: float, busy_share: float, busy_from_hour: float, busy_to_hour: float,
+                       peak_hour: float) -> tuple[float, float]:
+    """Bisection on the width: the busy hours' share rises with it until the floor the peak ratio
+    leaves falls below zero (a bump too wide for that ratio)."""
+    busy = (_MINUTES_H >= busy_from_hour) & (_MINUTES_H < busy_to_hour)
+
+    def floor_and_share(width: float) -> tuple[float, float]:
+        bump = _bump(_MINUTES_H, width, peak_hour)
+        peak = float(_bump(peak_hour - 0.5 + _MINUTES_H[:60], width, peak_hour).mean())  # the busiest hour's mean
+        floor = (peak - peak_to_mean * bump.mean()) / (peak_to_mean - 1.0)  # (floor + peak) / mean = ratio
+        shape = floor + bump
+        return floor, float(shape[busy].sum() / shape.sum())
+
+    low, high = 0.05, 12.0
+    for _ in range(60):
+        width = (low + high) / 2
+        floor, share = floor_and_share(width)
+        if floor < 0 or share > busy_share:
+            high = width
+        else:
+            low = width
+    floor, share = floor_and_share(low)
+    if floor < 0 or abs(share - busy_share) > 1e-3:
+        raise ValueError(f"no working day with peak {peak_to_mean}x the mean and {busy_share:.0%} of requests "
+                         f"in {busy_from_hour:g}-{busy_to_hour:g} h")
+    return float(floor), float(low)

@@ -3,7 +3,10 @@ decision out, time passed in; `on_tick` is the only method that changes state.
 
 The unit is concurrency demand: requests on the replicas plus requests queued for them (Little's
 law: what the pool must hold at once to keep up), scaled up by the share of arrivals refused
-(`test_arrivals_refused_at_once_count_as_demand_the_fleet_did_not_hold`). A replica holds
+(`test_arrivals_refused_at_once_count_as_demand_the_fleet_did_not_hold`); or, when the replica's
+measured token throughput is given (`replica_tokens_per_s`), the work arriving in slots' worth,
+which does not inflate near saturation as requests held do
+(`test_work_demand_does_not_grow_with_the_time_requests_are_held`). A replica holds
 `slots_per_replica` requests at its latency target; the pool aims to run them at
 `target_utilisation`, the headroom absorbing a rise while new capacity starts. Layers (the highest
 wins, then the bounds), each with the test that fails without it; the runs behind them are in
@@ -59,6 +62,10 @@ class AutoscaleSettings:
     latency_trigger: float = 1.2
     cold_start_s: float = 60.0  # how far ahead the predictive layer looks
     forecast_bucket_s: float = 60.0  # the forecaster sees the arrival rate of buckets this long
+    # tokens (prompt + output) per second one replica serves at its slot limit, at the pool's
+    # request shape, measured (`sim.capacity.saturated_rps` x tokens per request, or a live run);
+    # set, demand is the work arriving (`ScaleSignals.arrived_tokens`) rather than requests held
+    replica_tokens_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.slots_per_replica < 1 or not 1 <= self.min_replicas <= self.max_replicas:
@@ -67,6 +74,8 @@ class AutoscaleSettings:
             raise ValueError("need target_utilisation in (0, 1], scale_up_step > 0, panic_factor > 1")
         if not 0 < self.panic_window_s <= self.stable_window_s or self.forecast_bucket_s <= 0:
             raise ValueError("need 0 < panic_window_s <= stable_window_s and forecast_bucket_s > 0")
+        if self.replica_tokens_per_s is not None and self.replica_tokens_per_s <= 0:
+            raise ValueError("replica_tokens_per_s must be > 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +88,7 @@ class ScaleSignals:
     arrivals: int  # requests that arrived since the previous tick
     refused: int = 0  # of them (or of those queued before), refused: demand the fleet did not hold
     ttft_ratio: float | None = None  # recent P99 TTFT / its tier's target, the worst tier; None: unknown
+    arrived_tokens: int = 0  # prompt + output tokens of the arrivals since the previous tick (refused ones too)
 
 
 class ScaleLayer(Enum):
@@ -120,6 +130,9 @@ class Autoscaler:
         self._demand: deque[tuple[float, float]] = deque()  # (time, demand), the stable window
         self._arrivals: deque[tuple[float, int]] = deque()  # (time, arrivals), the stable window
         self._refused: deque[tuple[float, int]] = deque()  # (time, refusals), the stable window
+        # (time, tokens arrived, requests arrived, seconds since the previous tick: 0 for the first)
+        self._work: deque[tuple[float, int, int, float]] = deque()
+        self._last_tick_s: float | None = None
         self._desired: deque[tuple[float, int]] = deque()  # (time, desired before scale-in damping)
         self._panic_until_s = -math.inf
         self._last_scale_in_s = -math.inf
@@ -138,6 +151,29 @@ class Autoscaler:
         return sum(values) / len(values) if values else 0.0
 
     def _demand_since(self, since_s: float) -> float:
+        """Requests the pool must hold at once, from the work arriving when replica_tokens_per_s is
+        set, else from the requests it holds."""
+        if self.settings.replica_tokens_per_s is not None:
+            return self._work_demand_since(since_s)
+        return self._held_demand_since(since_s)
+
+    def _work_rate_since(self, since_s: float) -> float:
+        """Tokens arrived per second since then (the first tick's tokens cover an unknown time: left out)."""
+        tokens = sum(n for t, n, _, c in self._work if t > since_s and c > 0)
+        covered_s = sum(c for t, _, _, c in self._work if t > since_s)
+        return tokens / covered_s if covered_s > 0 else 0.0
+
+    def _work_demand_since(self, since_s: float) -> float:
+        """The work arriving since then in slots' worth: tokens per second over what one replica
+        serves at its slot limit, times its slots. Unlike requests held, it does not grow as the
+        replicas near saturation (each request then takes longer, so more are held for the same
+        work): counted in requests held, the working day's peak asked for 1.3x the oracle's
+        replica-hours at 71 % utilisation (`bench/autoscale_sim.py`, docs/autoscaling.md)."""
+        s = self.settings
+        assert s.replica_tokens_per_s is not None
+        return self._work_rate_since(since_s) / s.replica_tokens_per_s * s.slots_per_replica
+
+    def _held_demand_since(self, since_s: float) -> float:
         """Mean requests held since then, scaled up by the share of arrivals refused: under early
         refusal the queue stays short and the replicas' slots full whatever the load, so the
         refused arrivals are demand the fleet would have held (at the latency it shows now).
@@ -153,11 +189,13 @@ class Autoscaler:
             return None
         s = self.settings
         rate = self.forecaster.forecast(now_s + s.cold_start_s + s.forecast_bucket_s)
-        window_s = min(s.stable_window_s, now_s - self._demand[0][0]) if self._demand else 0.0
-        arrivals_per_s = sum(a for _, a in self._arrivals) / window_s if window_s > 0 else 0.0
+        arrived = sum(a for _, _, a, covered_s in self._work if covered_s > 0)
+        covered = sum(covered_s for _, _, _, covered_s in self._work)
+        arrivals_per_s = arrived / covered if covered > 0 else 0.0
         if rate is None or arrivals_per_s <= 0:
             return None
-        held_per_arrival_s = self._demand_since(now_s - s.stable_window_s) / arrivals_per_s  # Little's law
+        # the demand one arrival makes (work, or requests held by Little's law) times the rate forecast
+        held_per_arrival_s = self._demand_since(now_s - s.stable_window_s) / arrivals_per_s
         return self._replicas_for(rate * held_per_arrival_s)
 
     # ---- the event ----------------------------------------------------------------------------
@@ -166,7 +204,7 @@ class Autoscaler:
         """Records the signals and decides the pool's size (changes state)."""
         s, now_s = self.settings, signals.now_s
         demand = float(signals.in_flight + signals.queued)
-        self._record(now_s, demand, signals.arrivals, signals.refused)
+        self._record(now_s, demand, signals.arrivals, signals.refused, signals.arrived_tokens)
         fleet = signals.ready + signals.starting
         stable_demand = self._demand_since(now_s - s.stable_window_s)
         panic_demand = self._demand_since(now_s - s.panic_window_s)
@@ -210,20 +248,31 @@ class Autoscaler:
         `scale_up_step` of the fleet, at least one replica) per stable window: demand measured in
         requests held falls as replicas are added (each request finishes sooner), so a fleet
         grown for a burst reads as needing one replica; cut at once, it was overloaded the next
-        minute and grew back to the maximum (the surge scenario, four times in 25 minutes)."""
+        minute and grew back to the maximum (the surge scenario, four times in 25 minutes). Work
+        demand does not fall as replicas are added, so on it the fleet follows the damped count
+        down as it falls, neither stepped nor held a stable window between cuts: stepping down a
+        quarter a minute, the working day's evening paid 7 and 5 replicas where the oracle's 4
+        and 2 served (`test_on_work_demand_a_scale_in_is_not_stepped`)."""
         s = self.settings
         damped = max(d for _, d in self._desired)
         if panicking or damped >= fleet:
             return fleet, ScaleLayer.HOLD, ("panicking" if panicking
                                             else f"asked {desired}, {damped} within {s.scale_down_window_s:g} s")
+        if s.replica_tokens_per_s is not None:
+            return damped, layer, reason
         if now_s - self._last_scale_in_s < s.stable_window_s:
             return fleet, ScaleLayer.HOLD, f"asked {desired}; the last scale-in is under {s.stable_window_s:g} s old"
         self._last_scale_in_s = now_s
         step = max(1, math.floor(fleet * s.scale_up_step))
         return max(damped, fleet - step), layer, reason
 
-    def _record(self, now_s: float, demand: float, arrivals: int, refused: int) -> None:
+    def _record(self, now_s: float, demand: float, arrivals: int, refused: int, tokens: int) -> None:
         s = self.settings
+        covered_s = 0.0 if self._last_tick_s is None else now_s - self._last_tick_s
+        self._last_tick_s = now_s
+        self._work.append((now_s, tokens, arrivals, covered_s))
+        while self._work and self._work[0][0] <= now_s - s.stable_window_s:
+            self._work.popleft()
         self._demand.append((now_s, demand))
         self._arrivals.append((now_s, arrivals))
         self._refused.append((now_s, refused))

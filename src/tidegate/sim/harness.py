@@ -188,6 +188,7 @@ class Harness:
         self._probes: list[Probe] = []
         self._queued = 0  # arrived - sent to a replica - refused: the dispatcher's queue
         self.arrived = 0  # requests arrived so far
+        self.arrived_tokens = 0  # their prompt + output tokens: the work asked for (`policy.autoscale`)
         self.refused = 0  # requests refused by the dispatcher so far
         self.starting: set[str] = set()  # replicas requested and not ready yet
         self.draining: set[str] = set()  # replicas taking no new request, stopped once empty
@@ -289,6 +290,7 @@ class Harness:
             request.request_id, request.tenant, request.tier, request.prompt_tokens, request.output_tokens, now_s)
         self._queued += 1
         self.arrived += 1
+        self.arrived_tokens += request.prompt_tokens + request.output_tokens
         decision = self.dispatcher.on_arrival(now_s, request.as_pool_request())
         for refusal in decision.displaced:
             self._refuse(now_s, int(refusal.request_id), refusal.reason)

@@ -39,6 +39,7 @@ class ScalingLoop:
         self.events: list[ScaleEvent] = []
         self.replica_s = 0.0  # replicas paid for (starting, ready or draining) x seconds
         self._arrived = 0
+        self._arrived_tokens = 0
         self._refused = 0
         self._order = list(harness.replicas)  # started in this order, drained in the reverse
 
@@ -72,8 +73,9 @@ class ScalingLoop:
         in_flight = sum(h.replicas[i].load.running_sequences + h.replicas[i].load.waiting_sequences
                         for i in self._order if h.replicas[i].alive)
         signals = ScaleSignals(now_s, ready=len(up), starting=len(h.starting), in_flight=in_flight, queued=h.queued,
-                               arrivals=h.arrived - self._arrived, refused=h.refused - self._refused)
-        self._arrived, self._refused = h.arrived, h.refused
+                               arrivals=h.arrived - self._arrived, refused=h.refused - self._refused,
+                               arrived_tokens=h.arrived_tokens - self._arrived_tokens)
+        self._arrived, self._refused, self._arrived_tokens = h.arrived, h.refused, h.arrived_tokens
         decision = self.autoscaler.on_tick(signals)
         fleet = len(up) + len(h.starting)
         if decision.desired > fleet:
