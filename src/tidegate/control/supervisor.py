@@ -1,5 +1,7 @@
 """Keeps local worker processes running: start, restart on crash with backoff, stop with the gateway;
 and starts or stops one on request (`start_worker`, `stop_worker`: the local autoscaling actuator).
+`on_exit`, when set, learns of a worker's unexpected exit at once, before its restart's backoff, so
+that the gateway can stop routing to it and promote a warm spare (`gateway/spares.py`).
 
 Stopping sends SIGTERM, then SIGKILL after a timeout. On Linux each child also asks the kernel for
 SIGTERM when the gateway dies, so a killed gateway leaves no orphan workers.
@@ -11,6 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["WorkerSpec", "WorkerSupervisor"]
@@ -48,6 +51,7 @@ class WorkerSupervisor:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
         self.restarts: dict[str, int] = {spec.name: 0 for spec in specs}
+        self.on_exit: Callable[[str], None] | None = None  # a worker exited unexpectedly (its name)
 
     def pid(self, name: str) -> int | None:
         process = self._processes.get(name)
@@ -99,6 +103,11 @@ class WorkerSupervisor:
                 returncode = await process.wait()
                 if self._stopping:
                     return
+                if self.on_exit is not None:
+                    try:
+                        self.on_exit(spec.name)
+                    except Exception:  # a bug there must not stop the restarts
+                        log.exception("worker exit handler failed")
                 log.warning("worker exited; restarting",
                             extra={"fields": {"worker": spec.name, "returncode": returncode, "backoff_s": backoff_s}})
             if loop.time() - started_s >= self._stable_after_s:

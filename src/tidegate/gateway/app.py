@@ -18,6 +18,7 @@ from tidegate import __version__
 from tidegate.config import EmbeddedBackend, GatewayConfig, TracingConfig, UpstreamBackend
 from tidegate.control.health_checks import HealthChecker
 from tidegate.control.supervisor import WorkerSpec, WorkerSupervisor
+from tidegate.gateway.spares import replace_dead_worker
 from tidegate.gateway.batch_api import BatchApi
 from tidegate.gateway.batch_store import BatchStore
 from tidegate.gateway.batch_worker import BatchWorker
@@ -192,7 +193,16 @@ class Gateway:
                     held.add(replica.replica_id)
                 elif index >= serving:
                     replica.health = ReplicaHealth.WARMING
+        for pool_config in config.pools:  # warm spares load out of traffic (gateway/spares.py)
+            for replica in self.pools[pool_config.name].replicas[len(self.pools[pool_config.name].replicas)
+                                                                 - pool_config.spare:]:
+                replica.health = ReplicaHealth.WARMING
         self.supervisor = WorkerSupervisor(workers, held=frozenset(held))
+        spared = [p.name for p in config.pools if p.spare or (p in local and p.autoscale and p.autoscale.standby)]
+        self._spared_pool_of = {replica.replica_id: self.pools[name] for name in spared
+                                for replica in self.pools[name].replicas}
+        if spared:
+            self.supervisor.on_exit = self._worker_exited
         actuators: dict[str, LocalActuator | KubernetesActuator] = {
             p.name: LocalActuator(self.pools[p.name], self.supervisor, self._wake_pools,
                                   standby=p.autoscale.standby if p.autoscale else 0,
@@ -265,6 +275,12 @@ class Gateway:
         self._metrics_server: asyncio.base_events.Server | None = None
         self.port = server.port
         self.metrics_port = server.metrics_port
+
+    def _worker_exited(self, replica_id: str) -> None:
+        """A worker of a pool with spares died: a spare takes its traffic now (gateway/spares.py)."""
+        pool = self._spared_pool_of.get(replica_id)
+        if pool is not None and replace_dead_worker(pool.replicas, replica_id):
+            self._wake_pools()
 
     def _wake_pools(self) -> None:
         now_s = time.monotonic()
