@@ -349,8 +349,8 @@ class Gateway:
 
     async def drain(self) -> None:
         """Shutdown's first half: /ready says 503 while requests are still served for
-        `shutdown_delay_s`; then the listener closes, idle connections close, and the requests in
-        flight finish, for up to `drain_timeout_s`. `stop` then ends what is left."""
+        `shutdown_delay_s`; then the listener closes, and the requests in flight finish and the client
+        connections close (each after its next answer, or once idle), for up to `drain_timeout_s`. `stop` then ends what is left."""
         server = self.config.server
         self.proxy.draining = True
         if self.batch_worker is not None:
@@ -363,7 +363,9 @@ class Gateway:
             self._server.close()
         self.connections.drain()
         deadline = time.monotonic() + server.drain_timeout_s
-        while self.proxy.active and time.monotonic() < deadline:
+        # until the requests in flight are answered and every client connection has closed: each
+        # closes after its next answer, or idle (connections.DRAIN_IDLE_S)
+        while (self.proxy.active or len(self.connections)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.proxy.active:
             log.warning("drain timed out", extra={"fields": {"in_flight": self.proxy.active}})
