@@ -18,7 +18,6 @@ from tidegate import __version__
 from tidegate.config import EmbeddedBackend, GatewayConfig, TracingConfig, UpstreamBackend
 from tidegate.control.health_checks import HealthChecker
 from tidegate.control.supervisor import WorkerSpec, WorkerSupervisor
-from tidegate.gateway.spares import replace_dead_worker
 from tidegate.gateway.batch_api import BatchApi
 from tidegate.gateway.batch_store import BatchStore
 from tidegate.gateway.batch_worker import BatchWorker
@@ -33,6 +32,7 @@ from tidegate.gateway.proxy import Proxy, ProxySettings
 from tidegate.gateway.response_cache import CacheSettings, PoolCacheSettings, ResponseCache
 from tidegate.gateway.semantic_cache import Embedder, SemanticCache, SemanticMetrics, SemanticSettings
 from tidegate.gateway.shared_limits import SharedLimits, SharedLimitSettings
+from tidegate.gateway.spares import replace_dead_worker
 from tidegate.gateway.tracing import Tracing, TracingSettings
 from tidegate.gateway.scaling import KubernetesActuator, LocalActuator, ScaleLoop
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
@@ -349,8 +349,9 @@ class Gateway:
 
     async def drain(self) -> None:
         """Shutdown's first half: /ready says 503 while requests are still served for
-        `shutdown_delay_s`; then the listener closes, and the requests in flight finish and the client
-        connections close (each after its next answer, or once idle), for up to `drain_timeout_s`. `stop` then ends what is left."""
+        `shutdown_delay_s`; then the listener closes, the requests in flight finish and the client
+        connections close (each after its next answer, or once idle), for up to `drain_timeout_s`.
+        `stop` then ends what is left."""
         server = self.config.server
         self.proxy.draining = True
         if self.batch_worker is not None:
