@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -73,3 +75,19 @@ async def test_a_stop_is_not_reported_as_an_exit(tmp_path: Path) -> None:
     await supervisor.stop_worker("sleeper")
     await supervisor.stop()
     assert exits == []
+
+
+async def test_an_exit_is_seen_before_it_is_reported_and_the_child_is_still_reaped() -> None:
+    supervisor = WorkerSupervisor([WorkerSpec("w", (sys.executable, "-c", "import time; time.sleep(60)"))],
+                                  stop_timeout_s=5, first_backoff_s=30)
+    await supervisor.start()
+    try:
+        await _wait_for(lambda: supervisor.pid("w") is not None)
+        assert not supervisor.exited("w")
+        pid = supervisor.pid("w")
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        await _wait_for(lambda: supervisor.exited("w"))
+        await _wait_for(lambda: supervisor.pid("w") is None)  # reaped by asyncio all the same
+    finally:
+        await supervisor.stop()

@@ -73,3 +73,21 @@ def test_a_gateway_loads_its_spares_out_of_traffic_and_hears_of_worker_exits() -
     replicas[0].health, replicas[2].health = H.HEALTHY, H.STANDBY
     gateway.supervisor.on_exit(replicas[0].replica_id)
     assert [r.health for r in replicas] == [H.WARMING, H.UNKNOWN, H.HEALTHY]
+
+
+def test_a_failed_request_to_a_dead_worker_promotes_the_spare_before_the_exit_is_reported() -> None:
+    from tidegate.gateway.app import Gateway
+
+    gateway = Gateway(parse_config(_config(1), environ={}))
+    pool = gateway.pools["p"]
+    serving, spare = pool.replicas
+    serving.health, spare.health = H.HEALTHY, H.STANDBY
+    assert pool.on_replica_failed is not None
+    gateway.supervisor.exited = lambda name: False  # type: ignore[method-assign]
+    pool.on_replica_failed(serving)  # a failure of a live worker changes nothing here
+    assert [serving.health, spare.health] == [H.HEALTHY, H.STANDBY]
+    gateway.supervisor.exited = lambda name: name == serving.replica_id  # type: ignore[method-assign]
+    pool.on_replica_failed(serving)
+    assert [serving.health, spare.health] == [H.WARMING, H.HEALTHY]
+    gateway.supervisor.on_exit(serving.replica_id)  # the exit, reported after: nothing more changes
+    assert [serving.health, spare.health] == [H.WARMING, H.HEALTHY]

@@ -203,6 +203,8 @@ class Gateway:
                                 for replica in self.pools[name].replicas}
         if spared:
             self.supervisor.on_exit = self._worker_exited
+            for name in spared:
+                self.pools[name].on_replica_failed = self._check_worker
         actuators: dict[str, LocalActuator | KubernetesActuator] = {
             p.name: LocalActuator(self.pools[p.name], self.supervisor, self._wake_pools,
                                   standby=p.autoscale.standby if p.autoscale else 0,
@@ -281,6 +283,13 @@ class Gateway:
         pool = self._spared_pool_of.get(replica_id)
         if pool is not None and replace_dead_worker(pool.replicas, replica_id):
             self._wake_pools()
+
+    def _check_worker(self, replica: Replica) -> None:
+        """A request to this replica failed: when its worker has exited (its connections break a few
+        ms before the supervisor hears of the exit), its spare takes over now, so that the request's
+        retry or failover finds it (`tests/gateway/test_spare_worker.py`)."""
+        if self.supervisor.exited(replica.replica_id):
+            self._worker_exited(replica.replica_id)
 
     def _wake_pools(self) -> None:
         now_s = time.monotonic()
