@@ -27,7 +27,7 @@ open loop (Poisson), streaming chat, on loopback only.
 
 4. embedded (gateway/spares.py): two `tidegate engine` workers serving at 70 % of their measured capacity,
    one SIGKILLed at 5 s; run without a spare and with `spare: 1`. Bars: with the spare, less time with
-   fewer than two workers taking traffic, and a success % at least as high, than without (same run).
+   fewer than two workers taking traffic, and a lower median end-to-end time, than without (same run).
 
 The scenarios live in bench/chaos_mocks.py and bench/chaos_embedded.py, shared parts in bench/chaos_kit.py.
 `--latency-factor X` turns on the latency outlier rule (`health.latency_factor`) for the mock scenarios.
