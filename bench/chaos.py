@@ -1,6 +1,6 @@
 """Chaos bars, measured: three experiments against `tidegate serve` over five mock replicas.
 
-    python bench/chaos.py [--overload-control]
+    python bench/chaos.py [--overload-control] [--only kill,outliers,restart,embedded] [--latency-factor X]
 
 Starts what it measures: five `tidegate mock-upstream` replicas (50 ms to the first token, 10 ms
 between tokens, 16 tokens: 0.2 s per answer), one `tidegate serve` per scenario over them (each
@@ -25,448 +25,60 @@ open loop (Poisson), streaming chat, on loopback only.
    Bars: 0 requests failed or refused from the second gateway's start to the end; every request in
    flight at SIGTERM finished.
 
+4. embedded (gateway/spares.py): two `tidegate engine` workers serving at 70 % of their measured capacity,
+   one SIGKILLed at 5 s; run without a spare and with `spare: 1`. Bars: with the spare, less time with
+   fewer than two workers taking traffic, and a lower median end-to-end time, than without (same run).
+
+The scenarios live in bench/chaos_mocks.py and bench/chaos_embedded.py, shared parts in bench/chaos_kit.py.
+`--latency-factor X` turns on the latency outlier rule (`health.latency_factor`) for the mock scenarios.
+
 The gateways run with `overload_control: false` (static slot limits: the capacity above is the real one)
 unless `--overload-control` is given.
 
-Each scenario is bounded (<= 45 s of load); the whole run takes about 2.5 minutes. Exit status 1
+Each scenario is bounded (<= 45 s of load); the whole run takes about 4 minutes. Exit status 1
 when a bar is missed.
 """
-
 from __future__ import annotations
 
+import argparse
 import asyncio
-import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from collections import defaultdict
 from pathlib import Path
 
-import yaml
+from chaos_embedded import scenario_embedded
+from chaos_kit import (CAPACITY_RPS, ITL_MS, REPLICAS, RESULTS, SERVICE_S, SLOT_LIMIT, TOKENS, TTFT_MS, BenchOptions,
+                       Processes, free_port, mock_argv, wait_ok)
+from chaos_mocks import scenario_kill, scenario_outliers, scenario_restart
 
-from tidegate.chaos.experiment import parse_experiment
-from tidegate.chaos.report import build_report, classify
-from tidegate.chaos.runner import ChaosResult, run_experiment
-
-PY = sys.executable
-TOKENS, TTFT_MS, ITL_MS = 16, 50, 10
-REPLICAS = 5
-SLOT_LIMIT = 2
-SERVICE_S = (TTFT_MS + (TOKENS - 1) * ITL_MS) / 1000  # one answer: 0.2 s
-CAPACITY_RPS = REPLICAS * SLOT_LIMIT / SERVICE_S  # 50/s
-RESULTS: list[tuple[str, bool]] = []
-# Off by default: static slot limits, so the capacity is the one sized above. With it on (`--overload-control`)
-# the gateway's TTFT-driven admission held these mocks to ~1 request each and refused (429/503) the rest
-# at 40/s, so the load is no longer "near capacity" but far past it.
-OVERLOAD_CONTROL = "--overload-control" in sys.argv[1:]
+SCENARIOS = ("kill", "outliers", "restart", "embedded")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def http_status(url: str) -> int:
-    try:
-        with urllib.request.urlopen(url, timeout=2) as response:
-            return response.status
-    except urllib.error.HTTPError as error:
-        return error.code
-    except OSError:
-        return 0
-
-
-def wait_ok(url: str, timeout_s: float = 30.0, process: subprocess.Popen | None = None) -> None:
-    deadline = time.monotonic() + timeout_s
-    while http_status(url) != 200:
-        if time.monotonic() > deadline or (process is not None and process.poll() is not None):
-            raise RuntimeError(f"{url} did not answer 200")
-        time.sleep(0.1)
-
-
-def listens(pid: int, port: int) -> bool:
-    """Whether process `pid` holds a TCP socket listening on `port` (Linux /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    try:
-        return any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return False
-
-
-def scrape(url: str) -> dict[str, float]:
-    with urllib.request.urlopen(url, timeout=5) as response:
-        lines = response.read().decode().splitlines()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines if line and line[0] != "#"}
-
-
-def total(metrics: dict[str, float], prefix: str) -> float:
-    return sum(value for name, value in metrics.items() if name.split("{")[0] == prefix)
-
-
-def mock_requests(port: int) -> float:
-    try:
-        return total(scrape(f"http://127.0.0.1:{port}/metrics"), "mock_api_requests_total")
-    except OSError:
-        return float("nan")  # not running (killed)
-
-
-class Processes:
-    def __init__(self, log_dir: Path) -> None:
-        self.log_dir = log_dir
-        self.all: list[subprocess.Popen] = []
-
-    def start(self, name: str, *args: str, ready_url: str | None = None) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "ab")
-        process = subprocess.Popen([PY, "-m", "tidegate", *args], stdout=log, stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL)
-        log.close()
-        self.all.append(process)
-        if ready_url:
-            wait_ok(ready_url, process=process)
-        return process
-
-    def stop(self, process: subprocess.Popen) -> None:
-        if process.poll() is None:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
-
-    def stop_all(self) -> None:
-        for process in reversed(self.all):
-            self.stop(process)
-
-
-def mock_argv(port: int) -> list[str]:
-    return ["mock-upstream", "--port", str(port), "--tokens", str(TOKENS), "--ttft-ms", str(TTFT_MS),
-            "--itl-ms", str(ITL_MS)]
-
-
-def gateway_config(log_dir: Path, name: str, port: int, urls: list[str], **server: object) -> str:
-    path = log_dir / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({
-        "server": {"port": port, "access_log": False, **server},
-        "health": {"interval_s": 1, "cooldown_s": 5},
-        "overload_control": OVERLOAD_CONTROL,
-        "pools": [{"name": "mock", "backends": [{"type": "upstream", "url": url, "slot_limit": SLOT_LIMIT}
-                                                for url in urls]}]}))
-    return str(path)
-
-
-def bar(label: str, value: float, text: str, ok: bool, context: str = "") -> None:
-    RESULTS.append((label, ok))
-    print(f"  {label:<44} {value_text(value):>10}   bar {text:<10} {'PASS' if ok else 'FAIL'}")
-    if context:
-        print(f"      {context}")
-
-
-def value_text(value: float) -> str:
-    return f"{value:.3f}" if isinstance(value, float) else str(value)
-
-
-def load_spec(url: str, rate: float, seed: int = 0) -> dict:
-    return {"url": url, "model": "mock", "endpoint": "chat", "stream": True, "arrival": "poisson", "rate": rate,
-            "prompt_tokens": "const:32", "max_tokens": f"const:{TOKENS}", "timeout_s": 15, "seed": seed}
-
-
-def outstanding_by_replica(result: ChaosResult, start_s: float = float("-inf"), end_s: float = float("inf")) -> dict:
-    values: dict[str, list[float]] = defaultdict(list)
-    for sample in result.samples:
-        if sample.metric == "tidegate_replica_outstanding" and start_s <= sample.t_s < end_s:
-            values[sample.replica.rpartition("@")[2]].append(sample.value)
-    return {replica: sum(v) / len(v) for replica, v in values.items()}
-
-
-def points(result: ChaosResult) -> list[tuple[float, float, object]]:
-    """(sent, ended or None, record) on the run's clock."""
-    out = []
-    for record in result.records:
-        sent = record.sent_s + result.record_offset_s
-        out.append((sent, sent + record.e2e_s if record.e2e_s is not None else None, record))
-    return out
-
-
-def outcome_line(summary: dict) -> str:
-    return (f"requests {summary['requests']}, served {summary['ok']}, hung {summary['hung']}, streams failed "
-            f"{summary['streams_failed']}, refused {summary['refused']}, http errors {summary['http_errors']}, "
-            f"conn errors {summary['connection_errors']}, e2e p50 {summary['e2e_p50_s'] or 0:.3f} s "
-            f"p99 {summary['e2e_p99_s'] or 0:.3f} s")
-
-
-# -- 1. kill one replica of five under load near capacity, restart it 20 s later
-async def scenario_kill(procs: Processes, mocks: list[int], log_dir: Path) -> None:
-    rate = 0.8 * CAPACITY_RPS
-    print(f"\n[1] kill 1 of {REPLICAS} replicas at 5 s, restart at 25 s; load {rate:g}/s Poisson streaming "
-          f"(80 % of {CAPACITY_RPS:g}/s = {REPLICAS} replicas x slot_limit {SLOT_LIMIT} / {SERVICE_S:g} s per answer; "
-          f"100 % of the 4 left)")
-    port = free_port()
-    gateway = procs.start("gw-kill", "serve", "--config", gateway_config(
-        log_dir, "gw-kill", port, [f"http://127.0.0.1:{p}/v1" for p in mocks]),
-        ready_url=f"http://127.0.0.1:{port}/ready")
-    base = f"http://127.0.0.1:{port}"
-    before = {p: mock_requests(p) for p in mocks}
-    experiment = parse_experiment(yaml.safe_dump({
-        "name": "bench-kill-1-of-5", "duration_s": 35, "tail_s": 2,
-        "load": load_spec(base, rate),
-        "gateway": {"metrics_url": f"{base}/metrics", "interval_s": 0.25},
-        "targets": {"replicas": [{"port": p, "restart": " ".join([PY, "-m", "tidegate", *mock_argv(p)])}
-                                 for p in mocks]},
-        "steps": [{"at_s": 5, "kill": {"target": "replicas", "fraction": 0.2}},
-                  {"at_s": 25, "restart": {"target": "replicas"}}]}))
-    result = await run_experiment(experiment, log_dir=str(log_dir))
-    procs.all.extend(result.restarted)
-    report = build_report(result)
-    summary = report["summary"]
-    kill = next(e for e in result.timeline if e.action == "kill")
-    killed = kill.addresses[0] if kill.addresses else "?"
-    restart = next((e for e in result.timeline if e.action == "restart"), None)
-    print(f"  kill: {kill.outcome.value} {kill.detail} ({killed}) at {kill.t_s:.2f} s; restart: "
-          f"{restart.outcome.value + ' ' + restart.detail if restart else 'none'}")
-    for row in (report["gateway"] or {}).get("reactions", []):
-        after = f"{row['after_s']:.2f} s" if row.get("after_s") is not None else "-"
-        print(f"  gateway: {row['action']} {row['replica']} {row['measure']} after {after} ({row['note']})")
-    print(f"  all: {outcome_line(summary)}")
-    after_counts = {p: mock_requests(p) for p in mocks}
-    mean_out = outstanding_by_replica(result)
-    survivors = {row["replica"].rpartition("@")[2]: row for row in (report["gateway"] or {}).get("survivors", [])}
-    load_lines = []
-    for p in mocks:
-        address = f"127.0.0.1:{p}"
-        served = (f"{after_counts[p]:.0f} req since its restart (killed: {p})" if address == killed
-                  else f"{after_counts[p] - before[p]:.0f} req")
-        surv = survivors.get(address)
-        ratio = f", during/before {surv['ratio']:.2f}x" if surv and surv.get("ratio") else ""
-        load_lines.append(f"{p}: {served}, mean outstanding {mean_out.get(address, 0):.2f}{ratio}")
-    replica_load = "replica load: " + "; ".join(load_lines)
-    # failures that ended within 2 s of the kill: requests on the killed replica at that moment
-    cut = [record for sent, end, record in points(result) if not record.ok
-           and (end if end is not None else sent) >= kill.t_s and (end if end is not None else sent) < kill.t_s + 2]
-    cut_streams = sum(1 for r in cut if classify(r) == "stream_failed")
-    other_failures = summary["requests"] - summary["ok"] - len(cut)
-    served = f"served {summary['ok']} of {summary['requests']}"
-    bar("success, all requests (%)", summary["success_pct"], ">= 99.5", summary["success_pct"] >= 99.5,
-        f"{served}; {replica_load}")
-    bar("hung requests", summary["hung"], "0", summary["hung"] == 0, f"{served}")
-    failovers = (report["gateway"] or {}).get("stream_failovers") or {}
-    print(f"  streams failed over / failed: {failovers.get('resumed', 0)} / {cut_streams} -- the gateway resumed "
-          f"{failovers.get('resumed', 0)} streams broken mid-answer on another replica (not continued: "
-          f"{failovers.get('refused', 0)}, continuation failed: {failovers.get('failed', 0)}); the clients saw "
-          f"{cut_streams} streams fail (of {len(cut)} failures ending within 2 s of the kill; {other_failures} "
-          f"other failures)")
-    recovery = report.get("recovery")
-    if recovery:
-        print(f"  recovery: {recovery}")
-    procs.stop(gateway)
-
-
-# -- 2. a replica answering 500 to 30 % and another 2 s slow
-async def scenario_outliers(procs: Processes, mocks: list[int], log_dir: Path) -> None:
-    rate = 0.7 * CAPACITY_RPS
-    print(f"\n[2] outliers: from 5 s, replica {mocks[0]} (behind a fault proxy) answers 500 to 30 % of API "
-          f"requests, replica {mocks[1]} (behind another) gets +2 s per API request, until the end (40 s); "
-          f"load {rate:g}/s Poisson streaming (70 % of {CAPACITY_RPS:g}/s)")
-    proxies = {}
-    for name, mock in (("err500", mocks[0]), ("slow2s", mocks[1])):
-        listen, admin = free_port(), free_port()
-        procs.start(f"proxy-{name}", "chaos", "proxy", "--listen", f"127.0.0.1:{listen}", "--target",
-                    f"127.0.0.1:{mock}", "--admin", f"127.0.0.1:{admin}",
-                    ready_url=f"http://127.0.0.1:{admin}/faults")
-        proxies[name] = (listen, admin, mock)
-    port = free_port()
-    urls = [f"http://127.0.0.1:{proxies[n][0]}/v1" for n in ("err500", "slow2s")]
-    urls += [f"http://127.0.0.1:{p}/v1" for p in mocks[2:]]
-    gateway = procs.start("gw-outliers", "serve", "--config", gateway_config(log_dir, "gw-outliers", port, urls),
-                          ready_url=f"http://127.0.0.1:{port}/ready")
-    base = f"http://127.0.0.1:{port}"
-    fault_at, duration = 5.0, 40.0
-    experiment = parse_experiment(yaml.safe_dump({
-        "name": "bench-outliers", "duration_s": duration, "tail_s": 0,
-        "load": load_spec(base, rate, seed=1),
-        "gateway": {"metrics_url": f"{base}/metrics", "interval_s": 0.25},
-        "proxies": {n: {"admin": f"http://127.0.0.1:{proxies[n][1]}"} for n in proxies},
-        "steps": [{"at_s": fault_at, "proxy": {"name": "err500", "faults": {
-                      "error": {"status": 500, "probability": 0.3}, "paths": ["/v1/"]}}},
-                  {"at_s": fault_at, "proxy": {"name": "slow2s", "faults": {
-                      "latency": {"ms": 2000, "per": ["request"]}, "paths": ["/v1/"]}}}]}))
-
-    def counts() -> dict[str, float]:
-        snapshot = {str(p): mock_requests(p) for p in mocks}
-        with urllib.request.urlopen(f"http://127.0.0.1:{proxies['err500'][1]}/counters", timeout=5) as response:
-            snapshot["injected"] = float(json.loads(response.read())["errors_injected"])
-        return snapshot
-
-    fault_seen = asyncio.get_running_loop().create_future()
-
-    def on_event(event) -> None:
-        if event.action == "proxy" and not fault_seen.done():
-            fault_seen.set_result(time.perf_counter())
-
-    snapshots: dict[str, dict[str, float]] = {}
-
-    async def window_start() -> None:
-        started = await fault_seen
-        await asyncio.sleep(max(0.0, started + 10.0 - time.perf_counter()))
-        snapshots["from"] = await asyncio.to_thread(counts)
-
-    retries_before = total(scrape(f"{base}/metrics"), "tidegate_upstream_retries_total")
-    sampler = asyncio.ensure_future(window_start())
-    result = await run_experiment(experiment, log_dir=str(log_dir), on_event=on_event)
-    snapshots["to"] = await asyncio.to_thread(counts)
-    await sampler
-    metrics = scrape(f"{base}/metrics")
-    retries = total(metrics, "tidegate_upstream_retries_total") - retries_before
-    report = build_report(result)
-    summary = report["summary"]
-    delta = {k: snapshots["to"][k] - snapshots["from"][k] for k in snapshots["to"]}
-    per_replica = {str(mocks[0]): delta[str(mocks[0])] + delta["injected"]}
-    per_replica.update({str(p): delta[str(p)] for p in mocks[1:]})
-    window_total = sum(per_replica.values())
-    fault_t = min(e.t_s for e in result.timeline if e.action == "proxy")
-    mean_out = outstanding_by_replica(result, fault_t + 10)
-    addresses = {str(mocks[0]): f"127.0.0.1:{proxies['err500'][0]}", str(mocks[1]): f"127.0.0.1:{proxies['slow2s'][0]}"}
-    load = "; ".join(f"{p}{' (500s)' if p == str(mocks[0]) else ' (+2 s)' if p == str(mocks[1]) else ''}: "
-                     f"{n:.0f} req ({100 * n / window_total:.1f} %), mean outstanding "
-                     f"{mean_out.get(addresses.get(p, f'127.0.0.1:{p}'), 0):.2f}" for p, n in per_replica.items())
-    replica_load = f"replica load {fault_t + 10:.0f}-{duration:.0f} s: {load}"
-    for row in (report["gateway"] or {}).get("reactions", []):
-        after = f"{row['after_s']:.2f} s" if row.get("after_s") is not None else "-"
-        print(f"  gateway: {row['action']} {row['replica']} {row['measure']} after {after} ({row['note']})")
-    print(f"  all: {outcome_line(summary)}")
-    served = f"served {summary['ok']} of {summary['requests']}"
-    bar("success, all requests (%)", summary["success_pct"], ">= 99.5", summary["success_pct"] >= 99.5,
-        f"{served}; {replica_load}")
-    for name, mock, what in (("err500", mocks[0], "500 x 30 %"), ("slow2s", mocks[1], "+2 s")):
-        share = 100 * per_replica[str(mock)] / window_total if window_total else float("nan")
-        bar(f"share of traffic, replica {mock} ({what}) (%)", share, "< 5", share < 5,
-            f"{per_replica[str(mock)]:.0f} of {window_total:.0f} requests the replicas received from "
-            f"{fault_t + 10:.1f} s to the end ({served})")
-    retry_pct = 100 * retries / summary["requests"] if summary["requests"] else float("nan")
-    bar("retries / requests (%)", retry_pct, "<= 10", retry_pct <= 10,
-        f"{retries:.0f} retries, {summary['requests']} requests; {served}; injected 500s (whole run) "
-        f"{result.proxies.get('err500', {}).get('errors_injected', '-')}")
-    procs.stop(gateway)
-
-
-# -- 3. gateway restart on the same port under 70 % load
-async def scenario_restart(procs: Processes, mocks: list[int], log_dir: Path) -> None:
-    rate = 0.7 * CAPACITY_RPS
-    print(f"\n[3] gateway restart: gateway A (reuse_port, shutdown_delay_s 1) under {rate:g}/s Poisson streaming "
-          f"(70 % of {CAPACITY_RPS:g}/s); at 6 s gateway B starts on the same port, SIGTERM to A once B's /ready "
-          f"is 200; 20 s of load")
-    port = free_port()
-    urls = [f"http://127.0.0.1:{p}/v1" for p in mocks]
-    server = {"reuse_port": True, "shutdown_delay_s": 1}
-    gw_a = procs.start("gw-restart-a", "serve", "--config",
-                       gateway_config(log_dir, "gw-restart-a", port, urls, **server),
-                       ready_url=f"http://127.0.0.1:{port}/ready")
-    base = f"http://127.0.0.1:{port}"
-    before = {p: mock_requests(p) for p in mocks}
-    # a marker: the run's clock is tied to ours by a step at a known time (SIGKILL to a sleeper we started)
-    sleeper = subprocess.Popen([PY, "-c", "import time; time.sleep(120)"])
-    procs.all.append(sleeper)
-    experiment = parse_experiment(yaml.safe_dump({
-        "name": "bench-gateway-restart", "duration_s": 20, "tail_s": 0,
-        "load": load_spec(base, rate, seed=2),
-        "targets": {"marker": [{"pid": sleeper.pid}]},
-        "steps": [{"at_s": 1.0, "kill": {"target": "marker"}}]}))
-    clock: dict[str, float] = {}
-
-    def on_event(event) -> None:
-        if event.action == "kill" and "t0" not in clock:
-            clock["t0"] = time.perf_counter() - event.t_s - event.measured.get("apply_s", 0.0)
-
-    info: dict[str, object] = {}
-
-    async def restart() -> None:
-        while "t0" not in clock:
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(max(0.0, clock["t0"] + 6.0 - time.perf_counter()))
-        info["b_start"] = time.perf_counter() - clock["t0"]
-        gw_b = await asyncio.to_thread(procs.start, "gw-restart-b", "serve", "--config",
-                                       gateway_config(log_dir, "gw-restart-b", port, urls, **server))
-        info["b"] = gw_b
-        # A and B share the port: B is ready once it holds a listening socket on it and /ready answers 200
-        # on 20 fresh connections in a row (the kernel spreads them over both listeners; a 503 is B's)
-        deadline = time.monotonic() + 30
-        streak = 0
-        while time.monotonic() < deadline and gw_b.poll() is None and streak < 20:
-            if not listens(gw_b.pid, port):
-                await asyncio.sleep(0.1)
-                continue
-            streak = streak + 1 if await asyncio.to_thread(http_status, f"{base}/ready") == 200 else 0
-            await asyncio.sleep(0.02)
-        info["b_ready"] = time.perf_counter() - clock["t0"]
-        gw_a.send_signal(signal.SIGTERM)
-        info["sigterm"] = time.perf_counter() - clock["t0"]
-        info["a_rc"] = await asyncio.to_thread(gw_a.wait, 30)
-        info["a_exit"] = time.perf_counter() - clock["t0"]
-
-    task = asyncio.ensure_future(restart())
-    result = await run_experiment(experiment, log_dir=str(log_dir), on_event=on_event)
-    await task
-    report = build_report(result)
-    summary = report["summary"]
-    t_sig, t_b = float(info["sigterm"]), float(info["b_start"])
-    pts = points(result)
-    from_b = [(s, e, r) for s, e, r in pts if (e if e is not None else s) >= t_b]
-    failed_from_b = [r for _s, _e, r in from_b if not r.ok]
-    in_flight = [r for s, e, r in pts if s <= t_sig and (e is None or e >= t_sig)]
-    in_flight_ok = sum(1 for r in in_flight if r.ok)
-    after_counts = {p: mock_requests(p) for p in mocks}
-    b_served = total(scrape(f"{base}/metrics"), "tidegate_requests_total")
-    mean_e2e = summary["e2e_p50_s"] or 0
-    print(f"  B started {t_b:.2f} s, its /ready 200 at {float(info['b_ready']):.2f} s; SIGTERM to A at {t_sig:.2f} s; "
-          f"A exited rc {info['a_rc']} at {float(info['a_exit']):.2f} s")
-    print(f"  all: {outcome_line(summary)}")
-    replica_load = "replica load: " + "; ".join(f"{p}: {after_counts[p] - before[p]:.0f} req" for p in mocks)
-    served = (f"served {summary['ok']} of {summary['requests']} (gateway B answered {b_served:.0f}, "
-              f"A the rest); e2e p50 {mean_e2e:.3f} s")
-    kinds = defaultdict(int)
-    for r in failed_from_b:
-        kinds[classify(r)] += 1
-    bar("failed/refused from B's start to the end", len(failed_from_b), "0", not failed_from_b,
-        f"{served}; {dict(kinds) or 'none'}; {replica_load}")
-    bar("in flight at SIGTERM that finished (%)", 100.0 * in_flight_ok / len(in_flight) if in_flight else 100.0,
-        "100", in_flight_ok == len(in_flight), f"{in_flight_ok} of {len(in_flight)} finished ok; {served}")
-    gw_b = info.get("b")
-    if isinstance(gw_b, subprocess.Popen):
-        procs.stop(gw_b)
-
-
-async def main() -> int:
+async def main(options: BenchOptions, only: tuple[str, ...]) -> int:
     started = time.monotonic()
     log_dir = Path(tempfile.mkdtemp(prefix="tidegate-bench-chaos-"))
     procs = Processes(log_dir)
     print(f"chaos bench: {REPLICAS} mock replicas ({TTFT_MS} ms TTFT, {ITL_MS} ms ITL, {TOKENS} tokens = "
           f"{SERVICE_S:g} s/answer), gateway slot_limit {SLOT_LIMIT} per replica -> capacity {CAPACITY_RPS:g} req/s; "
-          f"overload_control {'on' if OVERLOAD_CONTROL else 'off'}; {os.cpu_count()} CPUs; logs in {log_dir}")
+          f"overload_control {'on' if options.overload_control else 'off'}; latency_factor "
+          f"{options.latency_factor or 'off'}; {os.cpu_count()} CPUs; logs in {log_dir}")
     try:
         mocks = [free_port() for _ in range(REPLICAS)]
-        for port in mocks:
-            procs.start(f"mock-{port}", *mock_argv(port), ready_url=f"http://127.0.0.1:{port}/health")
-        await asyncio.wait_for(scenario_kill(procs, mocks, log_dir), 90)
-        for port in mocks:  # the restarted replica is back
-            wait_ok(f"http://127.0.0.1:{port}/health")
-        await asyncio.wait_for(scenario_outliers(procs, mocks, log_dir), 90)
-        await asyncio.wait_for(scenario_restart(procs, mocks, log_dir), 90)
+        if set(only) & {"kill", "outliers", "restart"}:
+            for port in mocks:
+                procs.start(f"mock-{port}", *mock_argv(port), ready_url=f"http://127.0.0.1:{port}/health")
+        if "kill" in only:
+            await asyncio.wait_for(scenario_kill(options, procs, mocks, log_dir), 90)
+            for port in mocks:  # the restarted replica is back
+                wait_ok(f"http://127.0.0.1:{port}/health")
+        if "outliers" in only:
+            await asyncio.wait_for(scenario_outliers(options, procs, mocks, log_dir), 90)
+        if "restart" in only:
+            await asyncio.wait_for(scenario_restart(options, procs, mocks, log_dir), 90)
+        if "embedded" in only:
+            await asyncio.wait_for(scenario_embedded(options, procs, log_dir), 600)
     finally:
         procs.stop_all()
     failed = [label for label, ok in RESULTS if not ok]
@@ -475,5 +87,19 @@ async def main() -> int:
     return 1 if failed else 0
 
 
+def _parse(argv: list[str]) -> tuple[BenchOptions, tuple[str, ...]]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--overload-control", action="store_true", help="gateways with overload control on")
+    parser.add_argument("--only", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}")
+    parser.add_argument("--latency-factor", type=float, default=None,
+                        help="health.latency_factor for the mock scenarios (the latency outlier rule; off by default)")
+    args = parser.parse_args(argv)
+    only = tuple(name.strip() for name in args.only.split(",") if name.strip())
+    unknown = set(only) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
+    return BenchOptions(args.overload_control, args.latency_factor), only
+
+
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(asyncio.run(main(*_parse(sys.argv[1:]))))

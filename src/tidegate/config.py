@@ -359,6 +359,24 @@ class PoolConfig(_Strict):
     failover: FailoverConfig = FailoverConfig()
     autoscale: AutoscaleConfig | None = None
     response_cache: PoolCacheConfig | None = None  # None: every request goes to a replica
+    # embedded workers kept loaded and out of traffic: when a serving worker's process dies, a spare
+    # takes its traffic at once and the restarted worker becomes the spare once loaded, so a crash
+    # does not leave the pool a worker short while a model loads (autoscaled pools: autoscale.standby)
+    spare: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _spares_are_embedded_workers(self) -> PoolConfig:
+        if not self.spare:
+            return self
+        if self.autoscale is not None:
+            raise ValueError(f"pool {self.name!r}: an autoscaled pool keeps spares with autoscale.standby")
+        if not all(isinstance(b, EmbeddedBackend) for b in self.backends):
+            raise ValueError(f"pool {self.name!r}: spare needs embedded backends only")
+        workers = sum(b.count for b in self.backends if isinstance(b, EmbeddedBackend))
+        if self.spare >= workers:
+            raise ValueError(f"pool {self.name!r}: spare ({self.spare}) leaves none of its {workers} "
+                             "embedded workers to serve")
+        return self
 
 
 class GatewayConfig(_Strict):

@@ -183,3 +183,11 @@ def test_a_shared_redis_with_custom_tiers_and_no_batch_tier_leaves_the_batch_api
     config = parse_config(MINIMAL + "shared_state:\n  backend: redis\n  redis_url: redis://r:6379/0\n"
                           "tiers:\n  default: only\n  levels:\n    only: {rank: 0, max_queue_wait_s: 5, ttft_target_s: 5}\n")
     assert config.batch_redis_url is None
+
+
+def test_latency_ejection_is_off_unless_set() -> None:
+    assert parse_config(MINIMAL, environ={}).health.latency_factor is None
+    config = parse_config(MINIMAL + "health:\n  latency_factor: 3.0\n", environ={})
+    assert config.health.latency_factor == 3.0
+    with pytest.raises(ConfigError):
+        parse_config(MINIMAL + "health:\n  latency_factor: 0.5\n", environ={})

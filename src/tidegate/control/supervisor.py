@@ -1,5 +1,9 @@
 """Keeps local worker processes running: start, restart on crash with backoff, stop with the gateway;
 and starts or stops one on request (`start_worker`, `stop_worker`: the local autoscaling actuator).
+`on_exit`, when set, learns of a worker's unexpected exit at once, before its restart's backoff, so
+that the gateway can stop routing to it and promote a warm spare (`gateway/spares.py`). `exited`
+asks the kernel directly (waitid with WNOWAIT: the child is not reaped, asyncio still collects it),
+for a caller that saw the worker's connections break a moment before the exit is reported.
 
 Stopping sends SIGTERM, then SIGKILL after a timeout. On Linux each child also asks the kernel for
 SIGTERM when the gateway dies, so a killed gateway leaves no orphan workers.
@@ -9,8 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["WorkerSpec", "WorkerSupervisor"]
@@ -48,10 +54,25 @@ class WorkerSupervisor:
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
         self.restarts: dict[str, int] = {spec.name: 0 for spec in specs}
+        self.on_exit: Callable[[str], None] | None = None  # a worker exited unexpectedly (its name)
 
     def pid(self, name: str) -> int | None:
         process = self._processes.get(name)
         return process.pid if process is not None and process.returncode is None else None
+
+    def exited(self, name: str) -> bool:
+        """Whether the worker's current process has exited, reported or not (changes nothing)."""
+        process = self._processes.get(name)
+        if process is None:
+            return False
+        if process.returncode is not None:
+            return True
+        try:
+            return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+        except ChildProcessError:  # reaped already, its exit not yet delivered to us
+            return True
+        except (OSError, AttributeError):  # no waitid (not Linux/Unix): the exit will be reported
+            return False
 
     async def start(self) -> None:
         for spec in self.specs:
@@ -99,6 +120,11 @@ class WorkerSupervisor:
                 returncode = await process.wait()
                 if self._stopping:
                     return
+                if self.on_exit is not None:
+                    try:
+                        self.on_exit(spec.name)
+                    except Exception:  # a bug there must not stop the restarts
+                        log.exception("worker exit handler failed")
                 log.warning("worker exited; restarting",
                             extra={"fields": {"worker": spec.name, "returncode": returncode, "backoff_s": backoff_s}})
             if loop.time() - started_s >= self._stable_after_s:

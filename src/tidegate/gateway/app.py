@@ -32,6 +32,7 @@ from tidegate.gateway.proxy import Proxy, ProxySettings
 from tidegate.gateway.response_cache import CacheSettings, PoolCacheSettings, ResponseCache
 from tidegate.gateway.semantic_cache import Embedder, SemanticCache, SemanticMetrics, SemanticSettings
 from tidegate.gateway.shared_limits import SharedLimits, SharedLimitSettings
+from tidegate.gateway.spares import replace_dead_worker
 from tidegate.gateway.tracing import Tracing, TracingSettings
 from tidegate.gateway.scaling import KubernetesActuator, LocalActuator, ScaleLoop
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
@@ -192,7 +193,18 @@ class Gateway:
                     held.add(replica.replica_id)
                 elif index >= serving:
                     replica.health = ReplicaHealth.WARMING
+        for pool_config in config.pools:  # warm spares load out of traffic (gateway/spares.py)
+            for replica in self.pools[pool_config.name].replicas[len(self.pools[pool_config.name].replicas)
+                                                                 - pool_config.spare:]:
+                replica.health = ReplicaHealth.WARMING
         self.supervisor = WorkerSupervisor(workers, held=frozenset(held))
+        spared = [p.name for p in config.pools if p.spare or (p in local and p.autoscale and p.autoscale.standby)]
+        self._spared_pool_of = {replica.replica_id: self.pools[name] for name in spared
+                                for replica in self.pools[name].replicas}
+        if spared:
+            self.supervisor.on_exit = self._worker_exited
+            for name in spared:
+                self.pools[name].on_replica_failed = self._check_worker
         actuators: dict[str, LocalActuator | KubernetesActuator] = {
             p.name: LocalActuator(self.pools[p.name], self.supervisor, self._wake_pools,
                                   standby=p.autoscale.standby if p.autoscale else 0,
@@ -266,6 +278,19 @@ class Gateway:
         self.port = server.port
         self.metrics_port = server.metrics_port
 
+    def _worker_exited(self, replica_id: str) -> None:
+        """A worker of a pool with spares died: a spare takes its traffic now (gateway/spares.py)."""
+        pool = self._spared_pool_of.get(replica_id)
+        if pool is not None and replace_dead_worker(pool.replicas, replica_id):
+            self._wake_pools()
+
+    def _check_worker(self, replica: Replica) -> None:
+        """A request to this replica failed: when its worker has exited (its connections break a few
+        ms before the supervisor hears of the exit), its spare takes over now, so that the request's
+        retry or failover finds it (`tests/gateway/test_spare_worker.py`)."""
+        if self.supervisor.exited(replica.replica_id):
+            self._worker_exited(replica.replica_id)
+
     def _wake_pools(self) -> None:
         now_s = time.monotonic()
         for pool in self.pools.values():
@@ -333,8 +358,9 @@ class Gateway:
 
     async def drain(self) -> None:
         """Shutdown's first half: /ready says 503 while requests are still served for
-        `shutdown_delay_s`; then the listener closes, idle connections close, and the requests in
-        flight finish, for up to `drain_timeout_s`. `stop` then ends what is left."""
+        `shutdown_delay_s`; then the listener closes, the requests in flight finish and the client
+        connections close (each after its next answer, or once idle), for up to `drain_timeout_s`.
+        `stop` then ends what is left."""
         server = self.config.server
         self.proxy.draining = True
         if self.batch_worker is not None:
@@ -347,7 +373,9 @@ class Gateway:
             self._server.close()
         self.connections.drain()
         deadline = time.monotonic() + server.drain_timeout_s
-        while self.proxy.active and time.monotonic() < deadline:
+        # until the requests in flight are answered and every client connection has closed: each
+        # closes after its next answer, or idle (connections.DRAIN_IDLE_S)
+        while (self.proxy.active or len(self.connections)) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if self.proxy.active:
             log.warning("drain timed out", extra={"fields": {"in_flight": self.proxy.active}})

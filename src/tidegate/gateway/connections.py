@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from tidegate.gateway.http import HttpConnection
     from tidegate.telemetry.metrics import GatewayMetrics
 
-__all__ = ["IDLE", "READING_HEAD", "READING_BODY", "CLOSE_REASONS", "ConnectionLimits", "ConnectionRegistry",
+__all__ = ["IDLE", "READING_HEAD", "READING_BODY", "CLOSE_REASONS", "DRAIN_IDLE_S", "ConnectionLimits", "ConnectionRegistry",
            "raise_open_file_limit", "connection_cap"]
 
 log = logging.getLogger("tidegate.gateway")
@@ -46,6 +46,9 @@ _LOG_EVERY_S = 10.0  # one log line per reason per this long, with the count
 _LINGER_S = 2.0
 MAX_LINGERING = 256
 _RESCAN_IDLE_S = 0.1
+# Draining, a keep-alive connection idle this long is closed: past a client's own gap between two
+# requests, short beside a drain
+DRAIN_IDLE_S = 0.5
 # Descriptors kept out of the client cap besides one per upstream slot: listening sockets, log and
 # worker pipes, health checks, lingering refusals, library files.
 BASE_FD_RESERVE = 256 + MAX_LINGERING
@@ -140,15 +143,19 @@ class ConnectionRegistry:
 
     # -- shutdown
     def drain(self) -> None:
-        """From now on every connection closes after its answer; idle ones close now, so that
-        keep-alive clients reconnect (to the gateway that replaces this one)."""
+        """From now on every connection closes after its answer. An idle keep-alive connection is
+        left open for `DRAIN_IDLE_S` more: a client may have sent its next request already, not yet
+        read here, and closing with it unread resets the connection, which the client sees as an
+        error (`test_a_request_sent_as_the_drain_begins_is_answered`); its answer says
+        `connection: close`, and the client reconnects (to the gateway that replaces this one). One
+        idle that long is closed by the sweep."""
         self.draining = True
-        idle = [conn for conn in self._open if conn.phase == IDLE and not conn.handling]
-        for conn in idle:
-            del self._open[conn]
-            conn.time_out(answer=False, linger=False)
+        self._limit_by_phase = (min(self.limits.keepalive_timeout_s, DRAIN_IDLE_S), *self._limit_by_phase[1:])
+        now = self._clock()
         for conn in self._open:
             conn.close_after_answer()
+            if conn.phase == IDLE and not conn.handling:
+                conn.phase_since = now  # the grace is counted from the drain
 
     # -- the sweep
     def start(self) -> None:

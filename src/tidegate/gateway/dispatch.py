@@ -140,6 +140,9 @@ class ModelPool:
         self.retry_budget = RetryBudget(retry_budget)  # retries on another replica, per pool
         self._released_s = created_s  # when a slot was last given back: a queue with no release is stuck
         self.ejections: Any = None  # the gateway's ejection counter (pool, replica, reason), once it has one
+        # set for a pool with warm spares: told of each failed request to a replica, it checks whether
+        # the replica's worker died, and if so promotes a spare before a retry looks for a replica
+        self.on_replica_failed: Callable[[Replica], None] | None = None
         self.failover = FailoverPolicy()  # mid-stream failover (gateway/failover.py); the config sets it
         # overload control's body of this pool's controller (`overload._PoolBody.wake`): it owns the
         # queue and the slots then, and a health change wakes it instead of the FIFO queue

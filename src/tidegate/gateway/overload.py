@@ -225,7 +225,9 @@ class _PoolBody:
             controller.on_finish(now_s, ticket.request_id, completion_tokens)
         else:  # the client left, or the gateway failed, while it was at the replica
             controller.on_cancel(now_s, ticket.request_id)
-        self.pool.adopt_breaker(replica, controller.breaker(now_s, replica.replica_id))
+        breaker = controller.breaker(now_s, replica.replica_id)
+        if breaker is not replica.breaker:  # the common case, a closed breaker left as it was, costs no call
+            self.pool.adopt_breaker(replica, breaker)
 
 
 class OverloadRuntime:

@@ -448,6 +448,8 @@ class Proxy:
     def _record(self, pool: ModelPool, replica: Replica, sent_s: float, usage: _Usage | None,
                 failure: str | None) -> None:
         """How the attempt ended, for the replica's breaker: the pool's, or its controller's."""
+        if failure is not None and pool.on_replica_failed is not None:
+            pool.on_replica_failed(replica)  # a dead worker's spare takes over before any retry
         if self.tracing is not None:
             trace = CURRENT_TRACE.get()
             if trace is not None:
