@@ -6,11 +6,12 @@ batch, and the engine would queue the rest where nobody steers it. So every `hea
 gateway runs one Lua script (`HEARTBEAT_SCRIPT`) that stores, under its id and Redis's time, what it
 holds and wants at each replica, drops the members not heard from for `member_ttl_s`, and returns
 everyone's entries. Two steps make a grant:
-- what a gateway wants is its share of the max-min fair split (`policy.slot_split.split_slots`) of
+- what a gateway wants is its part of the max-min fair split (`policy.slot_split.fair_shares`) of
   every live gateway's demand, as the last heartbeat showed them; every gateway computes the same;
 - the script grants it, atomically, what it wants up to what the others do not claim (a gateway's
-  claim is the larger of what it holds and what it was granted), and the grant is this gateway's
-  slot limit at the replica (`PoolController.on_slot_grant`, rule 8).
+  claim is the larger of what it holds and what it was granted: `policy.slot_split.grant`, the
+  same rule in Python), and the grant is this gateway's slot limit at the replica
+  (`PoolController.on_slot_grant`, rule 8).
 A gateway that wants less gives slots back at once; one that wants more takes them only once the
 others have given them back and the requests they held past their grants have ended. So the
 gateways together never hold more than a replica's `slot_limit`, and shares follow demand within
@@ -44,7 +45,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from tidegate.gateway.resp import RespConnection, RespError, encode_command, register_script
-from tidegate.policy.slot_split import GatewayDemand, fallback_slots, split_slots
+from tidegate.policy.slot_split import fair_shares, fallback_slots
 
 __all__ = ["HEARTBEAT_SCRIPT", "SharedDispatchSettings", "SharedDispatch", "Member", "parse_members"]
 
@@ -240,7 +241,7 @@ class SharedDispatch:
         for name, body in self._bodies.items():
             for replica in body.pool.replicas:
                 rid = replica.replica_id
-                wants = []
+                demands: dict[str, int] = {}
                 for member in members:
                     values = member.replicas.get(name, {}).get(rid)
                     if values is None:
@@ -250,8 +251,8 @@ class SharedDispatch:
                         self._mismatch_logged.add(rid)
                         log.warning("shared dispatch: gateway %s has slot_limit %d for %s, this one %d; "
                                     "this one splits its own", member.gateway_id, limit, rid, replica.slot_limit)
-                    wants.append(GatewayDemand(member.gateway_id, held, max(held, demand)))
-                shares[(name, rid)] = split_slots(replica.slot_limit, wants).get(own, replica.slot_limit)
+                    demands[member.gateway_id] = max(held, demand)
+                shares[(name, rid)] = fair_shares(replica.slot_limit, demands).get(own, replica.slot_limit)
         return shares
 
     def _silent(self, now_s: float, error: BaseException) -> None:

@@ -5,7 +5,7 @@ load balancer gives each arrival to one of them by weight. With `split=True` the
 replica's slots as `gateway.shared_dispatch` does live: every `heartbeat_s` (each gateway at its own
 phase) a gateway publishes what it holds and wants, is granted what it wants up to what the others
 do not claim (as the Lua script does, atomically), and works out its next want from everyone's
-demand with `policy.slot_split.split_slots`. With `split=False` each gateway fills every replica's
+demand with `policy.slot_split.fair_shares`. With `split=False` each gateway fills every replica's
 whole `slot_limit`, as if alone.
 
 `active_active` is the scenario: 2 replicas whose engines run a batch of `slot_limit` sequences (the
@@ -25,7 +25,7 @@ import numpy as np
 from tidegate.engine.scheduler import SchedulerConfig
 from tidegate.policy.pool import PoolController, PoolReplica
 from tidegate.policy.shares import TenantShares
-from tidegate.policy.slot_split import GatewayDemand, split_slots
+from tidegate.policy.slot_split import fair_shares, grant
 from tidegate.policy.tiers import TierTable, default_tiers
 from tidegate.sim.capacity import saturated_rps
 from tidegate.sim.harness import Harness
@@ -75,16 +75,15 @@ class GatewayFleet:
             entry = entries[rid]
             entry.held = controller.held(rid)
             entry.demand = entry.held + controller.queued
-            claimed = sum(max(other[rid].held, other[rid].granted) for k, other in enumerate(self._entries)
-                          if k != index and self._granted_once[k])
-            entry.granted = max(0, min(entry.wanted, self._slot_limit - claimed))
+            entry.granted = grant(entry.wanted, self._slot_limit,
+                                  [(other[rid].held, other[rid].granted) for k, other in enumerate(self._entries)
+                                   if k != index and self._granted_once[k]])
             controller.on_slot_grant(now_s, rid, entry.granted)
         self._granted_once[index] = True
         live = [k for k in range(len(self.gateways)) if self._granted_once[k]]
         for rid in self._ids:
-            wants = [GatewayDemand(str(k), self._entries[k][rid].held,
-                                   max(self._entries[k][rid].held, self._entries[k][rid].demand)) for k in live]
-            entries[rid].wanted = split_slots(self._slot_limit, wants)[str(index)]
+            shares = fair_shares(self._slot_limit, {str(k): self._entries[k][rid].demand for k in live})
+            entries[rid].wanted = shares[str(index)]
         self.sent_beyond.append(sum(max(0, sum(g.held(rid) for g in self.gateways) - self._slot_limit)
                                     for rid in self._ids))
 
