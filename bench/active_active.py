@@ -19,7 +19,10 @@ summed over the two engines: requests the gateways sent beyond the batch). Bar: 
 goodput >= 0.9 x one gateway's, and their engines' mean waiting <= 1 request (near zero: a request
 arriving mid-step waits for the step's end even in an engine with room).
 
-Run: flock /tmp/bench.lock python bench/active_active.py [--seconds 20 --load 2.0 --knee 6 --step-ms 25 --tokens 16]
+`--sim` prints the same arms simulated instead (`tidegate.sim.active_active`, the policy the
+gateways run, on modelled engines; chat answers and answers shorter than a heartbeat).
+
+Run: flock <lock> python bench/active_active.py [--seconds 20 --load 2.0 --knee 6 --step-ms 25 --tokens 16] [--sim]
 """
 
 from __future__ import annotations
@@ -200,7 +203,16 @@ def main() -> int:
     parser.add_argument("--step-ms", type=float, default=25.0)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=19)
+    parser.add_argument("--sim", action="store_true", help="the simulated arms instead (3 seeds), no processes")
     args = parser.parse_args()
+    if args.sim:
+        sys.path.insert(0, str(HERE.parent / "src"))
+        from tidegate.sim.active_active import active_active
+
+        verdict = active_active()
+        print("\n".join(verdict.figures))
+        print(f"{'PASS' if verdict.passed else 'FAIL'}: {verdict.bar}")
+        return 0 if verdict.passed else 1
     processes = Processes(Path(tempfile.mkdtemp(prefix="tidegate-active-active-")))
     try:
         return asyncio.run(run(args, processes))

@@ -9,9 +9,11 @@ demand with `policy.slot_split.fair_shares`. With `split=False` each gateway fil
 whole `slot_limit`, as if alone.
 
 `active_active` is the scenario: 2 replicas whose engines run a batch of `slot_limit` sequences (the
-rest wait in the engine), chat traffic at 2x capacity, one gateway against three, unsplit and
-split, and split with a 6:3:1 load balancer. It prints goodput beside utilisation and the engines'
-queues, and is `tests/sim/test_active_active.py`'s bar.
+rest wait in the engine), traffic at 2x capacity, one gateway against three, unsplit and split, and
+split with a 6:3:1 load balancer, in two shapes: chat (answers of 32-256 tokens, seconds long) and
+short answers (16 tokens, shorter than a heartbeat: every grant is used and given back many times
+between two heartbeats). It prints goodput beside the batch's use and the engines' queues, and is
+`tests/sim/test_active_active.py`'s bar.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from tidegate.policy.shares import TenantShares
 from tidegate.policy.slot_split import fair_shares, grant
 from tidegate.policy.tiers import TierTable, default_tiers
 from tidegate.sim.capacity import saturated_rps
-from tidegate.sim.harness import Harness
-from tidegate.sim.scenarios import DURATION_S, ScenarioRun, Verdict, mixed, replica_spec
+from tidegate.loadgen.arrivals import Poisson
+from tidegate.loadgen.mix import LengthDistribution
+from tidegate.sim.harness import Harness, TrafficClass, make_requests
+from tidegate.sim.scenarios import CHAT_OUTPUT, CHAT_PROMPT, DURATION_S, ScenarioRun, Verdict, replica_spec
 from tidegate.types import ArrivalDecision, Dispatch, PoolRequest, ReplicaHealth, ReplicaLoad
 
 __all__ = ["GatewayFleet", "FleetRun", "run_fleet", "active_active"]
@@ -143,6 +147,9 @@ class GatewayFleet:
 
 REPLICAS = 2
 BATCH = 16  # sequences an engine runs at once; every gateway's slot_limit
+# (prompt, output, their means) shapes: chat's, and answers shorter than a heartbeat (bench/active_active.py's)
+SHAPES = {"chat": (CHAT_PROMPT, CHAT_OUTPUT, 544, 144),
+          "short": (LengthDistribution("const", 16), LengthDistribution("const", 16), 16, 16)}
 LOAD = 2.0
 SEEDS = (191, 192, 193)
 WINDOW = (5.0, 55.0)
@@ -165,13 +172,16 @@ class FleetRun:
         return self.run.good(window) / (WINDOW[1] - WINDOW[0])
 
 
-def run_fleet(arm: str, weights: Sequence[float], split: bool, seed: int, tiers: TierTable | None = None) -> FleetRun:
+def run_fleet(arm: str, weights: Sequence[float], split: bool, seed: int, shape: str = "chat",
+              tiers: TierTable | None = None) -> FleetRun:
     tiers = tiers or default_tiers()
     ids = [f"r{i}" for i in range(REPLICAS)]
     specs = [replace(replica_spec(i), scheduler=SchedulerConfig(max_num_seqs=BATCH, max_batch_tokens=512))
              for i in ids]
-    capacity = REPLICAS * saturated_rps(specs[0], 544, 144, BATCH)
-    requests = mixed(LOAD * capacity, DURATION_S, (("a", "standard", 1.0),), seed=seed)
+    prompt, output, mean_prompt, mean_output = SHAPES[shape]
+    capacity = REPLICAS * saturated_rps(specs[0], mean_prompt, mean_output, BATCH)
+    requests = make_requests(Poisson(LOAD * capacity), DURATION_S, [TrafficClass("a", "standard", 1.0, prompt, output)],
+                             seed)
     fleet = GatewayFleet(ids, tiers, BATCH, weights, split=split, seed=seed)
     probes = [float(t) for t in np.arange(WINDOW[0], WINDOW[1] + 1e-9, PROBE_EVERY_S)]
     result = Harness(specs, fleet).run(requests, probes_s=probes)
@@ -180,24 +190,28 @@ def run_fleet(arm: str, weights: Sequence[float], split: bool, seed: int, tiers:
     return FleetRun(arm, ScenarioRun(result, tiers), float(np.mean(waiting)), int(max(waiting)), float(np.mean(running)))
 
 
-def active_active(seeds: Sequence[int] = SEEDS) -> Verdict:
+def active_active(seeds: Sequence[int] = SEEDS, shapes: Sequence[str] = tuple(SHAPES)) -> Verdict:
     """Three gateways at 2x capacity, split, serve within 10 % of one gateway's goodput with the
     engines' queues near zero; unsplit, they fill the engines' queues."""
-    runs = {name: [run_fleet(name, weights, split, seed) for seed in seeds] for name, weights, split in ARMS}
-    base = float(np.mean([r.goodput() for r in runs["1 gateway"]]))
-    lines, values = [], []
-    for name, _, _ in ARMS:
-        arm_runs = runs[name]
-        goodput = float(np.mean([r.goodput() for r in arm_runs]))
-        waiting = float(np.mean([r.waiting_mean for r in arm_runs]))
-        peak = max(r.waiting_peak for r in arm_runs)
-        batch_use = float(np.mean([r.batch_use for r in arm_runs]))
-        served = sum(r.run.served(r.run.records(start_s=WINDOW[0], end_s=WINDOW[1])) for r in arm_runs)
-        lines.append(f"{name:<14} goodput {goodput:6.2f}/s ({goodput / base:4.2f}x one gateway's)  batch in use {batch_use:6.1%}  "
-                     f"served {served:5d}  engines' waiting mean {waiting:5.1f} peak {peak:3d}")
-        key = name.replace(" ", "_").replace(":", "")
-        values += [(f"{key}_ratio", goodput / base), (f"{key}_waiting", waiting)]
+    lines: list[str] = []
+    values: list[tuple[str, float]] = []
+    for shape in shapes:
+        runs = {name: [run_fleet(name, weights, split, seed, shape) for seed in seeds] for name, weights, split in ARMS}
+        base = float(np.mean([r.goodput() for r in runs["1 gateway"]]))
+        for name, _, _ in ARMS:
+            arm_runs = runs[name]
+            goodput = float(np.mean([r.goodput() for r in arm_runs]))
+            waiting = float(np.mean([r.waiting_mean for r in arm_runs]))
+            peak = max(r.waiting_peak for r in arm_runs)
+            batch_use = float(np.mean([r.batch_use for r in arm_runs]))
+            served = sum(r.run.served(r.run.records(start_s=WINDOW[0], end_s=WINDOW[1])) for r in arm_runs)
+            lines.append(f"{shape:<6}{name:<14} goodput {goodput:6.2f}/s ({goodput / base:4.2f}x one gateway's)  "
+                         f"batch in use {batch_use:6.1%}  served {served:5d}  engines' waiting mean {waiting:5.1f} "
+                         f"peak {peak:3d}")
+            key = f"{shape}_" + name.replace(" ", "_").replace(":", "")
+            values += [(f"{key}_ratio", goodput / base), (f"{key}_waiting", waiting), (f"{key}_batch_use", batch_use)]
     figures = dict(values)
-    passed = all(figures[f"{k}_ratio"] >= 0.9 and figures[f"{k}_waiting"] <= 1.0 for k in ("3_split", "3_split_631"))
+    passed = all(figures[f"{shape}_{k}_ratio"] >= 0.9 and figures[f"{shape}_{k}_waiting"] <= 1.0
+                 for shape in shapes for k in ("3_split", "3_split_631"))
     return Verdict("active_active", "3 gateways over 2 replicas at 2x capacity, slots split: goodput >= 0.9x one "
                    "gateway's, engines' waiting mean <= 1", passed, tuple(lines), tuple(values))
