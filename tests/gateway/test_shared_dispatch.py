@@ -191,3 +191,16 @@ def test_redis_gone_keeps_the_last_grants_for_the_ttl_then_an_equal_part(redis_s
         await b.close()
 
     asyncio.run(scenario())
+
+
+def test_the_config_splits_by_default_and_checks_the_member_ttl() -> None:
+    from tidegate.config import ConfigError, parse_config
+
+    base = ("pools:\n  - name: m\n    backends:\n      - {type: upstream, url: 'http://127.0.0.1:9/v1'}\n"
+            "shared_state:\n  backend: redis\n  redis_url: redis://r:6379/0\n")
+    config = parse_config(base, environ={})
+    assert config.shared_state.dispatch == "split"
+    assert (config.shared_state.heartbeat_s, config.shared_state.member_ttl_s) == (0.5, 3.0)
+    assert parse_config(base + "  dispatch: per_gateway\n", environ={}).shared_state.dispatch == "per_gateway"
+    with pytest.raises(ConfigError, match="member_ttl_s"):
+        parse_config(base + "  heartbeat_s: 2\n  member_ttl_s: 1\n", environ={})
