@@ -186,7 +186,11 @@ class SharedDispatch:
     async def _run(self) -> None:
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
-            await self.heartbeat()
+            try:
+                await self.heartbeat()
+            except Exception:  # noqa: BLE001 - a bad entry must not stop the heartbeat: logged, counted, next beat
+                self.metrics.heartbeat_errors.inc()
+                log.exception("shared dispatch: heartbeat failed")
 
     def entry(self) -> dict[str, dict[str, tuple[int, int, int, int]]]:
         """What this gateway holds and wants at each replica: (held, held + queued, slot_limit,
