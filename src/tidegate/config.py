@@ -271,7 +271,10 @@ class SharedStateConfig(_Strict):
     # a max-min fair share of every replica's slot_limit, agreed through a Redis heartbeat), or
     # `per_gateway`: each fills every replica's whole slot_limit, as if alone (docs/scale-out.md)
     dispatch: Literal["split", "per_gateway"] = "split"
-    heartbeat_s: float = Field(0.5, gt=0)  # how often a gateway publishes its demand and reads the others'
+    # how often a gateway publishes its demand and takes its share: a slot one gateway gives back idles
+    # until another's next heartbeat. Answers shorter than it, a 6:3:1 load balancer: the engines'
+    # batch 91 % in use at 0.5 s, 93 % at 0.25 s, 95 % at 0.1 s (sim.active_active); one Lua script a beat
+    heartbeat_s: float = Field(0.25, gt=0)
     # a gateway not heard from this long is dead: its share returns to the others; a gateway that cannot
     # reach Redis keeps its last shares this long, then takes slot_limit // gateway_count of each replica
     member_ttl_s: float = Field(3.0, gt=0)

@@ -200,7 +200,7 @@ def test_the_config_splits_by_default_and_checks_the_member_ttl() -> None:
             "shared_state:\n  backend: redis\n  redis_url: redis://r:6379/0\n")
     config = parse_config(base, environ={})
     assert config.shared_state.dispatch == "split"
-    assert (config.shared_state.heartbeat_s, config.shared_state.member_ttl_s) == (0.5, 3.0)
+    assert (config.shared_state.heartbeat_s, config.shared_state.member_ttl_s) == (0.25, 3.0)
     assert parse_config(base + "  dispatch: per_gateway\n", environ={}).shared_state.dispatch == "per_gateway"
     with pytest.raises(ConfigError, match="member_ttl_s"):
         parse_config(base + "  heartbeat_s: 2\n  member_ttl_s: 1\n", environ={})

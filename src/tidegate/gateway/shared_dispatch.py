@@ -97,7 +97,7 @@ class SharedDispatchSettings:
     __slots__ = ("redis_url", "gateway_id", "heartbeat_s", "member_ttl_s", "gateway_count", "redis_timeout_s",
                  "key")
 
-    def __init__(self, redis_url: str, *, gateway_id: str | None = None, heartbeat_s: float = 0.5,
+    def __init__(self, redis_url: str, *, gateway_id: str | None = None, heartbeat_s: float = 0.25,
                  member_ttl_s: float = 3.0, gateway_count: int = 1, redis_timeout_s: float = 0.25,
                  key_prefix: str = "tidegate:") -> None:
         if heartbeat_s <= 0 or member_ttl_s <= heartbeat_s:

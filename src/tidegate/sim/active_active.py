@@ -53,7 +53,7 @@ class GatewayFleet:
     """N gateways' controllers as one dispatcher; arrivals spread by `weights`."""
 
     def __init__(self, replica_ids: Sequence[str], tiers: TierTable, slot_limit: int, weights: Sequence[float],
-                 *, split: bool, heartbeat_s: float = 0.5, seed: int = 0) -> None:
+                 *, split: bool, heartbeat_s: float = 0.25, seed: int = 0) -> None:
         self._ids = list(replica_ids)
         self._slot_limit = slot_limit
         self.gateways = [PoolController([PoolReplica(r, slot_limit) for r in replica_ids], tiers,
