@@ -7,6 +7,12 @@ one token; a step takes `step_ms` up to `knee` running sequences and grows linea
 latency grows with concurrency. At most `max_running` sequences run; the rest wait inside the
 engine, as in vLLM. TTFT = wait in the engine + one step (prefill is modelled as one step).
 
+`GET /metrics` reports vLLM's gauge names (`vllm:num_requests_running`, `vllm:num_requests_waiting`),
+so a gateway's health checks read this engine's load as they would vLLM's, and, for benches, the
+peaks of both since the last `POST /admin/reset_peaks` and the time-integrals of both counts
+(`knee_waiting_seconds_total`: its rise over a window / the window is the mean engine queue;
+`knee_running_seconds_total`: over the window and `--max-running`, the batch's utilisation).
+
 Limits of the model, said plainly: no prefill cost by prompt length, no KV-cache limit, a
 constant token count per answer; `POST /admin/slow` with body `2` makes every step twice as long
 (the "replica slowed 2x" of the adaptive-slots bar).
@@ -50,9 +56,25 @@ class Engine:
         self.wake = asyncio.Event()
         self.ids = 0
         self.completed = 0
+        self.running_peak = 0
+        self.waiting_peak = 0
+        self.waiting_s = 0.0  # integral of len(waiting) over time
+        self.running_s = 0.0  # integral of len(running) over time: its rise / (window x max_running) is utilisation
+        self._counted_at = time.perf_counter()
+
+    def count(self) -> None:
+        """Brings the waiting integral and the peaks up to now (called at every change)."""
+        now = time.perf_counter()
+        self.waiting_s += len(self.waiting) * (now - self._counted_at)
+        self.running_s += len(self.running) * (now - self._counted_at)
+        self._counted_at = now
+        self.running_peak = max(self.running_peak, len(self.running))
+        self.waiting_peak = max(self.waiting_peak, len(self.waiting))
 
     def submit(self, seq: Sequence) -> None:
+        self.count()
         self.waiting.append(seq)
+        self.count()
         self.wake.set()
 
     async def run(self) -> None:
@@ -60,10 +82,12 @@ class Engine:
             if not self.running and not self.waiting:
                 self.wake.clear()
                 await self.wake.wait()
+            self.count()
             while self.waiting and len(self.running) < self.max_running:
                 seq = self.waiting.popleft()
                 if not seq.conn.closed:
                     self.running.append(seq)
+            self.count()
             if not self.running:
                 continue
             batch = len(self.running)
@@ -79,6 +103,7 @@ class Engine:
                     still.append(seq)
                 else:
                     self.completed += 1
+            self.count()
             self.running = still
 
 
@@ -126,9 +151,19 @@ class Connection(asyncio.Protocol):
         if path == b"/health":
             self._respond(200, b'{"status":"ok"}')
         elif path == b"/metrics":
-            self._respond(200, b"knee_running %d\nknee_waiting %d\nknee_completed %d\nknee_slowdown %g\n"
-                          % (len(engine.running), len(engine.waiting), engine.completed, engine.slowdown),
-                          b"text/plain")
+            engine.count()
+            self._respond(200, b"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running %d\n"
+                          b"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting %d\n"
+                          b"knee_running %d\nknee_waiting %d\nknee_completed %d\nknee_slowdown %g\n"
+                          b"knee_running_peak %d\nknee_waiting_peak %d\nknee_waiting_seconds_total %.6f\n"
+                          b"knee_running_seconds_total %.6f\n"
+                          % (len(engine.running), len(engine.waiting), len(engine.running), len(engine.waiting),
+                             engine.completed, engine.slowdown, engine.running_peak, engine.waiting_peak,
+                             engine.waiting_s, engine.running_s), b"text/plain")
+        elif path == b"/admin/reset_peaks":
+            engine.count()
+            engine.running_peak, engine.waiting_peak = len(engine.running), len(engine.waiting)
+            self._respond(200, b'{"reset":true}')
         elif path == b"/admin/slow":
             engine.slowdown = float(self.body or b"1")
             self._respond(200, b'{"slowdown":%g}' % engine.slowdown)

@@ -32,6 +32,7 @@ from tidegate.gateway.proxy import Proxy, ProxySettings
 from tidegate.gateway.response_cache import CacheSettings, PoolCacheSettings, ResponseCache
 from tidegate.gateway.semantic_cache import Embedder, SemanticCache, SemanticMetrics, SemanticSettings
 from tidegate.gateway.shared_limits import SharedLimits, SharedLimitSettings
+from tidegate.gateway.shared_dispatch import SharedDispatch, SharedDispatchSettings
 from tidegate.gateway.spares import replace_dead_worker
 from tidegate.gateway.tracing import Tracing, TracingSettings
 from tidegate.gateway.scaling import KubernetesActuator, LocalActuator, ScaleLoop
@@ -173,6 +174,17 @@ class Gateway:
             self.overload.shared_limits = self.shared_limits
         elif shared_state.backend == "redis":
             log.warning("shared_state: backend redis keeps rate limits, which need overload_control; ignored")
+        # gateways in front of the same replicas split their slots (gateway/shared_dispatch.py)
+        self.shared_dispatch: SharedDispatch | None = None
+        if shared_state.backend == "redis" and shared_state.dispatch == "split" and self.overload is not None:
+            assert shared_state.redis_url is not None
+            self.shared_dispatch = SharedDispatch(
+                SharedDispatchSettings(shared_state.redis_url, heartbeat_s=shared_state.heartbeat_s,
+                                       member_ttl_s=shared_state.member_ttl_s,
+                                       gateway_count=shared_state.gateway_count,
+                                       redis_timeout_s=shared_state.redis_timeout_s,
+                                       key_prefix=shared_state.key_prefix),
+                self.overload.bodies, self.metrics.registry)
         settings = ProxySettings(server.max_tokens_cap, server.first_byte_timeout_s, server.request_timeout_s,
                                  api_keys, metrics_key, metrics_on_main_port=server.metrics_port is None,
                                  whole_answer_timeout_s=server.whole_answer_timeout_s,
@@ -306,6 +318,8 @@ class Gateway:
         await self.health_checker.start()
         if self.shared_limits is not None:
             await self.shared_limits.start()
+        if self.shared_dispatch is not None:
+            await self.shared_dispatch.start()
         if self.scaling is not None:
             await self.scaling.start()
         if self.batch_store is not None:
@@ -393,6 +407,8 @@ class Gateway:
             await self.cache.close()
         if self.shared_limits is not None:
             await self.shared_limits.close()
+        if self.shared_dispatch is not None:
+            await self.shared_dispatch.close()
         if self.batch_worker is not None:
             await self.batch_worker.stop()
         if self.batch_store is not None:

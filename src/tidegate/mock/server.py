@@ -133,6 +133,7 @@ class MockState:
         self.api_requests_total = 0  # POSTs to the API: what a gateway's cache saves
         self.errors_total = 0
         self.inflight = 0
+        self.inflight_peak = 0  # most requests in flight at once since start
         self.ids = itertools.count()
         # (path, traceparent, tracestate, x-request-id) of the latest API requests
         self.recent: deque[tuple[bytes, bytes | None, bytes | None, bytes | None]] = deque(maxlen=256)
@@ -261,6 +262,11 @@ class MockProtocol(asyncio.Protocol):
                 f"# TYPE mock_api_requests_total counter\nmock_api_requests_total {self.state.api_requests_total}\n"
                 f"# TYPE mock_errors_total counter\nmock_errors_total {self.state.errors_total}\n"
                 f"# TYPE mock_inflight_requests gauge\nmock_inflight_requests {self.state.inflight}\n"
+                f"# TYPE mock_inflight_peak gauge\nmock_inflight_peak {self.state.inflight_peak}\n"
+                # vLLM's names, so a gateway's health checks read this mock's load as an engine's: every
+                # request runs at once here (latency does not depend on load), so none waits
+                f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running {self.state.inflight}\n"
+                f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 0\n"
             ).encode()
             self._send(200, text, keep_alive, b"text/plain; version=0.0.4")
         else:
@@ -273,7 +279,9 @@ class MockProtocol(asyncio.Protocol):
         return self.state.config.ttft.sample_s(self.state.rng)
 
     async def _respond(self, path: bytes, request: dict, keep_alive: bool) -> None:
-        self.state.inflight += 1
+        state = self.state
+        state.inflight += 1
+        state.inflight_peak = max(state.inflight_peak, state.inflight)
         try:
             if path == b"/v1/embeddings":
                 await self._embeddings(request, keep_alive)

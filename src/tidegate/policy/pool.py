@@ -74,6 +74,11 @@ without it; a rule no scenario needs does not belong here):
    (`test_a_retry_goes_first_and_never_to_the_replica_that_failed_it`,
    `test_every_replica_down_refuses_every_waiting_request`; `replica_killed`: its breaker opens on
    the failures of the requests it held, and only a probe each cool-down goes to it after)
+8. Shared replicas: with several gateways in front of the same replicas, rule 5's batch is this
+   gateway's grant of it (`on_slot_grant`; the split is `policy.slot_split`'s), so that N gateways
+   do not send N batches. (`tidegate.sim.active_active`: unsplit, three gateways at 2x capacity
+   left the engines' queues deep and served fewer requests within target than one gateway;
+   `test_a_gateway_holds_no_more_than_its_grant_of_a_replica`)
 """
 
 from __future__ import annotations
@@ -206,17 +211,34 @@ class _Replica:
     held: list[int] = field(default_factory=list)  # requests by level
     fit: TtftFit | None = None  # the pool's TTFT line at this replica's speed; None before its first token
     prefixes: PrefixIndex | None = None  # prefix blocks recently routed here; None: no affinity
+    # rule 8: this gateway's share of the replica's slots (max_requests + headroom) while gateways
+    # split them (`policy.slot_split`); None: all of them
+    granted: int | None = None
+    level_cap: int = 0  # `max_requests` scaled to the grant
 
     def __post_init__(self) -> None:
         self.prefill = [0] * self.levels
         self.held = [0] * self.levels
+        self.level_cap = self.config.max_requests
 
     def has_slot(self, level: int, better_active: bool) -> bool:
-        """Rule 5: under the engine's batch, and, while a better level is active, under
-        `max_requests` at this level and better."""
+        """Rule 5: under the engine's batch (or this gateway's grant of it, rule 8), and, while a
+        better level is active, under `max_requests` at this level and better."""
         config = self.config
-        return (self.requests < config.max_requests + config.headroom
-                and (not better_active or sum(self.held[: level + 1]) < config.max_requests))
+        total = config.max_requests + config.headroom if self.granted is None else self.granted
+        return (self.requests < total
+                and (not better_active or sum(self.held[: level + 1]) < self.level_cap))
+
+    def grant(self, slots: int | None) -> None:
+        """Rule 8: hold at most `slots` requests (None: the configured ones), the headroom kept in
+        the same proportion as the configured slots' (at least one slot a level may take)."""
+        config = self.config
+        self.granted = slots
+        if slots is None:
+            self.level_cap = config.max_requests
+            return
+        total = config.max_requests + config.headroom
+        self.level_cap = max(min(slots, 1), slots - min(slots - 1, round(slots * config.headroom / total)))
 
     def ahead(self, level: int) -> int:
         """Prefill tokens the engine does before a newcomer of `level` (its level's included)."""
@@ -447,6 +469,23 @@ class PoolController:
 
     def on_replica_health(self, now_s: float, replica_id: str, health: ReplicaHealth) -> None:
         self._replicas[replica_id].health = health
+
+    def on_slot_grant(self, now_s: float, replica_id: str, slots: int | None) -> None:
+        """Rule 8: this gateway's share of the replica's slots, from the split among the gateways
+        in front of it (`policy.slot_split`); None: all its configured slots. A smaller grant sends
+        nothing more until the requests held past it end; a larger one is used by the next
+        `on_capacity`."""
+        self._replicas[replica_id].grant(slots)
+
+    def slot_grant(self, replica_id: str) -> int:
+        """The requests this gateway may hold at the replica now (rule 5's batch, or rule 8's grant)."""
+        replica = self._replicas[replica_id]
+        config = replica.config
+        return config.max_requests + config.headroom if replica.granted is None else replica.granted
+
+    def held(self, replica_id: str) -> int:
+        """Requests sent to the replica and not yet ended."""
+        return self._replicas[replica_id].requests
 
     # ---- internals ----------------------------------------------------------------------------
 
