@@ -15,7 +15,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-__all__ = ["SpanKind", "SpanRecord", "encode_span", "encode_export_request", "traces_url", "AttributeValue"]
+__all__ = ["SpanKind", "SpanRecord", "encode_span", "encode_export_request", "traces_url", "AttributeValue",
+           "varint", "length_field", "key_field", "span_attribute", "span_attributes"]
 
 AttributeValue = str | bool | int | float
 
@@ -114,6 +115,22 @@ def _attributes(tag: bytes, attributes: dict[str, AttributeValue], cache: dict[t
             cache[item] = encoded
         out.append(encoded)
     return b"".join(out)
+
+
+# the parts a span encoder of its own (gateway/trace_spans.py) writes the same bytes with
+varint = _varint
+length_field = _field
+key_field = _key
+
+
+def span_attribute(name: str, value: AttributeValue) -> bytes:
+    """One element of `Span.attributes` (field 9)."""
+    return _field(b"\x4a", _key(name) + _field(b"\x12", _any_value(value)))
+
+
+def span_attributes(attributes: dict[str, AttributeValue]) -> bytes:
+    """`Span.attributes`, every pair encoded anew: for a set that is then kept encoded."""
+    return b"".join(span_attribute(name, value) for name, value in attributes.items())
 
 
 def _own_attributes(attributes: dict[str, AttributeValue]) -> bytes:
