@@ -201,7 +201,7 @@ def test_batches_take_whole_requests_up_to_the_batch_size(tracing) -> None:
         exporter.submit_trace(_traced(tracer, sink, "queued stream", number))  # 4 spans each
     exported: list[int] = []
 
-    async def export(spans: bytes, count: int) -> None:
+    async def export(spans: list[bytes], count: int) -> None:
         exported.append(count)
 
     exporter._export = export  # type: ignore[method-assign]

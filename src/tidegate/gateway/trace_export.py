@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter
 
 from tidegate.gateway.upstream import ConnectionPool, Endpoint, Exchange, UpstreamFailure
 from tidegate.gateway.trace_spans import TraceEncoder
-from tidegate.telemetry.otlp import AttributeValue, encode_export_request, traces_url
+from tidegate.telemetry.otlp import AttributeValue, export_request_head, traces_url
 
 if TYPE_CHECKING:
     from tidegate.gateway.tracing import RequestTrace
@@ -100,7 +100,7 @@ class OtlpHttpExporter:
         while self._pending_spans >= (1 if partial else self._max_batch_spans):
             batch, count = self._take_batch()
             try:
-                spans = self._encoder.encode(batch, batch[0].tracing.clock(), time.time_ns())
+                spans = self._encoder.encode_chunks(batch, batch[0].tracing.clock(), time.time_ns())
             except Exception:  # a tracing fault: those spans are lost, counted, and the loop goes on
                 log.exception("span encoding failed")
                 self._failed.inc(count)
@@ -122,10 +122,12 @@ class OtlpHttpExporter:
         self._pending_spans -= count
         return batch, count
 
-    async def _post(self, body: bytes) -> int:
-        """POSTs one export; its HTTP status. A pooled connection the collector closed while idle is
-        replaced and the export sent again, as the proxy does."""
-        data = self._head + b"content-length: %d\r\n\r\n" % len(body) + body
+    async def _post(self, body: list[bytes]) -> int:
+        """POSTs one export, its body in pieces (joined once, with the head); its HTTP status. A pooled
+        connection the collector closed while idle is replaced and the export sent again, as the
+        proxy does."""
+        size = sum(map(len, body))
+        data = b"".join([self._head, b"content-length: %d\r\n\r\n" % size, *body])
         loop = asyncio.get_running_loop()
         for fresh in (False, True):
             connection, reused = await self._connections.connection(fresh=fresh)
@@ -143,8 +145,8 @@ class OtlpHttpExporter:
             return exchange.status
         raise AssertionError("unreachable")
 
-    async def _export(self, spans: bytes, count: int) -> None:
-        body = encode_export_request(self._resource, SCOPE_NAME, self._scope_version, [spans])
+    async def _export(self, spans: list[bytes], count: int) -> None:
+        body = export_request_head(self._resource, SCOPE_NAME, self._scope_version, sum(map(len, spans))) + spans
         try:
             status = await self._post(body)
             ok, problem = status == 200, f"status {status}"

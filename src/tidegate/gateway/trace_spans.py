@@ -53,6 +53,9 @@ _LOCAL_FLAGS = _FLAGS(0x85, 0x01, 0x101)
 _REMOTE_FLAGS = _FLAGS(0x85, 0x01, 0x301)
 _PREDICTED_WAIT = b"tidegate.queue.predicted_wait_s"
 _SHAPES = 4096  # distinct shapes kept; past it they are made anew
+# a span's frame as an element of ScopeSpans.spans (field 2), by the span's size: spans are a few
+# hundred bytes; one past the table is framed as it comes
+_FRAMES = [b"\x12" + varint(size) for size in range(4096)]
 _OWN = 4096  # encoded (name, integer) attributes kept
 
 
@@ -97,8 +100,13 @@ class TraceEncoder:
     def encode(self, traces: list[RequestTrace], anchor_s: float, anchor_ns: int) -> bytes:
         """The spans of `traces`, each framed as an element of `ScopeSpans.spans`, joined. `anchor_s`,
         `anchor_ns`: one reading of the tracer's monotonic clock and of Unix time, side by side."""
+        return b"".join(self.encode_chunks(traces, anchor_s, anchor_ns))
+
+    def encode_chunks(self, traces: list[RequestTrace], anchor_s: float, anchor_ns: int) -> list[bytes]:
+        """`encode`, in pieces not joined (the exporter joins them once, into its request)."""
         out: list[bytes] = []
         append = out.append
+        frames = _FRAMES
         shapes = self._shapes
         for trace in traces:
             # times: monotonic seconds to Unix nanoseconds, as RequestTrace.spans does
@@ -136,7 +144,9 @@ class TraceEncoder:
                              _PARENT(0x22, 8, parent_id) if parent_id else b"", shape.named,
                              _TIMES(0x39, start_ns, 0x41, anchor_ns + int((trace.ended_s - anchor_s) * 1e9)),
                              shape.attributes, own, _REMOTE_FLAGS if parent_id else _LOCAL_FLAGS))
-            append(b"\x12" + varint(len(body)) + body)
+            size = len(body)
+            append(frames[size] if size < 4096 else b"\x12" + varint(size))
+            append(body)
 
             if trace.tenant is not None:  # the admission span
                 key = admission_key(trace)
@@ -146,7 +156,9 @@ class TraceEncoder:
                 decided_ns = anchor_ns + int((admission_decided_s(trace) - anchor_s) * 1e9)
                 body = b"".join((_IDS(0x0A, 16, hi, lo, 0x12, 8, trace.admission_id), under_root, shape.named,
                                  _TIMES(0x39, start_ns, 0x41, decided_ns), shape.attributes, _LOCAL_FLAGS))
-                append(b"\x12" + varint(len(body)) + body)
+                size = len(body)
+                append(frames[size] if size < 4096 else b"\x12" + varint(size))
+                append(body)
 
             if trace.queued_s is not None:  # the queue span
                 key = ("queue", trace.tier)
@@ -159,7 +171,9 @@ class TraceEncoder:
                                  _TIMES(0x39, anchor_ns + int((trace.queued_s - anchor_s) * 1e9), 0x41,
                                         anchor_ns + int((trace.dispatched_s - anchor_s) * 1e9)),
                                  shape.attributes, predicted, _LOCAL_FLAGS))
-                append(b"\x12" + varint(len(body)) + body)
+                size = len(body)
+                append(frames[size] if size < 4096 else b"\x12" + varint(size))
+                append(body)
 
             for number, attempt in enumerate(trace.attempts, 1):  # a CLIENT span per attempt
                 ended_s, outcome = attempt_end(trace, attempt)
@@ -179,5 +193,7 @@ class TraceEncoder:
                                  _TIMES(0x39, anchor_ns + int((attempt.sent_s - anchor_s) * 1e9), 0x41,
                                         anchor_ns + int((ended_s - anchor_s) * 1e9)),
                                  shape.attributes, tail, _LOCAL_FLAGS))
-                append(b"\x12" + varint(len(body)) + body)
-        return b"".join(out)
+                size = len(body)
+                append(frames[size] if size < 4096 else b"\x12" + varint(size))
+                append(body)
+        return out
