@@ -4,7 +4,7 @@
 
 Drives the tracer's hooks as the proxy calls them for a request under overload control (admitted,
 an attempt, its answer, the end), sampling 1.0, into the built-in exporter (not started: nothing is
-sent), then encodes the queued spans as its export task does. Prints microseconds per request of
+sent), encoding each batch of spans as its export task does when one is due. Prints microseconds per request of
 the request's way (the hooks) and of the batch encoding, best of rounds. Live, interleaved with the
 rest of a request, the same work costs more (bench/gateway_overhead.py --tracing measures that).
 """
@@ -47,14 +47,16 @@ class Usage:
 def run(requests: int) -> tuple[float, float, int]:
     """(request path s, encoding s, spans) for `requests` requests."""
     exporter = OtlpHttpExporter("http://127.0.0.1:9", {"service.name": "tidegate"}, scope_version="0",
-                                max_queue_spans=10 * requests, registry=CollectorRegistry())
+                                registry=CollectorRegistry())
     tracing = Tracing(TracingSettings(), exporter)
     request = SimpleNamespace(traceparent=None, tracestate=None, path=b"/v1/chat/completions")
     identity = SimpleNamespace(tenant="default", tier=None)
     replicas = [Replica(number) for number in range(4)]
     usage = Usage()
     clock = time.monotonic
-    started = time.perf_counter()
+    request_path_s = encoding_s = 0.0
+    spans = 0
+    started = time.process_time()
     for number in range(requests):
         trace = start_trace(tracing, request, Endpoint.CHAT, b"5f3a9c1e-%x" % number, clock())
         trace.admitted(identity)
@@ -66,13 +68,16 @@ def run(requests: int) -> tuple[float, float, int]:
         trace.attempt_ended(None)
         trace.answered(ANSWER)
         trace.end("mock", 200, replica.replica_id, None)
-    request_path_s = time.perf_counter() - started
-    spans = exporter._pending_spans
-    started = time.perf_counter()
-    while exporter._pending_spans:
-        batch, _ = exporter._take_batch()
-        exporter._encoder.encode(batch, clock(), time.time_ns())
-    return request_path_s, time.perf_counter() - started, spans
+        if exporter._pending_spans >= exporter._max_batch_spans:  # a batch is due, as the export task sees it
+            encoding_started = time.process_time()
+            request_path_s += encoding_started - started
+            batch, count = exporter._take_batch()
+            exporter._encoder.encode_chunks(batch, clock(), time.time_ns())
+            spans += count
+            started = time.process_time()
+            encoding_s += started - encoding_started
+    request_path_s += time.process_time() - started
+    return request_path_s, encoding_s, spans
 
 
 def main() -> int:
@@ -84,9 +89,10 @@ def main() -> int:
     path_s = min(result[0] for result in results)
     encode_s = min(result[1] for result in results)
     spans = results[0][2]
-    print(f"{args.requests} requests, {spans / args.requests:.2f} spans each, best of {args.rounds}: "
+    print(f"{args.requests} requests, {spans / args.requests:.2f} spans each (encoded), best of {args.rounds}: "
           f"request path {path_s / args.requests * 1e6:.2f} us  batch encoding {encode_s / args.requests * 1e6:.2f} us"
-          f"  total {(path_s + encode_s) / args.requests * 1e6:.2f} us a request")
+          f"  total {(path_s + encode_s) / args.requests * 1e6:.2f} us a request (the ticket-like record the bench"
+          f" makes for each request included)")
     return 0
 
 

@@ -109,6 +109,7 @@ class TraceEncoder:
         frames = _FRAMES
         shapes = self._shapes
         for trace in traces:
+            trace.settle()
             # times: monotonic seconds to Unix nanoseconds, as RequestTrace.spans does
             trace_id, root_id, parent_id = trace.trace_id, trace.span_id, trace.parent_id
             hi, lo = trace_id >> 64, trace_id & _LOW64

@@ -132,7 +132,7 @@ class RequestTrace:
         "tracing", "token", "trace_id", "parent_id", "tracestate", "operation", "request_id", "started_s",
         "attempts", "first_token_s", "tenant", "tier", "ticket", "admitted_s", "verdict", "input_tokens",
         "output_tokens", "usage",
-        # set by `end`
+        # set by `end` and `settle`
         "span_id", "admission_id", "queue_id", "ended_s", "model", "status", "replica_id", "error",
         "error_type", "rung", "output_estimate", "queued_s", "dispatched_s", "predicted_wait_s", "span_count")
 
@@ -156,6 +156,13 @@ class RequestTrace:
         self.input_tokens: int | None = None  # as the upstream reported them
         self.output_tokens: int | None = None
         self.usage: Any = None  # overload control's `_Usage`: a stream's completion tokens
+        # read off the request's end: by `end` when it failed, by `settle` after
+        self.span_id = 0  # 0: not settled yet
+        self.rung: str | None = None
+        self.error: str | None = None
+        self.error_type: str | None = None
+        self.output_estimate: int | None = None
+        self.queued_s: float | None = None
 
     # -- hooks on the request's way (Proxy)
     def admitted(self, identity: Identity, ticket: Ticket | None = None, usage: Any = None) -> None:
@@ -209,64 +216,78 @@ class RequestTrace:
                 self.output_tokens = int(found.group(1))
 
     def end(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None) -> None:
-        """The request is answered: its facts are settled and the record goes to the sink."""
+        """The request is answered: the record goes to the sink as it is (what the spans need of the
+        ticket and usage is read when they are built: `settle`); an error is read now, and let go."""
         if self.token is not None:
             CURRENT_TRACE.reset(self.token)
             self.token = None
         tracing = self.tracing
         try:
-            self._settle(model, status, replica_id, error, tracing.clock())
+            self.ended_s = tracing.clock()
+            self.model = model or "unknown"
+            self.status = status
+            self.replica_id = replica_id
+            attempts, tenant = self.attempts, self.tenant
+            if status >= 400 or error is not None:
+                self._failed(status, error)
+            # spans: the root, one per attempt, admission (overload control decided) and the wait for
+            # a replica (see `settle`), counted now for the exporter's bound
+            if tenant is None:
+                queue_span = bool(attempts)
+            else:
+                ticket = self.ticket
+                queue_span = self.verdict == "queued" and (bool(attempts) or ticket.dispatched_s is not None)
+            self.span_count = 2 + len(attempts) + queue_span if tenant is not None else 1 + len(attempts) + queue_span
             tracing.sink.submit_trace(self)
         except Exception:  # a tracing fault must never fail a request
             tracing.failed += 1
 
-    def _settle(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None,
-                now_s: float) -> None:
-        """The facts the spans need, read off the ticket, usage and error, which are let go."""
-        self.ended_s = now_s
-        self.span_id = new_span_id()
-        self.model = model or "unknown"
-        self.status = status
-        self.replica_id = replica_id
-        ticket, usage, attempts = self.ticket, self.usage, self.attempts
-        headers = ticket.response_headers if ticket is not None else getattr(error, "headers", b"")
+    def _failed(self, status: int, error: BaseException | None) -> None:
+        """What the spans say of an error, read now: the error (and its traceback) is not kept."""
+        headers = getattr(error, "headers", b"") if self.ticket is None else b""
         self.rung = _rung(headers) if headers and b"degradation" in headers else None
         if status >= 400:
             self.error_type = error.code if isinstance(error, TidegateError) and error.code else str(status)
             self.error = (str(error) or str(status)) if status >= 500 or status == 499 else None
-        else:
-            self.error_type = self.error = None
-        self.output_estimate = None
-        if self.output_tokens is None and usage is not None:
+        if self.tenant is not None and self.verdict is None:
+            self.verdict = _refusal_verdict(error, status, self.rung)
+
+    def settle(self) -> None:
+        """The facts the spans need, read off the ticket and usage (which are let go), and the ids of
+        the spans no upstream has heard of. Done once, when the spans are built, off the request's way."""
+        if self.span_id:
+            return
+        self.span_id = new_span_id()
+        ticket, usage, attempts, status = self.ticket, self.usage, self.attempts, self.status
+        if ticket is not None:
+            headers = ticket.response_headers
+            self.rung = _rung(headers) if headers and b"degradation" in headers else None
+        if usage is not None and self.output_tokens is None:
             self.output_tokens = usage.reported
             if usage.reported is None and self.first_token_s is not None:  # a stream without usage: its events
                 self.output_estimate = usage.completion_tokens()
-        count = 1 + len(attempts)
-        first_sent_s = attempts[0].sent_s if attempts else None
-        if self.tenant is not None:  # an admission span: overload control decided
-            count += 1
+        if self.tenant is not None:
             self.admission_id = new_span_id()
-            if self.verdict is None:
-                self.verdict = _refusal_verdict(error, status, self.rung)
+            if self.verdict is None:  # answered 200 without a ticket: overload control's cached answer
+                self.verdict = _refusal_verdict(None, status, self.rung)
         # the wait for a replica: admitted -> dispatched (overload control; none when it was assigned one
         # at arrival), or, without overload control, arrival -> first attempt (the wait for a free slot)
+        first_sent_s = attempts[0].sent_s if attempts else None
         queued_s = self.admitted_s if self.verdict == "queued" else (self.started_s if self.tenant is None else None)
         dispatched_s = ticket.dispatched_s if ticket is not None and ticket.dispatched_s is not None else first_sent_s
         if queued_s is not None and dispatched_s is not None:
-            count += 1
             self.queue_id = new_span_id()
             self.queued_s = queued_s
             self.dispatched_s = max(queued_s, dispatched_s)
             self.predicted_wait_s = ticket.predicted_wait_s if ticket is not None else None
-        else:
-            self.queued_s = None
-        self.span_count = count
         self.ticket = self.usage = None
 
     # -- spans, as records (the SDK's sink, and the tests that check the encoder against it)
     def spans(self, anchor_s: float, anchor_ns: int) -> list[SpanRecord]:
         """The request's spans, once `end`ed. `anchor_s` and `anchor_ns`: one reading of the gateway's
         monotonic clock and of Unix time, side by side (spans need Unix time)."""
+        self.settle()
+
         def ns(at_s: float) -> int:
             return anchor_ns + int((at_s - anchor_s) * 1e9)
 
