@@ -83,11 +83,12 @@ class PassThrough:
     """A request that is not recorded: the upstream gets the same trace header lines on every attempt
     (the client's own, tracing off; or the gateway's unsampled context, tracing on)."""
 
-    __slots__ = ("lines", "token")
+    __slots__ = ("lines", "token", "trace_id")
 
-    def __init__(self, lines: bytes) -> None:
+    def __init__(self, lines: bytes, trace_id: int) -> None:
         self.lines = lines
         self.token: Token | None = None
+        self.trace_id = trace_id  # for the access log
 
     def upstream_headers(self, replica: Replica) -> bytes:
         return self.lines
@@ -456,21 +457,23 @@ class Tracing:
         if sampled:
             return RequestTrace(self, trace_id, parent_id, tracestate, _OPERATIONS[endpoint], request_id, started_s)
         if not settings.propagate:
-            return PassThrough(b"")
+            return PassThrough(b"", trace_id)
         # not recorded: the upstream still hears the trace and that it is not sampled (W3C flags 00),
         # under one span id that stands for the gateway
         line = b"traceparent: " + format_traceparent(trace_id, new_span_id(), 0) + b"\r\n"
-        return PassThrough(line if tracestate is None else line + b"tracestate: " + tracestate + b"\r\n")
+        return PassThrough(line if tracestate is None else line + b"tracestate: " + tracestate + b"\r\n", trace_id)
 
 
 def _pass_through(request: HttpRequest) -> PassThrough | None:
     """Tracing off: a valid client traceparent (and its tracestate) go to the upstream unchanged."""
-    if parse_traceparent(request.traceparent) is None:
+    parent = parse_traceparent(request.traceparent)
+    if parent is None:
         return None
     assert request.traceparent is not None
     lines = b"traceparent: " + request.traceparent.strip(b" \t") + b"\r\n"
     tracestate = clean_tracestate(request.tracestate)
-    return PassThrough(lines if tracestate is None else lines + b"tracestate: " + tracestate + b"\r\n")
+    return PassThrough(lines if tracestate is None else lines + b"tracestate: " + tracestate + b"\r\n",
+                       parent.trace_id)
 
 
 def start_trace(tracing: Tracing | None, request: HttpRequest, endpoint: Endpoint, request_id: bytes,
