@@ -124,9 +124,9 @@ class _Attempt:
 
 class RequestTrace:
     """One recorded request: its ids, and the times and facts its spans are built from. Each hook
-    stores a little and returns; nothing here awaits. `end` settles the facts (and lets go of the
-    request's objects) and hands the record to the sink, which builds and encodes its spans later, in
-    batches (gateway/trace_spans.py): off the request's way, with the encoder's code and caches warm."""
+    stores a little and returns; nothing here awaits. `end` stamps it and hands it to the sink as it
+    is; the sink builds and encodes its spans later, in batches (`settle`, gateway/trace_spans.py):
+    off the request's way, with the encoder's code and caches warm."""
 
     __slots__ = (
         # set on the request's way
