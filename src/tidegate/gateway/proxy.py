@@ -189,7 +189,7 @@ class Proxy:
                 trace.end(model, status, replica_id, error)
                 error = None
             self.access_log.record(request_id, request.method, request.path, model, status,
-                                   self.clock() - started, replica_id)
+                                   self.clock() - started, replica_id, None if trace is None else trace.trace_id)
 
     def _authenticate(self, request: HttpRequest) -> Identity | None:
         overload = self.overload

@@ -1,6 +1,7 @@
 """The built-in span exporter: OTLP/HTTP with protobuf bodies (POST {endpoint}/v1/traces), in batches
-from a background task. Spans are encoded when handed over (`telemetry.otlp`), so that a batch's
-export costs the event loop one POST, sent on the gateway's own keep-alive upstream client (a
+from a background task. An ended request's trace is queued as it is; the task encodes the spans of
+a batch of requests in one go (gateway/trace_spans.py), and a batch's export costs the event loop
+one POST, sent on the gateway's own keep-alive upstream client (a
 prebuilt head, httptools parsing: 0.06 ms of CPU an export of 512 spans here, against 0.14 ms with
 aiohttp's client); a bounded queue drops spans,
 counted, when the collector cannot keep up or is away, rather than growing or slowing requests.
@@ -10,14 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping
-
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from prometheus_client import CollectorRegistry, Counter
 
 from tidegate.gateway.upstream import ConnectionPool, Endpoint, Exchange, UpstreamFailure
-from tidegate.telemetry.otlp import AttributeValue, SpanRecord, encode_export_request, encode_span, traces_url
+from tidegate.gateway.trace_spans import TraceEncoder
+from tidegate.telemetry.otlp import AttributeValue, export_request_head, traces_url
+
+if TYPE_CHECKING:
+    from tidegate.gateway.tracing import RequestTrace
 
 __all__ = ["OtlpHttpExporter", "SCOPE_NAME"]
 
@@ -27,7 +33,7 @@ SCOPE_NAME = "tidegate"
 
 
 class OtlpHttpExporter:
-    """A `SpanSink`: `submit` encodes and queues; `start` runs the export loop, `stop` flushes."""
+    """A `SpanSink`: `submit_trace` queues; `start` runs the export loop (which encodes), `stop` flushes."""
 
     def __init__(self, endpoint: str, resource: Mapping[str, AttributeValue], *, scope_version: str,
                  headers: Mapping[str, str] | None = None, max_queue_spans: int = 8192, max_batch_spans: int = 512,
@@ -47,7 +53,9 @@ class OtlpHttpExporter:
         self._max_batch_spans = max_batch_spans
         self._interval_s = interval_s
         self._timeout_s = timeout_s
-        self._pending: list[bytes] = []
+        self._pending: list[RequestTrace] = []  # ended, not yet encoded
+        self._pending_spans = 0  # their spans
+        self._encoder = TraceEncoder()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
         self._failing = False  # logged once per outage
@@ -59,13 +67,15 @@ class OtlpHttpExporter:
         self._failed = self.spans.labels("failed")
 
     # -- the request's end
-    def submit(self, spans: list[SpanRecord]) -> None:
-        pending = self._pending
-        if len(pending) + len(spans) > self._max_queue_spans:
-            self._dropped.inc(len(spans))
+    def submit_trace(self, trace: RequestTrace) -> None:
+        count = trace.span_count
+        queued = self._pending_spans + count
+        if queued > self._max_queue_spans:
+            self._dropped.inc(count)
             return
-        pending += [encode_span(span) for span in spans]
-        if len(pending) >= self._max_batch_spans and self._wake is not None:
+        self._pending.append(trace)
+        self._pending_spans = queued
+        if queued >= self._max_batch_spans and self._wake is not None:
             self._wake.set()
 
     # -- the export loop
@@ -87,15 +97,37 @@ class OtlpHttpExporter:
     async def flush(self, partial: bool = True) -> None:
         """Exports what is queued, a batch at a time; `partial`: the last, smaller batch too (else it
         waits for more: small exports cost the loop more per span)."""
-        while len(self._pending) >= (1 if partial else self._max_batch_spans):
-            batch = self._pending[:self._max_batch_spans]
-            del self._pending[:self._max_batch_spans]
-            await self._export(batch)
+        while self._pending_spans >= (1 if partial else self._max_batch_spans):
+            batch, count = self._take_batch()
+            try:
+                spans = self._encoder.encode_chunks(batch, batch[0].tracing.clock(), time.time_ns())
+            except Exception:  # a tracing fault: those spans are lost, counted, and the loop goes on
+                log.exception("span encoding failed")
+                self._failed.inc(count)
+                continue
+            await self._export(spans, count)
 
-    async def _post(self, body: bytes) -> int:
-        """POSTs one export; its HTTP status. A pooled connection the collector closed while idle is
-        replaced and the export sent again, as the proxy does."""
-        data = self._head + b"content-length: %d\r\n\r\n" % len(body) + body
+    def _take_batch(self) -> tuple[list[RequestTrace], int]:
+        """The next batch off the queue: whole requests, up to max_batch_spans spans (or one request's,
+        should it have more); (the requests, their spans)."""
+        pending, limit = self._pending, self._max_batch_spans
+        count = taken = 0
+        for trace in pending:
+            if count + trace.span_count > limit and taken:
+                break
+            count += trace.span_count
+            taken += 1
+        batch = pending[:taken]
+        del pending[:taken]
+        self._pending_spans -= count
+        return batch, count
+
+    async def _post(self, body: list[bytes]) -> int:
+        """POSTs one export, its body in pieces (joined once, with the head); its HTTP status. A pooled
+        connection the collector closed while idle is replaced and the export sent again, as the
+        proxy does."""
+        size = sum(map(len, body))
+        data = b"".join([self._head, b"content-length: %d\r\n\r\n" % size, *body])
         loop = asyncio.get_running_loop()
         for fresh in (False, True):
             connection, reused = await self._connections.connection(fresh=fresh)
@@ -113,20 +145,20 @@ class OtlpHttpExporter:
             return exchange.status
         raise AssertionError("unreachable")
 
-    async def _export(self, batch: list[bytes]) -> None:
-        body = encode_export_request(self._resource, SCOPE_NAME, self._scope_version, batch)
+    async def _export(self, spans: list[bytes], count: int) -> None:
+        body = export_request_head(self._resource, SCOPE_NAME, self._scope_version, sum(map(len, spans))) + spans
         try:
             status = await self._post(body)
             ok, problem = status == 200, f"status {status}"
         except (UpstreamFailure, asyncio.TimeoutError, OSError) as error:
             ok, problem = False, repr(error)
         if ok:
-            self._exported.inc(len(batch))
+            self._exported.inc(count)
             if self._failing:
                 log.info("span export recovered", extra={"fields": {"url": self.url}})
             self._failing = False
             return
-        self._failed.inc(len(batch))
+        self._failed.inc(count)
         if not self._failing:
             log.warning("span export failed; spans are dropped until it works",
                         extra={"fields": {"url": self.url, "error": problem}})

@@ -3,8 +3,9 @@ request's way through the gateway, exported over OTLP (docs/observability.md, "T
 
 Cheap by construction. Tracing off, a request the client sent no `traceparent` with costs one check
 in `Proxy.handle`, and a `ContextVar` read per upstream attempt. Tracing on, the request path only
-stores times and facts on a `RequestTrace` (a slotted record, in the request's context); its spans
-are built and encoded once, when the request ends, and a background task exports them in batches.
+stores times and facts on a `RequestTrace` (a slotted record, in the request's context); at its end
+the record is queued whole, and the exporter's background task builds and encodes the spans of many
+requests at once (gateway/trace_spans.py) and exports them in batches.
 
 The spans of one request (names and attributes after OpenTelemetry's GenAI and HTTP conventions):
 - `{operation} {model}` (SERVER), the root, or a child of the client's span: arrival to the answer's
@@ -31,7 +32,6 @@ from tidegate.gateway.validation import Endpoint
 from tidegate.policy.degradation import DEGRADATION_HEADER
 from tidegate.telemetry.otlp import AttributeValue, SpanKind, SpanRecord
 from tidegate.telemetry.trace_context import (
-    FLAG_SAMPLED,
     clean_tracestate,
     format_traceparent,
     new_span_id,
@@ -45,7 +45,9 @@ if TYPE_CHECKING:
     from tidegate.gateway.overload import Ticket
     from tidegate.policy.identity import Identity
 
-__all__ = ["CURRENT_TRACE", "Tracing", "TracingSettings", "SpanSink", "RequestTrace", "PassThrough", "start_trace"]
+__all__ = ["CURRENT_TRACE", "Tracing", "TracingSettings", "SpanSink", "RequestTrace", "PassThrough", "start_trace",
+           "root_key", "root_attributes", "root_own_attributes", "admission_key", "admission_decided_s", "attempt_end",
+           "admission_attributes", "queue_attributes", "attempt_attributes"]
 
 # the trace of the request the running task serves; None when it has none. Read only from the
 # request's own task (and tasks it starts), never from protocol callbacks: a pooled upstream
@@ -62,9 +64,10 @@ _ATTRIBUTE_SETS = 4096  # distinct attribute sets kept; past it they are made an
 
 
 class SpanSink(Protocol):
-    """Where finished spans go: the built-in OTLP/HTTP exporter, or the OpenTelemetry SDK."""
+    """Where ended request traces go: the built-in OTLP/HTTP exporter (it encodes them in batches), or
+    the OpenTelemetry SDK (`RequestTrace.spans`)."""
 
-    def submit(self, spans: list[SpanRecord]) -> None: ...
+    def submit_trace(self, trace: RequestTrace) -> None: ...
 
 
 class TracingSettings:
@@ -80,11 +83,12 @@ class PassThrough:
     """A request that is not recorded: the upstream gets the same trace header lines on every attempt
     (the client's own, tracing off; or the gateway's unsampled context, tracing on)."""
 
-    __slots__ = ("lines", "token")
+    __slots__ = ("lines", "token", "trace_id")
 
-    def __init__(self, lines: bytes) -> None:
+    def __init__(self, lines: bytes, trace_id: int) -> None:
         self.lines = lines
         self.token: Token | None = None
+        self.trace_id = trace_id  # for the access log
 
     def upstream_headers(self, replica: Replica) -> bytes:
         return self.lines
@@ -119,28 +123,30 @@ class _Attempt:
 
 
 class RequestTrace:
-    """One recorded request: its ids, and the times and facts its spans are built from at its end.
-    Each hook stores a little and returns; nothing here awaits."""
+    """One recorded request: its ids, and the times and facts its spans are built from. Each hook
+    stores a little and returns; nothing here awaits. `end` stamps it and hands it to the sink as it
+    is; the sink builds and encodes its spans later, in batches (`settle`, gateway/trace_spans.py):
+    off the request's way, with the encoder's code and caches warm."""
 
-    __slots__ = ("tracing", "token", "trace_id", "span_id", "parent_id", "tracestate", "operation", "path",
-                 "request_id", "started_s", "anchor_s", "anchor_ns", "attempts", "first_token_s", "tenant", "tier",
-                 "ticket", "admitted_s", "verdict", "input_tokens", "output_tokens", "usage")
+    __slots__ = (
+        # set on the request's way
+        "tracing", "token", "trace_id", "parent_id", "tracestate", "operation", "request_id", "started_s",
+        "attempts", "first_token_s", "tenant", "tier", "ticket", "admitted_s", "verdict", "input_tokens",
+        "output_tokens", "usage",
+        # set by `end` and `settle`
+        "span_id", "admission_id", "queue_id", "ended_s", "model", "status", "replica_id", "error",
+        "error_type", "rung", "output_estimate", "queued_s", "dispatched_s", "predicted_wait_s", "span_count")
 
     def __init__(self, tracing: Tracing, trace_id: int, parent_id: int, tracestate: bytes | None,
-                 endpoint: Endpoint, path: bytes, request_id: bytes, started_s: float) -> None:
+                 operation: str, request_id: bytes, started_s: float) -> None:
         self.tracing = tracing
         self.token: Token | None = None
         self.trace_id = trace_id
-        self.span_id = new_span_id()
         self.parent_id = parent_id  # the client's span; 0: the trace starts here
         self.tracestate = tracestate
-        self.operation = _OPERATIONS[endpoint]
-        self.path = path
+        self.operation = operation
         self.request_id = request_id
         self.started_s = started_s
-        # the gateway's clock is monotonic; spans need Unix time: one reading of each, side by side
-        self.anchor_s = tracing.clock()
-        self.anchor_ns = time.time_ns()
         self.attempts: list[_Attempt] = []
         self.first_token_s: float | None = None
         self.tenant: str | None = None
@@ -151,6 +157,13 @@ class RequestTrace:
         self.input_tokens: int | None = None  # as the upstream reported them
         self.output_tokens: int | None = None
         self.usage: Any = None  # overload control's `_Usage`: a stream's completion tokens
+        # read off the request's end: by `end` when it failed, by `settle` after
+        self.span_id = 0  # 0: not settled yet
+        self.rung: str | None = None
+        self.error: str | None = None
+        self.error_type: str | None = None
+        self.output_estimate: int | None = None
+        self.queued_s: float | None = None
 
     # -- hooks on the request's way (Proxy)
     def admitted(self, identity: Identity, ticket: Ticket | None = None, usage: Any = None) -> None:
@@ -168,13 +181,13 @@ class RequestTrace:
     def upstream_headers(self, replica: Replica) -> bytes:
         """An attempt starts on `replica`: the trace header lines for its request, with its own span id."""
         attempt = _Attempt(new_span_id(), replica, self.tracing.clock())
-        previous = self.attempts[-1] if self.attempts else None
-        if previous is not None and previous.ended_s is None:
-            previous.ended_s = attempt.sent_s  # resent on a fresh connection without a verdict
-        self.attempts.append(attempt)
+        attempts = self.attempts
+        if attempts and attempts[-1].ended_s is None:
+            attempts[-1].ended_s = attempt.sent_s  # resent on a fresh connection without a verdict
+        attempts.append(attempt)
         if not self.tracing.settings.propagate:
             return b""
-        line = b"traceparent: " + format_traceparent(self.trace_id, attempt.span_id, FLAG_SAMPLED) + b"\r\n"
+        line = b"traceparent: 00-%032x-%016x-01\r\n" % (self.trace_id, attempt.span_id)
         return line if self.tracestate is None else line + b"tracestate: " + self.tracestate + b"\r\n"
 
     def attempt_ended(self, failure: str | None) -> None:
@@ -204,104 +217,171 @@ class RequestTrace:
                 self.output_tokens = int(found.group(1))
 
     def end(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None) -> None:
-        """The request is answered: its spans are built and handed to the sink."""
+        """The request is answered: the record goes to the sink as it is (what the spans need of the
+        ticket and usage is read when they are built: `settle`); an error is read now, and let go."""
         if self.token is not None:
             CURRENT_TRACE.reset(self.token)
+            self.token = None
         tracing = self.tracing
         try:
-            tracing.sink.submit(self.spans(model, status, replica_id, error, tracing.clock()))
+            self.ended_s = tracing.clock()
+            self.model = model or "unknown"
+            self.status = status
+            self.replica_id = replica_id
+            attempts, tenant = self.attempts, self.tenant
+            if status >= 400 or error is not None:
+                self._failed(status, error)
+            # spans: the root, one per attempt, admission (overload control decided) and the wait for
+            # a replica (see `settle`), counted now for the exporter's bound
+            if tenant is None:
+                queue_span = bool(attempts)
+            else:
+                ticket = self.ticket
+                queue_span = self.verdict == "queued" and (bool(attempts) or ticket.dispatched_s is not None)
+            self.span_count = 2 + len(attempts) + queue_span if tenant is not None else 1 + len(attempts) + queue_span
+            tracing.sink.submit_trace(self)
         except Exception:  # a tracing fault must never fail a request
             tracing.failed += 1
 
-    # -- spans
-    def _ns(self, at_s: float) -> int:
-        return self.anchor_ns + int((at_s - self.anchor_s) * 1e9)
-
-    def spans(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None,
-              now_s: float) -> list[SpanRecord]:
-        """The request's spans. Their attributes that repeat across requests come from the tracer's
-        attribute sets, each built (and encoded by the exporter) once per distinct set; what is the
-        request's own (its id, its token counts) goes in `request_attributes`."""
-        tracing, trace_id, root_id, state = self.tracing, self.trace_id, self.span_id, self.tracestate or b""
-        model = model or "unknown"
-        ticket, tenant, tier = self.ticket, self.tenant, self.tier
-        rung = _rung(ticket.response_headers if ticket is not None else getattr(error, "headers", b""))
-        error_type = None
+    def _failed(self, status: int, error: BaseException | None) -> None:
+        """What the spans say of an error, read now: the error (and its traceback) is not kept."""
+        headers = getattr(error, "headers", b"") if self.ticket is None else b""
+        self.rung = _rung(headers) if headers and b"degradation" in headers else None
         if status >= 400:
-            error_type = error.code if isinstance(error, TidegateError) and error.code else str(status)
-        # answered without a replica of its own: the response cache, a request it joined, or overload
-        # control's cached-answer rung
-        answered_by = ("cache" if rung is None else rung) if status == 200 and replica_id is None \
-            and not self.attempts else None
-        key = ("root", self.operation, model, status, tenant, tier, replica_id, rung, error_type, answered_by)
-        attributes = tracing.attribute_set(key, self._root_attributes)
-        own: dict[str, AttributeValue] = {"tidegate.request_id": self.request_id.decode("latin-1")}
-        if self.input_tokens is not None:
-            own["gen_ai.usage.input_tokens"] = self.input_tokens
-        output_tokens, usage = self.output_tokens, self.usage
-        if output_tokens is None and usage is not None:
-            output_tokens = usage.reported
-            if output_tokens is None and self.first_token_s is not None:  # a stream without usage: its events
-                own["tidegate.output_tokens_estimate"] = usage.completion_tokens()
-        if output_tokens is not None:
-            own["gen_ai.usage.output_tokens"] = output_tokens
-        events = () if self.first_token_s is None else (("first_token", self._ns(self.first_token_s), {}),)
-        failed = status >= 500 or status == 499
-        spans = [SpanRecord(f"{self.operation} {model}", trace_id, root_id, self.parent_id, SpanKind.SERVER,
-                            self._ns(self.started_s), self._ns(now_s), attributes, events,
-                            error=(str(error) or str(status)) if failed else None, tracestate=state,
-                            remote_parent=self.parent_id != 0, attributes_key=key, request_attributes=own)]
-        # admission: overload control's decision, from arrival to its verdict (refusals end there)
-        first_sent_s = self.attempts[0].sent_s if self.attempts else None
-        if tenant is not None:
-            verdict = self.verdict or _refusal_verdict(error, status)
-            decided_s = self.admitted_s if self.admitted_s is not None else (first_sent_s or now_s)
-            key = ("admission", tenant, tier, verdict, rung)
-            spans.append(SpanRecord("tidegate.admission", trace_id, new_span_id(), root_id, SpanKind.INTERNAL,
-                                    spans[0].start_ns, self._ns(decided_s),
-                                    tracing.attribute_set(key, _admission_attributes), tracestate=state,
-                                    attributes_key=key))
+            self.error_type = error.code if isinstance(error, TidegateError) and error.code else str(status)
+            self.error = (str(error) or str(status)) if status >= 500 or status == 499 else None
+        if self.tenant is not None and self.verdict is None:
+            self.verdict = _refusal_verdict(error, status, self.rung)
+
+    def settle(self) -> None:
+        """The facts the spans need, read off the ticket and usage (which are let go), and the ids of
+        the spans no upstream has heard of. Done once, when the spans are built, off the request's way."""
+        if self.span_id:
+            return
+        self.span_id = new_span_id()
+        ticket, usage, attempts, status = self.ticket, self.usage, self.attempts, self.status
+        if ticket is not None:
+            headers = ticket.response_headers
+            self.rung = _rung(headers) if headers and b"degradation" in headers else None
+        if usage is not None and self.output_tokens is None:
+            self.output_tokens = usage.reported
+            if usage.reported is None and self.first_token_s is not None:  # a stream without usage: its events
+                self.output_estimate = usage.completion_tokens()
+        if self.tenant is not None:
+            self.admission_id = new_span_id()
+            if self.verdict is None:  # answered 200 without a ticket: overload control's cached answer
+                self.verdict = _refusal_verdict(None, status, self.rung)
         # the wait for a replica: admitted -> dispatched (overload control; none when it was assigned one
         # at arrival), or, without overload control, arrival -> first attempt (the wait for a free slot)
-        queued_s = self.admitted_s if self.verdict == "queued" else (self.started_s if tenant is None else None)
+        first_sent_s = attempts[0].sent_s if attempts else None
+        queued_s = self.admitted_s if self.verdict == "queued" else (self.started_s if self.tenant is None else None)
         dispatched_s = ticket.dispatched_s if ticket is not None and ticket.dispatched_s is not None else first_sent_s
         if queued_s is not None and dispatched_s is not None:
-            key = ("queue", tier)
+            self.queue_id = new_span_id()
+            self.queued_s = queued_s
+            self.dispatched_s = max(queued_s, dispatched_s)
+            self.predicted_wait_s = ticket.predicted_wait_s if ticket is not None else None
+        self.ticket = self.usage = None
+
+    # -- spans, as records (the SDK's sink, and the tests that check the encoder against it)
+    def spans(self, anchor_s: float, anchor_ns: int) -> list[SpanRecord]:
+        """The request's spans, once `end`ed. `anchor_s` and `anchor_ns`: one reading of the gateway's
+        monotonic clock and of Unix time, side by side (spans need Unix time)."""
+        self.settle()
+
+        def ns(at_s: float) -> int:
+            return anchor_ns + int((at_s - anchor_s) * 1e9)
+
+        tracing, trace_id, root_id, state = self.tracing, self.trace_id, self.span_id, self.tracestate or b""
+        key = root_key(self)
+        attributes = tracing.attribute_set(key, root_attributes)
+        own = root_own_attributes(self)
+        start_ns = ns(self.started_s)
+        events = () if self.first_token_s is None else (("first_token", ns(self.first_token_s), {}),)
+        spans = [SpanRecord(f"{self.operation} {self.model}", trace_id, root_id, self.parent_id, SpanKind.SERVER,
+                            start_ns, ns(self.ended_s), attributes, events, error=self.error, tracestate=state,
+                            remote_parent=self.parent_id != 0, attributes_key=key, request_attributes=own)]
+        if self.tenant is not None:
+            key = admission_key(self)
+            spans.append(SpanRecord("tidegate.admission", trace_id, self.admission_id, root_id, SpanKind.INTERNAL,
+                                    start_ns, ns(admission_decided_s(self)),
+                                    tracing.attribute_set(key, admission_attributes), tracestate=state,
+                                    attributes_key=key))
+        if self.queued_s is not None:
+            key = ("queue", self.tier)
             predicted = None
-            if ticket is not None and ticket.predicted_wait_s is not None:
-                predicted = {"tidegate.queue.predicted_wait_s": round(ticket.predicted_wait_s, 6)}
-            spans.append(SpanRecord("tidegate.queue", trace_id, new_span_id(), root_id, SpanKind.INTERNAL,
-                                    self._ns(queued_s), self._ns(max(queued_s, dispatched_s)),
-                                    tracing.attribute_set(key, _queue_attributes), tracestate=state,
+            if self.predicted_wait_s is not None:
+                predicted = {"tidegate.queue.predicted_wait_s": round(self.predicted_wait_s, 6)}
+            spans.append(SpanRecord("tidegate.queue", trace_id, self.queue_id, root_id, SpanKind.INTERNAL,
+                                    ns(self.queued_s), ns(self.dispatched_s),
+                                    tracing.attribute_set(key, queue_attributes), tracestate=state,
                                     attributes_key=key, request_attributes=predicted))
         for number, attempt in enumerate(self.attempts, 1):
-            replica = attempt.replica
-            ended_s = attempt.ended_s if attempt.ended_s is not None else now_s
-            outcome = attempt.outcome if attempt.ended_s is not None else ("cancelled" if status == 499 else "ok")
-            key = ("attempt", self.operation, replica, number, outcome)
+            ended_s, outcome = attempt_end(self, attempt)
+            key = ("attempt", self.operation, attempt.replica, number, outcome)
             attempt_events = () if attempt.first_token_s is None \
-                else (("first_token", self._ns(attempt.first_token_s), {}),)
-            spans.append(SpanRecord(f"{self.operation} {replica.upstream_model}", trace_id, attempt.span_id, root_id,
-                                    SpanKind.CLIENT, self._ns(attempt.sent_s), self._ns(ended_s),
-                                    tracing.attribute_set(key, _attempt_attributes), attempt_events,
+                else (("first_token", ns(attempt.first_token_s), {}),)
+            spans.append(SpanRecord(f"{self.operation} {attempt.replica.upstream_model}", trace_id, attempt.span_id,
+                                    root_id, SpanKind.CLIENT, ns(attempt.sent_s), ns(ended_s),
+                                    tracing.attribute_set(key, attempt_attributes), attempt_events,
                                     error=None if outcome == "ok" else outcome, tracestate=state, attributes_key=key))
         return spans
 
-    @staticmethod
-    def _root_attributes(key: tuple) -> dict[str, AttributeValue]:
-        _, operation, model, status, tenant, tier, replica_id, rung, error_type, answered_by = key
-        attributes: dict[str, AttributeValue] = {
-            "gen_ai.operation.name": operation, "gen_ai.request.model": model, "http.request.method": "POST",
-            "http.route": _ROUTES[operation], "http.response.status_code": status}
-        for name, value in (("tidegate.tenant", tenant), ("tidegate.tier", tier), ("tidegate.replica", replica_id),
-                            ("tidegate.degradation", rung), ("error.type", error_type),
-                            ("tidegate.answered_by", answered_by)):
-            if value is not None:
-                attributes[name] = value
-        return attributes
+
+# -- the facts of an ended RequestTrace, as its spans show them (shared by `spans` and the encoder)
+def root_key(trace: RequestTrace) -> tuple:
+    """What names the root span's attribute set. Answered without a replica of its own: the response
+    cache, a request it joined, or overload control's cached-answer rung."""
+    rung = trace.rung
+    answered_by = ("cache" if rung is None else rung) if trace.status == 200 and trace.replica_id is None \
+        and not trace.attempts else None
+    return ("root", trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id, rung,
+            trace.error_type, answered_by)
 
 
-def _admission_attributes(key: tuple) -> dict[str, AttributeValue]:
+def root_own_attributes(trace: RequestTrace) -> dict[str, AttributeValue]:
+    own: dict[str, AttributeValue] = {"tidegate.request_id": trace.request_id.decode("latin-1")}
+    if trace.input_tokens is not None:
+        own["gen_ai.usage.input_tokens"] = trace.input_tokens
+    if trace.output_tokens is not None:
+        own["gen_ai.usage.output_tokens"] = trace.output_tokens
+    elif trace.output_estimate is not None:
+        own["tidegate.output_tokens_estimate"] = trace.output_estimate
+    return own
+
+
+def admission_key(trace: RequestTrace) -> tuple:
+    return ("admission", trace.tenant, trace.tier, trace.verdict, trace.rung)
+
+
+def admission_decided_s(trace: RequestTrace) -> float:
+    """Overload control's verdict: admitted, or (refusals end there) the first attempt, or the end."""
+    if trace.admitted_s is not None:
+        return trace.admitted_s
+    return trace.attempts[0].sent_s if trace.attempts else trace.ended_s
+
+
+def attempt_end(trace: RequestTrace, attempt: _Attempt) -> tuple[float, str]:
+    """When an attempt ended and how: one the request outlived without a verdict ended with it."""
+    if attempt.ended_s is not None:
+        return attempt.ended_s, attempt.outcome
+    return trace.ended_s, "cancelled" if trace.status == 499 else "ok"
+
+
+def root_attributes(key: tuple) -> dict[str, AttributeValue]:
+    _, operation, model, status, tenant, tier, replica_id, rung, error_type, answered_by = key
+    attributes: dict[str, AttributeValue] = {
+        "gen_ai.operation.name": operation, "gen_ai.request.model": model, "http.request.method": "POST",
+        "http.route": _ROUTES[operation], "http.response.status_code": status}
+    for name, value in (("tidegate.tenant", tenant), ("tidegate.tier", tier), ("tidegate.replica", replica_id),
+                        ("tidegate.degradation", rung), ("error.type", error_type),
+                        ("tidegate.answered_by", answered_by)):
+        if value is not None:
+            attributes[name] = value
+    return attributes
+
+
+def admission_attributes(key: tuple) -> dict[str, AttributeValue]:
     _, tenant, tier, verdict, rung = key
     attributes: dict[str, AttributeValue] = {"tidegate.tenant": tenant, "tidegate.admission.verdict": verdict}
     if tier is not None:
@@ -311,11 +391,11 @@ def _admission_attributes(key: tuple) -> dict[str, AttributeValue]:
     return attributes
 
 
-def _queue_attributes(key: tuple) -> dict[str, AttributeValue]:
+def queue_attributes(key: tuple) -> dict[str, AttributeValue]:
     return {} if key[1] is None else {"tidegate.tier": key[1]}
 
 
-def _attempt_attributes(key: tuple) -> dict[str, AttributeValue]:
+def attempt_attributes(key: tuple) -> dict[str, AttributeValue]:
     _, operation, replica, number, outcome = key
     endpoint = replica.connections.endpoint
     return {"gen_ai.operation.name": operation, "gen_ai.request.model": replica.upstream_model,
@@ -324,11 +404,11 @@ def _attempt_attributes(key: tuple) -> dict[str, AttributeValue]:
 
 
 def _rung(headers: bytes) -> str | None:
-    found = _RUNG.search(headers) if headers and b"degradation" in headers else None
+    found = _RUNG.search(headers)
     return found.group(1).decode() if found is not None else None
 
 
-def _refusal_verdict(error: BaseException | None, status: int) -> str:
+def _refusal_verdict(error: BaseException | None, status: int, rung: str | None) -> str:
     """Overload control's verdict for a request it did not admit, from the answer it raised."""
     if status == 429:
         return "rate_limited"
@@ -336,7 +416,7 @@ def _refusal_verdict(error: BaseException | None, status: int) -> str:
         return "too_large"
     if status == 200:
         return "cached_answer"
-    if error is not None and _rung(getattr(error, "headers", b"")) is not None:
+    if error is not None and rung is not None:
         return "degraded"
     return "refused" if status >= 400 else "admitted"
 
@@ -375,23 +455,25 @@ class Tracing:
             trace_id, parent_id = new_trace_id(), 0
             sampled = (trace_id & _LOW64) < self._ratio_bound  # sampled_by_ratio, its bound computed once
         if sampled:
-            return RequestTrace(self, trace_id, parent_id, tracestate, endpoint, request.path, request_id, started_s)
+            return RequestTrace(self, trace_id, parent_id, tracestate, _OPERATIONS[endpoint], request_id, started_s)
         if not settings.propagate:
-            return PassThrough(b"")
+            return PassThrough(b"", trace_id)
         # not recorded: the upstream still hears the trace and that it is not sampled (W3C flags 00),
         # under one span id that stands for the gateway
         line = b"traceparent: " + format_traceparent(trace_id, new_span_id(), 0) + b"\r\n"
-        return PassThrough(line if tracestate is None else line + b"tracestate: " + tracestate + b"\r\n")
+        return PassThrough(line if tracestate is None else line + b"tracestate: " + tracestate + b"\r\n", trace_id)
 
 
 def _pass_through(request: HttpRequest) -> PassThrough | None:
     """Tracing off: a valid client traceparent (and its tracestate) go to the upstream unchanged."""
-    if parse_traceparent(request.traceparent) is None:
+    parent = parse_traceparent(request.traceparent)
+    if parent is None:
         return None
     assert request.traceparent is not None
     lines = b"traceparent: " + request.traceparent.strip(b" \t") + b"\r\n"
     tracestate = clean_tracestate(request.tracestate)
-    return PassThrough(lines if tracestate is None else lines + b"tracestate: " + tracestate + b"\r\n")
+    return PassThrough(lines if tracestate is None else lines + b"tracestate: " + tracestate + b"\r\n",
+                       parent.trace_id)
 
 
 def start_trace(tracing: Tracing | None, request: HttpRequest, endpoint: Endpoint, request_id: bytes,

@@ -51,14 +51,19 @@ class AccessLog:
         self._task: asyncio.Task[None] | None = None
 
     def record(self, request_id: bytes, method: bytes, path: bytes, model: str | None, status: int,
-               duration_s: float, replica: str | None) -> None:
+               duration_s: float, replica: str | None, trace_id: int | None = None) -> None:
+        """`trace_id`: the W3C trace the request belongs to (traced, or a client's passed on), so that a
+        line leads to its spans."""
         if not self.enabled:
             return
-        line = orjson.dumps({
+        entry = {
             "ts": round(time.time(), 3), "type": "access", "request_id": request_id.decode("latin-1"),
             "method": method.decode("latin-1"), "path": path.decode("latin-1"), "model": model,
             "status": status, "duration_ms": round(duration_s * 1000.0, 3), "replica": replica,
-        }, option=orjson.OPT_APPEND_NEWLINE)
+        }
+        if trace_id is not None:
+            entry["trace_id"] = "%032x" % trace_id
+        line = orjson.dumps(entry, option=orjson.OPT_APPEND_NEWLINE)
         self._lines.append(line)
         self._size += len(line)
         if self._size > 65536:

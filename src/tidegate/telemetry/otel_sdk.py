@@ -10,6 +10,7 @@ the SDK's OTLP encoder builds a protobuf object per span and attribute.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,6 +49,10 @@ class SdkSpanSink:
         self._kinds = {SpanKind.INTERNAL: api.SpanKind.INTERNAL, SpanKind.SERVER: api.SpanKind.SERVER,
                        SpanKind.CLIENT: api.SpanKind.CLIENT}
         self._sdk_event = sdk.Event
+
+    def submit_trace(self, trace: Any) -> None:
+        """An ended request's trace (gateway/tracing.py `RequestTrace`): its spans, built now."""
+        self.submit(trace.spans(trace.tracing.clock(), time.time_ns()))
 
     def submit(self, spans: list[SpanRecord]) -> None:
         api = self._api

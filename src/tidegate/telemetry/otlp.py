@@ -15,7 +15,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 
-__all__ = ["SpanKind", "SpanRecord", "encode_span", "encode_export_request", "traces_url", "AttributeValue"]
+__all__ = ["SpanKind", "SpanRecord", "encode_span", "encode_export_request", "traces_url", "AttributeValue",
+           "varint", "length_field", "key_field", "span_attribute", "span_attributes", "export_request_head"]
 
 AttributeValue = str | bool | int | float
 
@@ -116,6 +117,22 @@ def _attributes(tag: bytes, attributes: dict[str, AttributeValue], cache: dict[t
     return b"".join(out)
 
 
+# the parts a span encoder of its own (gateway/trace_spans.py) writes the same bytes with
+varint = _varint
+length_field = _field
+key_field = _key
+
+
+def span_attribute(name: str, value: AttributeValue) -> bytes:
+    """One element of `Span.attributes` (field 9)."""
+    return _field(b"\x4a", _key(name) + _field(b"\x12", _any_value(value)))
+
+
+def span_attributes(attributes: dict[str, AttributeValue]) -> bytes:
+    """`Span.attributes`, every pair encoded anew: for a set that is then kept encoded."""
+    return b"".join(span_attribute(name, value) for name, value in attributes.items())
+
+
 def _own_attributes(attributes: dict[str, AttributeValue]) -> bytes:
     """A span's own attributes under Span.attributes: integers (token counts) repeat, the rest not."""
     out = []
@@ -201,10 +218,19 @@ def encode_span(span: SpanRecord) -> bytes:
 def encode_export_request(resource: dict[str, AttributeValue], scope_name: str, scope_version: str,
                           spans: list[bytes]) -> bytes:
     """An ExportTraceServiceRequest of spans from `encode_span`, of one resource and instrumentation scope."""
-    scope = _field(b"\x0a", scope_name.encode()) + _field(b"\x12", scope_version.encode())
-    scope_spans = _field(b"\x0a", scope) + b"".join(spans)
-    resource_spans = _field(b"\x0a", _attributes(b"\x0a", resource, {})) + _field(b"\x12", scope_spans)
-    return _field(b"\x0a", resource_spans)
+    return b"".join(export_request_head(resource, scope_name, scope_version, sum(map(len, spans))) + spans)
+
+
+def export_request_head(resource: dict[str, AttributeValue], scope_name: str, scope_version: str,
+                        spans_size: int) -> list[bytes]:
+    """The ExportTraceServiceRequest up to its spans, `spans_size` bytes of them (from `encode_span`),
+    which follow it: so that a large export is joined once."""
+    scope = _field(b"\x0a", _field(b"\x0a", scope_name.encode()) + _field(b"\x12", scope_version.encode()))
+    resource_field = _field(b"\x0a", _attributes(b"\x0a", resource, {}))
+    scope_spans_size = len(scope) + spans_size
+    scope_spans_head = b"\x12" + _varint(scope_spans_size) + scope
+    resource_spans_size = len(resource_field) + len(scope_spans_head) + scope_spans_size - len(scope)
+    return [b"\x0a" + _varint(resource_spans_size) + resource_field + scope_spans_head]
 
 
 def traces_url(endpoint: str) -> str:

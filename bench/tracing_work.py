@@ -1,0 +1,100 @@
+"""Tracing's own work per request, in one process, without the rest of a request around it.
+
+    python bench/tracing_work.py [--requests 20000] [--rounds 5]
+
+Drives the tracer's hooks as the proxy calls them for a request under overload control (admitted,
+an attempt, its answer, the end), sampling 1.0, into the built-in exporter (not started: nothing is
+sent), encoding each batch of spans as its export task does when one is due. Prints microseconds per request of
+the request's way (the hooks) and of the batch encoding, best of rounds. Live, interleaved with the
+rest of a request, the same work costs more (bench/gateway_overhead.py --tracing measures that).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from prometheus_client import CollectorRegistry  # noqa: E402
+
+from tidegate.gateway.trace_export import OtlpHttpExporter  # noqa: E402
+from tidegate.gateway.tracing import Tracing, TracingSettings, start_trace  # noqa: E402
+from tidegate.gateway.validation import Endpoint  # noqa: E402
+
+ANSWER = (b'{"id":"chatcmpl-1","object":"chat.completion","created":0,"model":"mock","choices":[{"index":0,'
+          b'"message":{"role":"assistant","content":"one two three"},"finish_reason":"length"}],'
+          b'"usage":{"prompt_tokens":12,"completion_tokens":16,"total_tokens":28}}')
+
+
+class Replica:
+    def __init__(self, number: int) -> None:
+        self.replica_id = f"mock#{number}@127.0.0.1:{8000 + number}"
+        self.upstream_model = "mock"
+        self.connections = SimpleNamespace(endpoint=SimpleNamespace(host="127.0.0.1", port=8000 + number))
+
+
+class Usage:
+    reported = 16
+
+    def completion_tokens(self) -> int:
+        return 16
+
+
+def run(requests: int) -> tuple[float, float, int]:
+    """(request path s, encoding s, spans) for `requests` requests."""
+    exporter = OtlpHttpExporter("http://127.0.0.1:9", {"service.name": "tidegate"}, scope_version="0",
+                                registry=CollectorRegistry())
+    tracing = Tracing(TracingSettings(), exporter)
+    request = SimpleNamespace(traceparent=None, tracestate=None, path=b"/v1/chat/completions")
+    identity = SimpleNamespace(tenant="default", tier=None)
+    replicas = [Replica(number) for number in range(4)]
+    usage = Usage()
+    clock = time.monotonic
+    request_path_s = encoding_s = 0.0
+    spans = 0
+    started = time.process_time()
+    for number in range(requests):
+        trace = start_trace(tracing, request, Endpoint.CHAT, b"5f3a9c1e-%x" % number, clock())
+        trace.admitted(identity)
+        ticket = SimpleNamespace(tier="default", future=None, response_headers=b"x-ratelimit-limit-requests: 100\r\n",
+                                 predicted_wait_s=None, dispatched_s=clock())
+        trace.admitted(identity, ticket, usage)
+        replica = replicas[number % 4]
+        trace.upstream_headers(replica)
+        trace.attempt_ended(None)
+        trace.answered(ANSWER)
+        trace.end("mock", 200, replica.replica_id, None)
+        if exporter._pending_spans >= exporter._max_batch_spans:  # a batch is due, as the export task sees it
+            encoding_started = time.process_time()
+            request_path_s += encoding_started - started
+            batch, count = exporter._take_batch()
+            exporter._encoder.encode_chunks(batch, clock(), time.time_ns())
+            spans += count
+            started = time.process_time()
+            encoding_s += started - encoding_started
+    request_path_s += time.process_time() - started
+    return request_path_s, encoding_s, spans
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=20000)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    results = [run(args.requests) for _ in range(args.rounds)]
+    path_s = min(result[0] for result in results)
+    encode_s = min(result[1] for result in results)
+    spans = results[0][2]
+    print(f"{args.requests} requests, {spans / args.requests:.2f} spans each (encoded), best of {args.rounds}: "
+          f"request path {path_s / args.requests * 1e6:.2f} us  batch encoding {encode_s / args.requests * 1e6:.2f} us"
+          f"  total {(path_s + encode_s) / args.requests * 1e6:.2f} us a request (the ticket-like record the bench"
+          f" makes for each request included)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
