@@ -11,7 +11,7 @@ Scenarios (the seeds'), at 1/100 of their rates so that an hour simulates in abo
   trace  the Azure conversation trace, one hour, rate-scaled x10 (~54 req/s, bursty).
 Policies: tidegate (`policy.autoscale.Autoscaler` on work demand: tokens arriving over a replica's
 measured token throughput; reactive + triggers + panic + predictive: Holt-Winters on the day, the
-last bucket's growth elsewhere), an HPA-default
+last bucket's rate elsewhere), an HPA-default
 rule (`HpaRule`, on requests held: 15 s sync, 10 % tolerance, 300 s scale-down window), static
 provisioning for twice the peak, and the offline oracle (`sim.oracle`: the fewest replica-hours for
 the known future at a 95 % utilisation ceiling, cold starts paid, run through the simulator).
@@ -226,8 +226,8 @@ def run_scenario(scenario: Scenario, args) -> bool:
     initial = max(1, math.ceil(scenario.rate_at(0.0) / (capacity_rps * args.target_utilisation)))
     settings = AutoscaleSettings(args.slots, min_replicas=1, max_replicas=args.max_replicas,
                                  cold_start_s=args.cold_start_s, forecast_bucket_s=BUCKET_S)
-    # a daily season with history: Holt-Winters; none known: the last bucket scaled by its growth
-    # (seasonal-naive over one bucket). Holt-Winters there is Holt's linear trend, which carried the
+    # a daily season with history: Holt-Winters; none known: seasonal-naive over one bucket (ahead
+    # of what it saw, the last bucket's rate). Holt-Winters there is Holt's linear trend, which carried the
     # surge's ramp on past its end: 7 replicas on the 120 req/s plateau where 6 serve it at 83 %
     forecaster = (HoltWinters(BUCKET_S, scenario.season_s) if scenario.history
                   else SeasonalNaive(BUCKET_S, BUCKET_S))
