@@ -126,10 +126,14 @@ class HealthConfig(_Strict):
     interval_s: float = Field(2.0, gt=0)  # active GET /health period
     timeout_s: float = Field(2.0, gt=0)
     failure_threshold: int = Field(3, ge=1)  # consecutive request failures that eject a replica
-    failure_ratio: float = Field(0.2, gt=0, le=1)  # or this share failing of its last ~16 requests
+    # or its share failing of its last ~16 requests exceeds the median of the pool's others by this
+    failure_ratio: float = Field(0.2, gt=0, le=1)
     cooldown_s: float = Field(5.0, gt=0)
     max_cooldown_s: float = Field(60.0, gt=0)
     max_ejected_fraction: float = Field(0.5, gt=0, le=1)  # of a pool's replicas (at least one)
+    # with overload control: eject a replica whose engine is this many times slower than the median
+    # of the pool's others (its fitted TTFT speed factor); off by default (policy/health.py says why)
+    latency_factor: float | None = Field(None, gt=1)
     # retries on another replica (connection failure or 5xx before anything reached the client):
     # at most this many per request sent, plus retry_budget_min_per_s
     retry_budget_ratio: float = Field(0.2, ge=0)

@@ -3,6 +3,7 @@ and a new gateway on the same port (SO_REUSEPORT) takes over while the old one d
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
@@ -35,6 +36,24 @@ def _gateway(tmp: Path, port: int, mock_port: int, **server: object) -> ManagedP
     path.write_text(yaml.safe_dump(config))
     return start_process(tidegate_argv("serve", "--config", str(path)), ready_url=f"http://127.0.0.1:{port}/ready",
                          timeout_s=30)
+
+
+def _wait_own_readiness(process: ManagedProcess, metrics_port: int, timeout_s: float = 30.0) -> None:
+    """Waits until this gateway itself listens and routes: on a shared port (SO_REUSEPORT) /ready may
+    be answered by the gateway it replaces, so its own metrics listener (opened after the main one)
+    is asked whether its replicas take traffic."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert process.popen.poll() is None, process.log()[-4000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/status.json", timeout=2) as response:
+                pools = json.loads(response.read())["pools"]
+            if all(replica["routable"] for pool in pools for replica in pool["replicas"]):
+                return
+        except (urllib.error.URLError, ConnectionError, OSError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"the new gateway was not ready after {timeout_s}s\n{process.log()[-4000:]}")
 
 
 def _ready_status(port: int) -> int:
@@ -98,7 +117,10 @@ def test_a_restart_on_the_same_port_refuses_nothing(tmp_path: Path) -> None:
         for thread in threads:
             thread.start()
         time.sleep(1.0)
-        new = _gateway(tmp_path, port, mock_port, reuse_port=True, shutdown_delay_s=0.5)
+        new_metrics_port = free_port()
+        new = _gateway(tmp_path, port, mock_port, reuse_port=True, shutdown_delay_s=0.5,
+                       metrics_port=new_metrics_port)
+        _wait_own_readiness(new, new_metrics_port)  # its /ready on the shared port may be the old one's
         before = served[0]
         old.popen.send_signal(signal.SIGTERM)
         assert old.popen.wait(timeout=30) == 0

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import random
 
-from tidegate.policy.health import CLOSED_BREAKER, BreakerPolicy, BreakerState, is_routable
+import pytest
+
+from tidegate.policy.health import CLOSED_BREAKER, BreakerPolicy, BreakerState, EjectionReason, is_routable, median
 from tidegate.types import ReplicaHealth
 
 POLICY = BreakerPolicy(failure_threshold=3, cooldown_s=5.0, max_cooldown_s=12.0)
@@ -148,3 +150,66 @@ def test_unhealthy_replica_is_not_routable_even_with_closed_breaker() -> None:
     assert not is_routable(ReplicaHealth.UNHEALTHY, CLOSED_BREAKER, 0.0)
     assert not is_routable(ReplicaHealth.UNKNOWN, CLOSED_BREAKER, 0.0)
     assert is_routable(ReplicaHealth.HEALTHY, CLOSED_BREAKER, 0.0)
+
+
+def _run_outcomes(breaker, policy, failure_share, outcomes, seed, pool_failure_ratio=0.0):
+    rng = random.Random(seed)
+    for _ in range(outcomes):
+        if rng.random() < failure_share:
+            breaker = breaker.on_failure(0.0, 0.0, policy, pool_failure_ratio=pool_failure_ratio)
+        else:
+            breaker = breaker.on_success(0.0, 0.0, policy)
+        if breaker.state is not BreakerState.CLOSED:
+            break
+    return breaker
+
+
+def test_a_fleet_failing_alike_is_not_ejected_by_ratio() -> None:
+    # every replica fails 30 % (an overloaded fleet, a bad request pattern): the pool's median fails
+    # as much, so none is an outlier, and ejecting one would only take capacity away. Against healthy
+    # peers the same replica is ejected within 100 outcomes in every run; beside peers failing
+    # alike only a run of bad luck does it (the moving ratio of ~16 outcomes is noisy)
+    policy = BreakerPolicy(failure_threshold=1_000)
+    alone = [_run_outcomes(CLOSED_BREAKER, policy, 0.3, 100, seed=seed) for seed in range(40)]
+    alike = [_run_outcomes(CLOSED_BREAKER, policy, 0.3, 100, seed=seed, pool_failure_ratio=0.3)
+             for seed in range(40)]
+    assert sum(b.state is BreakerState.OPEN for b in alone) == 40
+    assert sum(b.state is BreakerState.OPEN for b in alike) <= 10
+
+
+def test_ratio_ejection_names_success_rate_as_its_reason() -> None:
+    policy = BreakerPolicy(failure_threshold=1_000)
+    breaker = _run_outcomes(CLOSED_BREAKER, policy, 0.3, 200, seed=7)
+    assert breaker.state is BreakerState.OPEN and breaker.reason is EjectionReason.SUCCESS_RATE
+
+
+def test_consecutive_failures_name_consecutive_as_the_reason() -> None:
+    breaker = _fail(CLOSED_BREAKER, 3, now_s=4.0)
+    assert breaker.reason is EjectionReason.CONSECUTIVE and breaker.ejected_s == 4.0
+
+
+def test_a_failed_probe_keeps_the_reason_and_moves_the_ejection_time() -> None:
+    policy = BreakerPolicy(failure_threshold=1_000, cooldown_s=5.0)
+    breaker = _run_outcomes(CLOSED_BREAKER, policy, 0.3, 200, seed=7)
+    probe_s = breaker.reopen_at_s
+    again = _probe(breaker, probe_s).on_failure(probe_s, probe_s, policy)
+    assert again.reason is EjectionReason.SUCCESS_RATE and again.ejected_s == probe_s > breaker.ejected_s
+
+
+def test_a_slow_replica_is_ejected_for_latency_and_a_probe_returns_it() -> None:
+    breaker = CLOSED_BREAKER.on_slow(2.0, POLICY)
+    assert breaker.state is BreakerState.OPEN and breaker.reason is EjectionReason.LATENCY
+    probe_s = breaker.reopen_at_s
+    closed = _probe(breaker, probe_s).on_success(probe_s + 0.1, probe_s, POLICY)
+    assert closed.state is BreakerState.CLOSED and closed.ejected_s == 2.0  # the last ejection is remembered
+
+
+def test_an_ejected_replica_is_not_ejected_again_for_latency() -> None:
+    breaker = _fail(CLOSED_BREAKER, 3, now_s=1.0)
+    assert breaker.on_slow(2.0, POLICY) is breaker
+
+
+def test_median_of_an_odd_an_even_and_no_count() -> None:
+    assert median([0.5, 0.0, 0.1]) == 0.1
+    assert median([0.4, 0.0, 0.2, 0.1]) == pytest.approx(0.15)
+    assert median([]) == 0.0

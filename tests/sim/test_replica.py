@@ -114,3 +114,20 @@ def test_stretches_of_decode_steps_give_the_records_of_one_step_at_a_time() -> N
         for name in ("dispatch_s", "first_token_s", "finish_s", "failed_s"):
             x, y = getattr(a, name), getattr(b, name)
             assert (x is None) == (y is None) and (x is None or abs(x - y) < 1e-6), (a.request_id, name, x, y)
+
+
+def test_the_step_observer_sees_every_step_and_their_times_add_up_to_the_busy_time() -> None:
+    requests = [SimRequest(i, 0.01 * i, "t", "standard", 200, 20) for i in range(8)]
+    harness = Harness([ReplicaSpec("r0", stretches=False)], FifoDispatcher(["r0"], default_tiers(), slot_limit=8))
+    seen: list[tuple[float, float, int]] = []
+    harness.replicas["r0"].step_observer = lambda _, start_s, step_s, batch: seen.append(
+        (start_s, step_s, batch.num_tokens))
+    result = harness.run(requests)
+    assert len(seen) == result.replicas[0].steps
+    assert sum(tokens for _, _, tokens in seen) == 8 * 200 + 8 * 19  # every prompt token, then a token per decode
+    starts = [start for start, _, _ in seen]
+    assert starts == sorted(starts)
+    # steps do not overlap, and the replica is busy exactly while one runs (no idle gap here: arrivals
+    # come faster than a step)
+    assert all(a + d <= b + 1e-12 for (a, d, _), (b, _, _) in zip(seen, seen[1:]))
+    assert sum(d for _, d, _ in seen) == pytest.approx(result.replicas[0].busy_s)

@@ -123,7 +123,8 @@ class Gateway:
         server, health = config.server, config.health
         breaker_policy = BreakerPolicy(health.failure_threshold, health.cooldown_s, health.max_cooldown_s,
                                        failure_ratio=health.failure_ratio,
-                                       max_ejected_fraction=health.max_ejected_fraction)
+                                       max_ejected_fraction=health.max_ejected_fraction,
+                                       latency_factor=health.latency_factor)
         retry_budget = RetryBudgetPolicy(ratio=health.retry_budget_ratio, min_per_s=health.retry_budget_min_per_s)
         self.pools: dict[str, ModelPool] = {}
         workers: list[WorkerSpec] = []
@@ -145,6 +146,8 @@ class Gateway:
             failover = pool_config.failover
             self.pools[pool_config.name].failover = FailoverPolicy(failover.enabled, failover.max_failovers)
         self.metrics = GatewayMetrics()
+        for pool in self.pools.values():
+            pool.ejections = self.metrics.replica_ejections
         self.access_log = AccessLog(server.access_log)
         api_keys = frozenset(b"Bearer " + key.get_secret_value().encode() for key in server.api_keys)
         metrics_key = b"Bearer " + server.metrics_api_key.get_secret_value().encode() \

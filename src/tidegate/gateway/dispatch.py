@@ -12,12 +12,13 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Callable, Collection
+from typing import Any
 
 from tidegate.errors import OverloadedError
 from tidegate.gateway.failover import FailoverPolicy
 from tidegate.gateway.scrub import SecretScrubber
 from tidegate.gateway.upstream import ConnectionPool
-from tidegate.policy.health import CLOSED_BREAKER, Breaker, BreakerPolicy, BreakerState
+from tidegate.policy.health import CLOSED_BREAKER, Breaker, BreakerPolicy, BreakerState, median
 from tidegate.policy.retry import RetryBudget, RetryBudgetPolicy
 from tidegate.policy.routing import any_routable, pick_replica
 from tidegate.types import ReplicaHealth, ReplicaLoad
@@ -138,6 +139,7 @@ class ModelPool:
         self._cursor = 0
         self.retry_budget = RetryBudget(retry_budget)  # retries on another replica, per pool
         self._released_s = created_s  # when a slot was last given back: a queue with no release is stuck
+        self.ejections: Any = None  # the gateway's ejection counter (pool, replica, reason), once it has one
         self.failover = FailoverPolicy()  # mid-stream failover (gateway/failover.py); the config sets it
         # overload control's body of this pool's controller (`overload._PoolBody.wake`): it owns the
         # queue and the slots then, and a health change wakes it instead of the FIFO queue
@@ -246,12 +248,22 @@ class ModelPool:
 
     def record_failure(self, replica: Replica, now_s: float, sent_s: float) -> None:
         """A request sent to `replica` at `sent_s` failed (no answer, or a 5xx): may eject it."""
-        before = replica.breaker
         policy = self.breaker_policy
         ejected = sum(1 for other in self.replicas if not other.breaker.admits(now_s))
         may_eject = ejected < max(1, int(len(self.replicas) * policy.max_ejected_fraction))
-        replica.breaker = after = before.on_failure(now_s, sent_s, policy, may_eject)
-        if after.state is BreakerState.OPEN and after.reopen_at_s != before.reopen_at_s:
+        pool_ratio = median([other.breaker.failure_ratio for other in self.replicas if other is not replica])
+        self.adopt_breaker(replica, replica.breaker.on_failure(now_s, sent_s, policy, may_eject, pool_ratio))
+
+    def adopt_breaker(self, replica: Replica, breaker: Breaker) -> None:
+        """Sets the replica's breaker (this pool's, or its controller's); a new ejection is logged and
+        counted with its reason (`tidegate_replica_ejections_total`)."""
+        before = replica.breaker
+        replica.breaker = breaker
+        if breaker.ejected_s > before.ejected_s and breaker.reason is not None:
+            reason = breaker.reason.value
             log.warning("replica ejected", extra={"fields": {
-                "replica": replica.replica_id, "consecutive_failures": after.consecutive_failures,
-                "failure_ratio": round(after.failure_ratio, 3), "cooldown_s": after.cooldown_s}})
+                "pool": self.name, "replica": replica.replica_id, "reason": reason,
+                "consecutive_failures": breaker.consecutive_failures,
+                "failure_ratio": round(breaker.failure_ratio, 3), "cooldown_s": breaker.cooldown_s}})
+            if self.ejections is not None:
+                self.ejections.labels(self.name, replica.replica_id, reason).inc()

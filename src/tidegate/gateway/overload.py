@@ -163,7 +163,7 @@ class _PoolBody:
         (read by readiness and metrics)."""
         for replica in self.pool.replicas:
             self.controller.on_replica_health(now_s, replica.replica_id, replica.health)
-            replica.breaker = self.controller.breaker(now_s, replica.replica_id)
+            self.pool.adopt_breaker(replica, self.controller.breaker(now_s, replica.replica_id))
 
     def wake(self, now_s: float) -> None:
         """A replica's health or load changed: hand out what may go now, with fresh loads."""
@@ -225,7 +225,7 @@ class _PoolBody:
             controller.on_finish(now_s, ticket.request_id, completion_tokens)
         else:  # the client left, or the gateway failed, while it was at the replica
             controller.on_cancel(now_s, ticket.request_id)
-        replica.breaker = controller.breaker(now_s, replica.replica_id)
+        self.pool.adopt_breaker(replica, controller.breaker(now_s, replica.replica_id))
 
 
 class OverloadRuntime:
@@ -364,7 +364,7 @@ class OverloadRuntime:
         ticket.replica = None
         replica.outstanding -= 1
         body.controller.on_failure(now_s, ticket.request_id, reason, retry=True)
-        replica.breaker = body.controller.breaker(now_s, replica.replica_id)
+        body.pool.adopt_breaker(replica, body.controller.breaker(now_s, replica.replica_id))
         ticket.failure = None
         body.wait(ticket)
         body.pump(now_s)

@@ -1,10 +1,18 @@
 """Passive ejection of a failing replica: a pure circuit-breaker state machine, time passed in.
 
-A CLOSED replica is ejected (OPEN) for a cool-down when it fails `failure_threshold` times in a
-row, or when its recent failure ratio (a moving average over about `ratio_window` outcomes)
-reaches `failure_ratio`: a replica failing 30 % of requests at random rarely fails three times in
-a row, and its instant errors keep its outstanding count lowest, so least-outstanding routing
-would favour it (`test_replica_failing_a_third_is_ejected_by_ratio`).
+A CLOSED replica is ejected (OPEN) for a cool-down, each ejection with its `EjectionReason`:
+- CONSECUTIVE: it fails `failure_threshold` times in a row;
+- SUCCESS_RATE: its recent failure ratio (a moving average over about `ratio_window` outcomes)
+  exceeds the median of the pool's other replicas by `failure_ratio` (Envoy's success-rate outlier
+  detection, against the median, which one outlier cannot drag). A replica failing 30 % of
+  requests at random rarely fails three times in a row, and its instant errors keep its outstanding
+  count lowest, so least-outstanding routing would favour it
+  (`test_replica_failing_a_third_is_ejected_by_ratio`); but when every replica fails alike (an
+  overloaded fleet, a bad request pattern) none is an outlier, and ejecting would only take
+  capacity away (`test_a_fleet_failing_alike_is_not_ejected_by_ratio`). The moving average starts
+  at 0, so at least four failures are needed: the minimum request volume.
+- LATENCY: the pool controller's fitted speed factor (`policy.pool`) is `latency_factor` times the
+  median of the others' or more; off by default (see `BreakerPolicy.latency_factor`).
 
 After the cool-down the breaker is HALF_OPEN: the next request routed to it is its one probe
 (PROBING; nothing else is routed there meanwhile). The probe's success closes the breaker; its
@@ -27,7 +35,8 @@ from enum import Enum
 
 from tidegate.types import ReplicaHealth
 
-__all__ = ["BreakerState", "BreakerPolicy", "Breaker", "CLOSED_BREAKER", "is_routable"]
+__all__ = ["BreakerState", "EjectionReason", "BreakerPolicy", "Breaker", "CLOSED_BREAKER", "is_routable",
+           "median"]
 
 
 class BreakerState(Enum):
@@ -37,18 +46,31 @@ class BreakerState(Enum):
     PROBING = "probing"  # the probe is in flight: nothing else until it answers (or `reopen_at_s`)
 
 
+class EjectionReason(Enum):
+    CONSECUTIVE = "consecutive"  # failure_threshold failures in a row (or its probe failed)
+    SUCCESS_RATE = "success_rate"  # failure ratio far above the pool's median
+    LATENCY = "latency"  # engine speed far below the pool's median
+
+
 @dataclass(frozen=True, slots=True)
 class BreakerPolicy:
     failure_threshold: int = 3  # consecutive failures that eject a closed replica
     cooldown_s: float = 5.0  # first ejection's length
     max_cooldown_s: float = 60.0  # repeated ejections double the cool-down up to this
-    # eject when the moving failure ratio reaches this; a healthy replica's 5xx are rare, and at
-    # 0.2 a replica failing 30 % is ejected after ~20 of its requests
+    # eject when the moving failure ratio exceeds the median of the pool's other replicas by this; a
+    # healthy replica's 5xx are rare, and at 0.2 a replica failing 30 % beside healthy ones is
+    # ejected after ~20 of its requests
     failure_ratio: float = 0.2
     ratio_window: int = 16  # outcomes the failure ratio averages over (weight 1/window each)
     # the breakers of a pool never eject more than this share of its replicas (at least one), so
     # an error every replica gives (a bad request pattern, an overloaded fleet) cannot empty it
     max_ejected_fraction: float = 0.5
+    # eject a replica whose fitted engine speed factor is this many times the median of the pool's
+    # others (slower); None: off. Off by default: routing by least predicted TTFT already sends a
+    # slow replica little, while ejecting one that still serves takes its capacity away from a pool
+    # in overload (`bench/chaos.py --only outliers --latency-factor 3` measures both)
+    latency_factor: float | None = None
+    latency_min_samples: int = 4  # first tokens a replica needs before its speed can eject it
 
     @property
     def ratio_weight(self) -> float:
@@ -64,6 +86,8 @@ class Breaker:
     cooldown_s: float = 0.0  # length of the current/last ejection; 0 before the first
     probe_sent_s: float = 0.0  # PROBING: when the probe was dispatched
     closed_at_s: float = 0.0  # when the last probe closed it: ejections soon after escalate
+    ejected_s: float = -1.0  # when it was last ejected; -1: never (a new ejection moves it)
+    reason: EjectionReason | None = None  # why it was last ejected
 
     def current(self, now_s: float) -> Breaker:
         """The breaker as it stands at now_s: an OPEN (or unanswered PROBING) breaker past
@@ -91,29 +115,52 @@ class Breaker:
             return replace(self, consecutive_failures=0, failure_ratio=ratio if ratio > 1e-3 else 0.0)
         if self.state is BreakerState.PROBING and sent_s >= self.probe_sent_s:
             return Breaker(BreakerState.CLOSED, 0, self.failure_ratio * (1.0 - policy.ratio_weight),
-                           cooldown_s=self.cooldown_s, closed_at_s=now_s)
+                           cooldown_s=self.cooldown_s, closed_at_s=now_s, ejected_s=self.ejected_s,
+                           reason=self.reason)
         return self  # stale: sent before the ejection or before the probe
 
-    def on_failure(self, now_s: float, sent_s: float, policy: BreakerPolicy, may_eject: bool = True) -> Breaker:
-        """A request sent at `sent_s` failed. `may_eject` False: the pool may not lose another replica."""
+    def on_failure(self, now_s: float, sent_s: float, policy: BreakerPolicy, may_eject: bool = True,
+                   pool_failure_ratio: float = 0.0) -> Breaker:
+        """A request sent at `sent_s` failed. `may_eject` False: the pool may not lose another replica.
+        `pool_failure_ratio`: the median failure ratio of the pool's other replicas."""
         if self.state is BreakerState.CLOSED:
             failures = self.consecutive_failures + 1
             ratio = self.failure_ratio + policy.ratio_weight * (1.0 - self.failure_ratio)
-            if may_eject and (failures >= policy.failure_threshold or ratio >= policy.failure_ratio):
-                return self._ejected(now_s, failures, ratio, policy)
+            if may_eject:
+                if failures >= policy.failure_threshold:
+                    return self._ejected(now_s, failures, ratio, policy, EjectionReason.CONSECUTIVE)
+                if ratio - pool_failure_ratio >= policy.failure_ratio:
+                    return self._ejected(now_s, failures, ratio, policy, EjectionReason.SUCCESS_RATE)
             return replace(self, consecutive_failures=failures, failure_ratio=ratio)
         if self.state is BreakerState.PROBING and sent_s >= self.probe_sent_s:
-            return self._ejected(now_s, self.consecutive_failures + 1, self.failure_ratio, policy)
+            return self._ejected(now_s, self.consecutive_failures + 1, self.failure_ratio, policy,
+                                 self.reason or EjectionReason.CONSECUTIVE)
         return self  # stale
 
-    def _ejected(self, now_s: float, failures: int, ratio: float, policy: BreakerPolicy) -> Breaker:
+    def on_slow(self, now_s: float, policy: BreakerPolicy) -> Breaker:
+        """Its speed made it a latency outlier (the caller checked the rule and the pool's ejection cap)."""
+        if self.state is not BreakerState.CLOSED:
+            return self
+        return self._ejected(now_s, self.consecutive_failures, self.failure_ratio, policy, EjectionReason.LATENCY)
+
+    def _ejected(self, now_s: float, failures: int, ratio: float, policy: BreakerPolicy,
+                 reason: EjectionReason) -> Breaker:
         escalate = self.cooldown_s > 0 and (self.state is not BreakerState.CLOSED
                                             or now_s - self.closed_at_s < policy.max_cooldown_s)
         cooldown = min(self.cooldown_s * 2.0, policy.max_cooldown_s) if escalate else policy.cooldown_s
-        return Breaker(BreakerState.OPEN, failures, ratio, now_s + cooldown, cooldown)
+        return Breaker(BreakerState.OPEN, failures, ratio, now_s + cooldown, cooldown, ejected_s=now_s, reason=reason)
 
 
 CLOSED_BREAKER = Breaker()
+
+
+def median(values: list[float]) -> float:
+    """The median of `values`; 0.0 for none (a pool of one replica compares it with no failures)."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2.0
 
 
 def is_routable(health: ReplicaHealth, breaker: Breaker, now_s: float) -> bool:

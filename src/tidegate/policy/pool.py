@@ -85,7 +85,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, is_routable
+from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, is_routable, median
 from tidegate.policy.prediction import WaitPredictor, WorkUnit
 from tidegate.policy.prefix import BLOCK_TOKENS, PrefixIndex
 from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReason
@@ -94,6 +94,10 @@ from tidegate.policy.tiers import TierSpec, TierTable
 from tidegate.policy.ttft_model import ReplicaSpeed, TtftFit, pool_line
 from tidegate.types import (ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, Refusal,
                             ReplicaHealth, ReplicaLoad)
+
+# the prompt size at which replicas' fitted engine times are compared by the latency rule: their
+# fits are one line scaled by each one's speed factor, so any size gives the same ratio but at 0
+_LATENCY_REFERENCE_TOKENS = 256
 
 __all__ = ["ServiceClass", "PoolReplica", "PoolSettings", "ReplicaSnapshot", "PoolSnapshot", "PoolController",
            "REFUSED_UNKNOWN_TIER", "REFUSED_NO_REPLICA", "REFUSED_PREDICTED_MISS"]
@@ -398,6 +402,8 @@ class PoolController:
         replica = self._replicas[sent.replica_id]
         self._prefilled(replica, sent)
         self._learn_speed(replica, sent.tokens_ahead, max(0.0, now_s - sent.sent_s))
+        if self.settings.breaker.latency_factor is not None:
+            self._eject_latency_outlier(now_s, replica)
 
     def on_finish(self, now_s: float, request_id: int | str, output_tokens: int | None = None) -> None:
         """A sent request ended well; `output_tokens`: what it really generated, if known."""
@@ -415,8 +421,9 @@ class PoolController:
         if sent is None:
             return
         replica = self._replicas[sent.replica_id]
+        pool_ratio = median([r.breaker.failure_ratio for r in self._order if r is not replica])
         replica.breaker = replica.breaker.on_failure(now_s, sent.sent_s, self.settings.breaker,
-                                                     may_eject=self._may_eject(now_s))
+                                                     may_eject=self._may_eject(now_s), pool_failure_ratio=pool_ratio)
         if retry:
             self._retries.append((sent.request, frozenset({sent.replica_id})))
         else:
@@ -592,6 +599,23 @@ class PoolController:
         for other, factor in zip(self._order, factors):
             if other.speed.samples > 0:
                 other.fit = TtftFit(line.fixed_s * factor, line.s_per_token * factor, other.speed.samples)
+
+    def _eject_latency_outlier(self, now_s: float, replica: _Replica) -> None:
+        """The latency rule of outlier detection (`BreakerPolicy.latency_factor`): a replica whose
+        fitted engine time is that many times the median of the other replicas' is ejected, like one
+        that fails (`test_a_replica_far_slower_than_the_pool_is_ejected_for_latency`)."""
+        policy = self.settings.breaker
+        assert policy.latency_factor is not None
+        if replica.breaker.state is not BreakerState.CLOSED or replica.fit is None \
+                or replica.speed.samples < policy.latency_min_samples:
+            return
+        others = [r.fit.predict_s(_LATENCY_REFERENCE_TOKENS) for r in self._order
+                  if r is not replica and r.fit is not None and r.speed.samples >= policy.latency_min_samples]
+        if not others:
+            return
+        if replica.fit.predict_s(_LATENCY_REFERENCE_TOKENS) >= policy.latency_factor * median(others) \
+                and self._may_eject(now_s):
+            replica.breaker = replica.breaker.on_slow(now_s, policy)
 
     def _demote_slots_of_new_floods(self, now_s: float) -> None:
         """Rule 5 for the requests a flood got in before its verdict: those a tenant newly judged

@@ -27,6 +27,7 @@ blocks are not hashed), so that requests share no prefix unless a caller says th
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -155,6 +156,10 @@ class ModelledReplica:
         self.steps = 0
         self.generated_tokens = 0
         self.preemptions = 0
+        # called as (replica_id, start_s, step_s, batch) when a single step starts (not for the
+        # decode stretches taken as one event: set `ReplicaSpec.stretches` False to see every step);
+        # for analyses of what a request waited for, such as bench/protection_anatomy.py
+        self.step_observer: Callable[[str, float, float, ScheduledBatch], None] | None = None
 
     @property
     def load(self) -> ReplicaLoad:
@@ -255,6 +260,8 @@ class ModelledReplica:
             return
         step_s = self.spec.cost.batch_step_s(batch) * self.slowdown
         self._next_step = self._loop.call_later(step_s, self._end_step, batch)
+        if self.step_observer is not None:
+            self.step_observer(self.replica_id, self._loop.now_s, step_s, batch)
 
     def _end_step(self, batch: ScheduledBatch) -> None:
         self._next_step = None

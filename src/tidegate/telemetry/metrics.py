@@ -53,6 +53,11 @@ class GatewayMetrics:
                                         "(dead or silent), by outcome: resumed on another replica, failed (the "
                                         "continuation failed too), refused (not continued: error event)",
                                         ["pool", "outcome"], registry=r)
+        self.replica_ejections = Counter("tidegate_replica_ejections", "Replicas ejected by their pool's "
+                                         "outlier detection, by reason: consecutive (failures in a row), "
+                                         "success_rate (failing far more than the pool's median), latency "
+                                         "(far slower than the pool's median)", ["pool", "replica", "reason"],
+                                         registry=r)
         self.replica_healthy = Gauge("tidegate_replica_healthy", "1 when the replica takes traffic",
                                      ["pool", "replica"], registry=r)
         self.replica_outstanding = Gauge("tidegate_replica_outstanding", "Requests sent and not finished",
