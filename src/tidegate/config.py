@@ -30,6 +30,7 @@ __all__ = [
     "ServerConfig",
     "HealthConfig",
     "AutoscaleConfig",
+    "ForecastConfig",
     "CacheConfig",
     "BatchConfig",
     "SharedStateConfig",
@@ -192,6 +193,27 @@ class KubernetesTargetConfig(_Strict):
     name: str = Field(min_length=1)
 
 
+class ForecastConfig(_Strict):
+    """The autoscaler's predictive layer (`policy.forecast`): the arrival rate per `bucket_s` is
+    forecast one `cold_start_s` ahead (set it to the replicas' measured start time) and the fleet
+    is sized for it before it arrives. Holt-Winters forecasts after two seasons seen, seasonal-naive
+    after one; before, the last bucket's rate (the reactive layer then leads)."""
+
+    method: Literal["holt_winters", "seasonal_naive"] = "holt_winters"
+    bucket_s: float = Field(60.0, gt=0)
+    season_s: float = Field(86_400.0, gt=0)  # a day
+    cold_start_s: float = Field(60.0, ge=0)
+    alpha: float = Field(0.3, gt=0, lt=1)  # Holt-Winters: level, trend, season smoothing
+    beta: float = Field(0.05, gt=0, lt=1)
+    gamma: float = Field(0.3, gt=0, lt=1)
+
+    @model_validator(mode="after")
+    def _season(self) -> ForecastConfig:
+        if self.season_s < self.bucket_s:
+            raise ValueError("autoscale.forecast: season_s must be >= bucket_s")
+        return self
+
+
 class AutoscaleConfig(_Strict):
     """The pool's desired replica count, computed by the gateway (`policy.autoscale.Autoscaler`) and
     exported as `tidegate_desired_replicas{pool}` for an actuator to follow (the Kubernetes HPA or
@@ -214,6 +236,7 @@ class AutoscaleConfig(_Strict):
     standby: int = Field(0, ge=0)
     # set: the gateway writes the desired count to this workload's scale itself (else it only exports it)
     kubernetes: KubernetesTargetConfig | None = None
+    forecast: ForecastConfig | None = None  # set: the predictive layer scales ahead of the forecast rate
 
     @model_validator(mode="after")
     def _bounds(self) -> AutoscaleConfig:

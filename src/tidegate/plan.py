@@ -14,15 +14,19 @@ seeds' rule of thumb: the formula's replicas at twice the busiest window's rate,
 
 from __future__ import annotations
 
+import csv
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
 
 from tidegate.sim.capacity import saturated_rps
 from tidegate.sim.seam import SimRequest
 from tidegate.simulate import Simulation
 
-__all__ = ["WindowPlan", "Plan", "plan_capacity"]
+__all__ = ["WindowPlan", "Plan", "plan_capacity", "read_forecast", "forecast_requests"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,3 +129,48 @@ def plan_capacity(requests: Sequence[SimRequest], *, config: object = None, prof
     peak_rate, peak_capacity = max(formulas)
     static = max(1, math.ceil(2.0 * peak_rate / (peak_capacity * target_utilisation)))
     return Plan(tuple(planned), window_s, window_s * speedup / 3600.0, slo, static, price_per_replica_hour)
+
+
+def read_forecast(path: str | Path) -> list[tuple[float, float]]:
+    """(start_s, rate_rps) rows of a forecast CSV with those two columns, by start. Each rate holds
+    until the next row's start; the last for as long as the row before it (an hour when alone)."""
+    rows: list[tuple[float, float]] = []
+    with open(path, newline="") as handle:
+        reader = csv.DictReader(handle)
+        if reader.fieldnames is None or not {"start_s", "rate_rps"} <= set(reader.fieldnames):
+            raise ValueError(f"{path}: a forecast needs the columns start_s,rate_rps")
+        for line, row in enumerate(reader, start=2):
+            try:
+                start_s, rate = float(row["start_s"]), float(row["rate_rps"])
+            except (TypeError, ValueError):
+                raise ValueError(f"{path}:{line}: start_s and rate_rps must be numbers") from None
+            if rate < 0 or not math.isfinite(rate) or not math.isfinite(start_s):
+                raise ValueError(f"{path}:{line}: rate_rps must be a finite number >= 0")
+            rows.append((start_s, rate))
+    rows.sort()
+    if not rows:
+        raise ValueError(f"{path}: the forecast has no rows")
+    if any(b[0] <= a[0] for a, b in zip(rows, rows[1:])):
+        raise ValueError(f"{path}: two rows share a start_s")
+    return rows
+
+
+def forecast_requests(rows: Sequence[tuple[float, float]], shapes: Sequence[SimRequest], *,
+                      seed: int = 0) -> tuple[SimRequest, ...]:
+    """Poisson arrivals at each row's rate (times from the first row's start), each request's
+    prompt and output lengths drawn from `shapes` (e.g. a trace of the same service): the forecast
+    says how many, history says how long."""
+    if not shapes:
+        raise ValueError("no request shapes to draw lengths from")
+    rng = np.random.default_rng(seed)
+    origin_s = rows[0][0]
+    ends = [start for start, _ in rows[1:]]
+    last_length = rows[-1][0] - rows[-2][0] if len(rows) > 1 else 3600.0
+    ends.append(rows[-1][0] + last_length)
+    arrivals: list[float] = []
+    for (start_s, rate), end_s in zip(rows, ends):
+        count = rng.poisson(rate * (end_s - start_s))
+        arrivals.extend(np.sort(rng.uniform(start_s - origin_s, end_s - origin_s, count)).tolist())
+    picks = rng.integers(0, len(shapes), len(arrivals))
+    return tuple(SimRequest(i, t, shapes[k].tenant, shapes[k].tier, shapes[k].prompt_tokens, shapes[k].output_tokens)
+                 for i, (t, k) in enumerate(zip(arrivals, picks)))

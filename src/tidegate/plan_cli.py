@@ -1,4 +1,4 @@
-"""`tidegate plan`: replicas per window of a trace, by the seeds' formula and then verified and refined
+"""`tidegate plan`: replicas per window of a trace (or a forecast's rates), by the seeds' formula and then verified and refined
 in the simulator against an SLO; replica-hours (and money) against provisioning for 2x the peak."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from tidegate.plan import Plan, plan_capacity
+from tidegate.plan import Plan, forecast_requests, plan_capacity, read_forecast
 from tidegate.sim_cli import _mix
 from tidegate.simulate import DEFAULT_PROFILE, trace_requests
 
@@ -16,7 +16,10 @@ __all__ = ["configure_parser", "run", "format_plan"]
 
 
 def configure_parser(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--trace", help="an Azure-format trace (default: the shipped conversation trace)")
+    parser.add_argument("--trace", help="an Azure-format trace (default: the shipped conversation trace); with "
+                        "--forecast, where request lengths are drawn from")
+    parser.add_argument("--forecast", help="plan for a forecast instead of the trace: a CSV with columns "
+                        "start_s,rate_rps (each rate holds until the next row); one window per row unless --windows")
     parser.add_argument("--speedup", type=float, default=1.0, help="replay the trace this much faster (the plan's "
                         "hours are the trace's own)")
     parser.add_argument("--rate-scale", type=float, default=1.0, help="the traffic to plan for, as a multiple of "
@@ -26,7 +29,8 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a `tidegate serve` YAML: tiers and their TTFT targets, slot limits")
     parser.add_argument("--profile", default=DEFAULT_PROFILE, help="shipped profile name or profile file")
     parser.add_argument("--slo", type=float, default=0.99, help="share of requests within their tier's TTFT target")
-    parser.add_argument("--windows", type=int, default=12, help="windows the trace is planned in")
+    parser.add_argument("--windows", type=int, help="windows the trace is planned in (default 12; with "
+                        "--forecast, one per row)")
     parser.add_argument("--target-utilisation", type=float, default=0.8, help="the formula's utilisation target")
     parser.add_argument("--max-replicas", type=int, default=64)
     parser.add_argument("--price", type=float, help="price of a replica-hour, for the cost line")
@@ -78,7 +82,12 @@ def run(args: argparse.Namespace) -> int:
         mix = _mix(args.mix)
         requests = trace_requests(args.trace, speedup=args.speedup, rate_scale=args.rate_scale,
                                   duration_s=args.duration_s, mix=mix or None, seed=args.seed)
-        plan = plan_capacity(requests, config=args.config, profile=args.profile, windows=args.windows, slo=args.slo,
+        windows = args.windows or 12
+        if args.forecast:
+            rows = read_forecast(args.forecast)
+            requests = forecast_requests(rows, requests, seed=args.seed)
+            windows = args.windows or len(rows)
+        plan = plan_capacity(requests, config=args.config, profile=args.profile, windows=windows, slo=args.slo,
                              target_utilisation=args.target_utilisation, max_replicas=args.max_replicas,
                              speedup=args.speedup, price_per_replica_hour=args.price)
     except (ValueError, OSError) as error:

@@ -161,6 +161,31 @@ def test_autoscale_parses_and_an_embedded_pool_cannot_want_more_workers_than_it_
                      "    backends:\n      - {type: upstream, url: 'http://127.0.0.1:9/v1'}\n", environ={})
 
 
+def test_autoscale_forecast_configures_the_predictive_layer() -> None:
+    from tidegate.gateway.scaling import autoscale_settings, forecaster_for
+    from tidegate.policy.forecast import HoltWinters, SeasonalNaive
+
+    pool = ("pools:\n  - name: m\n    autoscale: {max_replicas: 4, forecast: %s}\n"
+            "    backends:\n      - {type: upstream, url: 'http://127.0.0.1:9/v1'}\n")
+    config = parse_config(pool % "{method: holt_winters, bucket_s: 30, season_s: 3600, cold_start_s: 90, alpha: 0.5}",
+                          environ={})
+    autoscale = config.pools[0].autoscale
+    assert autoscale is not None and autoscale.forecast is not None
+    forecaster = forecaster_for(autoscale)
+    assert isinstance(forecaster, HoltWinters) and forecaster.alpha == 0.5 and forecaster.buckets == 120
+    replica = type("Replica", (), {"slot_limit": 8})()
+    settings = autoscale_settings(autoscale, type("Pool", (), {"replicas": [replica]})())
+    assert settings.cold_start_s == 90 and settings.forecast_bucket_s == 30  # forecast a cold start ahead
+    naive = parse_config(pool % "{method: seasonal_naive}", environ={}).pools[0].autoscale
+    assert naive is not None and isinstance(forecaster_for(naive), SeasonalNaive)
+    plain = parse_config(pool % "null", environ={}).pools[0].autoscale
+    assert plain is not None and forecaster_for(plain) is None
+    with pytest.raises(ConfigError, match="season_s must be >= bucket_s"):
+        parse_config(pool % "{bucket_s: 60, season_s: 30}", environ={})
+    with pytest.raises(ConfigError):
+        parse_config(pool % "{method: prophet}", environ={})
+
+
 def test_the_batch_api_is_off_without_a_redis_and_on_with_one() -> None:
     assert parse_config(MINIMAL).batch_redis_url is None
     shared = MINIMAL + "shared_state:\n  backend: redis\n  redis_url: redis://127.0.0.1:6379/0\n"

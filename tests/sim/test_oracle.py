@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tidegate.policy.autoscale import ScaleSignals
 from tidegate.sim.oracle import ScheduledFleet, oracle_schedule, work_per_bucket
 from tidegate.sim.seam import SimRequest
-from tidegate.policy.autoscale import ScaleSignals
 
 CAP = 100.0  # tokens/s a replica serves
 

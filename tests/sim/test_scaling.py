@@ -53,3 +53,35 @@ def test_replica_hours_count_every_replica_paid_for() -> None:
     _, loop = _run(FixedFleet(3), requests, initial=3, replicas=3)
     last_tick_s = loop.events[-1].t_s
     assert abs(loop.replica_hours - 3 * last_tick_s / 3600) < 1e-9
+
+
+def test_a_warm_standby_serves_at_once_and_is_refilled() -> None:
+    settings = AutoscaleSettings(CEILING, min_replicas=1, max_replicas=6, cold_start_s=COLD_START_S,
+                                 scale_down_window_s=120.0)
+    ids = [f"r{i}" for i in range(6)]
+    harness = Harness([replace(replica_spec(i), cold_start_s=COLD_START_S) for i in ids], controller(ids, default_tiers()))
+    loop = ScalingLoop(harness, Autoscaler(settings), period_s=1.0, standby=1, promote_s=2.0)
+    requests = _step_load()
+    loop.install(max(r.arrival_s for r in requests), 1)
+    result = harness.run(requests)
+    first_out = next(e.t_s for e in loop.events if e.desired > 1)
+    first_more = next(e.t_s for e in loop.events if e.ready > 1)
+    assert first_more - first_out <= 3.0  # the standby serves within its promotion, not a cold start
+    assert loop.events[0].standby == 1
+    refill = next(e for e in loop.events if e.t_s > first_out + 1)
+    assert refill.standby >= 1  # a new standby is loading
+    assert not any(r.failure_reason for r in result.records)
+    _, plain = _run(Autoscaler(settings), _step_load(), initial=1)
+    plain_first_more = next(e.t_s for e in plain.events if e.ready > 1)
+    assert plain_first_more - next(e.t_s for e in plain.events if e.desired > 1) >= COLD_START_S - 1
+
+
+def test_a_standby_is_paid_for_all_along() -> None:
+    requests = mixed(1.0, 100.0, (("a", "standard", 1.0),), seed=4)
+    ids = ["r0", "r1", "r2"]
+    harness = Harness([replace(replica_spec(i), cold_start_s=COLD_START_S) for i in ids], controller(ids, default_tiers()))
+    loop = ScalingLoop(harness, FixedFleet(1), period_s=1.0, standby=1)
+    loop.install(max(r.arrival_s for r in requests), 1)
+    harness.run(requests)
+    assert abs(loop.replica_hours - 2 * loop.events[-1].t_s / 3600) < 1e-9  # one serving + one standby
+    assert all(e.ready == 1 and e.standby == 1 for e in loop.events)

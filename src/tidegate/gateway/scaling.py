@@ -29,10 +29,11 @@ from tidegate.config import AutoscaleConfig
 from tidegate.gateway.dispatch import ModelPool
 from tidegate.gateway.overload_metrics import Buckets, bucket_increase, quantile_from_buckets
 from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, ScaleDecision, ScaleSignals
+from tidegate.policy.forecast import Forecaster, make_forecaster
 from tidegate.policy.health import is_routable
 from tidegate.types import ReplicaHealth
 
-__all__ = ["ScaleLoop", "ScaleRecord", "LocalActuator", "KubernetesActuator", "autoscale_settings"]
+__all__ = ["ScaleLoop", "ScaleRecord", "LocalActuator", "KubernetesActuator", "autoscale_settings", "forecaster_for"]
 
 log = logging.getLogger("tidegate.scaling")
 
@@ -41,11 +42,21 @@ HISTORY = 20  # decisions kept per pool for the status page
 
 def autoscale_settings(config: AutoscaleConfig, pool: ModelPool) -> AutoscaleSettings:
     slots = config.slots_per_replica or max(replica.slot_limit for replica in pool.replicas)
+    ahead = {} if config.forecast is None else {"cold_start_s": config.forecast.cold_start_s,
+                                                 "forecast_bucket_s": config.forecast.bucket_s}
     return AutoscaleSettings(slots, min_replicas=config.min_replicas, max_replicas=config.max_replicas,
                              target_utilisation=config.target_utilisation, stable_window_s=config.stable_window_s,
                              panic_window_s=config.panic_window_s, scale_up_step=config.scale_up_step,
                              scale_down_window_s=config.scale_down_window_s, queue_trigger=config.queue_trigger,
-                             latency_trigger=config.latency_trigger)
+                             latency_trigger=config.latency_trigger, **ahead)
+
+
+def forecaster_for(config: AutoscaleConfig) -> Forecaster | None:
+    """The predictive layer's forecaster, when `autoscale.forecast` is set."""
+    f = config.forecast
+    if f is None:
+        return None
+    return make_forecaster(f.method, f.bucket_s, f.season_s, alpha=f.alpha, beta=f.beta, gamma=f.gamma)
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +191,7 @@ class KubernetesActuator:
 class _PoolScaling:
     def __init__(self, pool: ModelPool, config: AutoscaleConfig) -> None:
         self.pool = pool
-        self.autoscaler = Autoscaler(autoscale_settings(config, pool))
+        self.autoscaler = Autoscaler(autoscale_settings(config, pool), forecaster_for(config))
         self.desired: int | None = None
         self.arrived = 0.0  # the gateway's counters at the previous tick
         self.refused = 0.0

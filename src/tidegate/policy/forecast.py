@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-__all__ = ["Forecaster", "SeasonalNaive", "HoltWinters"]
+__all__ = ["Forecaster", "SeasonalNaive", "HoltWinters", "make_forecaster"]
 
 
 class Forecaster(Protocol):
@@ -129,3 +129,13 @@ class HoltWinters:
         index = math.floor(t_s / self.bucket_s + 1e-9)
         ahead = max(0, index - self._last_index)
         return max(0.0, self._level + ahead * self._trend + self._season[index % self.buckets])
+
+
+def make_forecaster(method: str, bucket_s: float, season_s: float, *, alpha: float = 0.3, beta: float = 0.05,
+                    gamma: float = 0.3) -> Forecaster:
+    """A built-in forecaster by name: "holt_winters" or "seasonal_naive"."""
+    if method == "holt_winters":
+        return HoltWinters(bucket_s, season_s, alpha=alpha, beta=beta, gamma=gamma)
+    if method == "seasonal_naive":
+        return SeasonalNaive(bucket_s, season_s)
+    raise ValueError(f"unknown forecast method {method!r}: holt_winters or seasonal_naive")

@@ -192,6 +192,9 @@ class Harness:
         self.refused = 0  # requests refused by the dispatcher so far
         self.starting: set[str] = set()  # replicas requested and not ready yet
         self.draining: set[str] = set()  # replicas taking no new request, stopped once empty
+        self.warming: set[str] = set()  # replicas loading to be standbys
+        self.standby: set[str] = set()  # loaded, out of traffic: promotable in seconds
+        self._keep: set[str] = set()  # draining replicas to keep as standbys once empty
 
     def run(self, requests: Iterable[SimRequest], events: Iterable[ScenarioEvent] = (),
             until_s: float | None = None, clients: ClosedLoopClients | None = None,
@@ -328,6 +331,36 @@ class Harness:
         self.dispatcher.on_replica_health(self.loop.now_s, replica_id, ReplicaHealth.UNHEALTHY)
         self.loop.call_later(replica.spec.cold_start_s, self._ready, replica_id)
 
+    def warm_replica(self, replica_id: str) -> None:
+        """Loads a replica that is down as a standby: after its cold start it is up and out of
+        traffic (changes state)."""
+        replica = self.replicas[replica_id]
+        if replica.alive or replica_id in self.starting or replica_id in self.warming:
+            raise ValueError(f"cannot warm {replica_id}: it is already up or starting")
+        self.warming.add(replica_id)
+        self.dispatcher.on_replica_health(self.loop.now_s, replica_id, ReplicaHealth.UNHEALTHY)
+        self.loop.call_later(replica.spec.cold_start_s, self._warmed, replica_id)
+
+    def promote_replica(self, replica_id: str, after_s: float = 0.0) -> None:
+        """A standby takes traffic `after_s` from now (the time to route to it), without a cold
+        start (changes state)."""
+        if replica_id not in self.standby:
+            raise ValueError(f"cannot promote {replica_id}: it is not a standby")
+        self.standby.discard(replica_id)
+        self.starting.add(replica_id)
+        self.loop.call_later(after_s, self._ready, replica_id)
+
+    def keep_drained(self, replica_id: str) -> None:
+        """The draining replica becomes a standby once empty instead of stopping (changes state)."""
+        if replica_id not in self.draining:
+            raise ValueError(f"{replica_id} is not draining")
+        self._keep.add(replica_id)
+
+    def _warmed(self, replica_id: str) -> None:
+        self.warming.discard(replica_id)
+        self.replicas[replica_id].start()
+        self.standby.add(replica_id)
+
     def hold_down(self, replica_ids: Iterable[str]) -> None:
         """Before the run: these replicas are down until started (a fleet that may grow)."""
         for replica_id in replica_ids:
@@ -354,11 +387,16 @@ class Harness:
             self.draining.discard(replica_id)
         elif replica_id in self.draining and not replica.scheduler.has_work:
             self.draining.discard(replica_id)
-            replica.kill()  # holds nothing: nothing fails
+            if replica_id in self._keep:  # loaded: kept out of traffic as a standby
+                self._keep.discard(replica_id)
+                self.standby.add(replica_id)
+            else:
+                replica.kill()  # holds nothing: nothing fails
 
     def _ready(self, replica_id: str) -> None:
         self.starting.discard(replica_id)
-        self.replicas[replica_id].start()
+        if not self.replicas[replica_id].alive:  # a promoted standby is up already
+            self.replicas[replica_id].start()
         self.dispatcher.on_replica_health(self.loop.now_s, replica_id, ReplicaHealth.HEALTHY)
         self._need_capacity()
 

@@ -11,8 +11,8 @@ are independent, so the total is the least replica-time with which the need is m
 present at the start is ready at 0, as for the policies it is compared with.
 
 What it cannot know is sub-bucket burstiness: the schedule is run in the simulator like any policy
-(`ScheduledFleet`) and its success and latency are printed beside its cost; a ceiling the
-simulator shows missing the SLO is lowered by the caller.
+(`ScheduledFleet`) and its success and latency are printed beside its cost
+(`bench/autoscale_sim.py` says whether it met the SLO).
 """
 
 from __future__ import annotations

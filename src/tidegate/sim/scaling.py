@@ -3,8 +3,11 @@
 Each `period_s` the loop reads the pool (replicas ready, starting, draining; requests on the
 replicas and queued; arrivals since the last tick), asks the autoscaler, and acts: starts replicas
 that are down (each serves after its cold start), or drains the most recently started ready ones
-(they take no new request and stop when empty: nothing is aborted). It records every decision
-and the replica-seconds paid (a replica costs from its request to its stop).
+(they take no new request and stop when empty: nothing is aborted), through `policy.fleet`'s
+actions: with `standby`, that many replicas are kept loaded and out of traffic, promoted first
+by a scale-out (serving `promote_s` later), refilled by warming stopped ones, and a drained
+replica is kept as the standby when one is missing. It records every decision and the
+replica-seconds paid (a replica costs from its request to its stop; a standby all along).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tidegate.policy.autoscale import ScaleLayer, ScalePolicy, ScaleSignals
+from tidegate.policy.fleet import FleetCounts, fleet_actions
 from tidegate.sim.harness import Harness
 
 __all__ = ["ScaleEvent", "ScalingLoop", "oscillations"]
@@ -27,12 +31,16 @@ class ScaleEvent:
     desired: int
     layer: ScaleLayer
     reason: str
+    standby: int = 0  # loaded and out of traffic, or loading to be
 
 
 class ScalingLoop:
-    def __init__(self, harness: Harness, autoscaler: ScalePolicy, *, period_s: float = 1.0) -> None:
-        if period_s <= 0:
-            raise ValueError("period_s must be > 0")
+    def __init__(self, harness: Harness, autoscaler: ScalePolicy, *, period_s: float = 1.0, standby: int = 0,
+                 promote_s: float = 2.0) -> None:
+        if period_s <= 0 or standby < 0 or promote_s < 0:
+            raise ValueError("period_s must be > 0, standby and promote_s >= 0")
+        self.standby = standby  # warm standbys kept (`policy.fleet`)
+        self.promote_s = promote_s  # a promoted standby serves this long after the decision
         self.harness = harness
         self.autoscaler = autoscaler
         self.period_s = period_s
@@ -49,15 +57,23 @@ class ScalingLoop:
         if not 1 <= initial <= len(self._order):
             raise ValueError(f"initial replicas must be in [1, {len(self._order)}], got {initial}")
         self.harness.hold_down(self._order[initial:])
+        for replica_id in self._order[initial:initial + self.standby]:  # loaded before the run, as the fleet is
+            self.harness.loop.call_at(0.0, self._warm_now, replica_id)
         ticks = int(until_s / self.period_s)
         for index in range(ticks + 1):
             self.harness.loop.call_at(index * self.period_s, self._tick)
 
+    def _warm_now(self, replica_id: str) -> None:
+        """A standby present at the start is loaded already (its warm-up came before the run)."""
+        h = self.harness
+        h.replicas[replica_id].start()
+        h.standby.add(replica_id)
+
     # queries
     def up(self) -> list[str]:
-        """Replicas serving and not draining."""
+        """Replicas serving and not draining (standbys are not serving)."""
         h = self.harness
-        return [i for i in self._order if h.replicas[i].alive and i not in h.draining]
+        return [i for i in self._order if h.replicas[i].alive and i not in h.draining and i not in h.standby]
 
     @property
     def replica_hours(self) -> float:
@@ -67,7 +83,7 @@ class ScalingLoop:
     def _tick(self) -> None:
         h, now_s = self.harness, self.harness.loop.now_s
         up = self.up()
-        paid = len(up) + len(h.starting) + len(h.draining)
+        paid = len(up) + len(h.starting) + len(h.draining) + len(h.warming) + len(h.standby)
         if self.events:
             self.replica_s += paid * self.period_s
         in_flight = sum(h.replicas[i].load.running_sequences + h.replicas[i].load.waiting_sequences
@@ -77,17 +93,21 @@ class ScalingLoop:
                                arrived_tokens=h.arrived_tokens - self._arrived_tokens)
         self._arrived, self._refused, self._arrived_tokens = h.arrived, h.refused, h.arrived_tokens
         decision = self.autoscaler.on_tick(signals)
-        fleet = len(up) + len(h.starting)
-        if decision.desired > fleet:
-            down = [i for i in self._order if not h.replicas[i].alive and i not in h.starting]
-            for replica_id in down[:decision.desired - fleet]:
-                h.start_replica(replica_id)
-        elif decision.desired < fleet:
-            for replica_id in list(reversed(up))[:fleet - decision.desired]:
-                if len(self.up()) > 1:  # never the last serving replica
-                    h.drain_replica(replica_id)
+        actions = fleet_actions(decision.desired, FleetCounts(len(up), len(h.starting), len(h.standby),
+                                                              len(h.warming), self.standby))
+        for replica_id in [i for i in self._order if i in h.standby][:actions.promote]:
+            h.promote_replica(replica_id, self.promote_s)
+        down = [i for i in self._order if not h.replicas[i].alive and i not in h.starting and i not in h.warming]
+        for replica_id in down[:actions.start]:
+            h.start_replica(replica_id)
+        for replica_id in down[actions.start:actions.start + actions.warm]:
+            h.warm_replica(replica_id)
+        for index, replica_id in enumerate(list(reversed(up))[:actions.drain]):
+            h.drain_replica(replica_id)
+            if index < actions.keep_drained and replica_id in h.draining:
+                h.keep_drained(replica_id)
         self.events.append(ScaleEvent(now_s, len(self.up()), len(h.starting), len(h.draining), decision.desired,
-                                      decision.layer, decision.reason))
+                                      decision.layer, decision.reason, len(h.standby) + len(h.warming)))
 
 
 def oscillations(events: Sequence[ScaleEvent], window_s: float) -> int:
