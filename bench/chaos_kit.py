@@ -3,7 +3,6 @@ PID, scraping, the gateway's config, the printed bars."""
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -58,24 +57,6 @@ def wait_ok(url: str, timeout_s: float = 30.0, process: subprocess.Popen | None 
         if time.monotonic() > deadline or (process is not None and process.poll() is not None):
             raise RuntimeError(f"{url} did not answer 200")
         time.sleep(0.1)
-
-
-def listens(pid: int, port: int) -> bool:
-    """Whether process `pid` holds a TCP socket listening on `port` (Linux /proc)."""
-    inodes = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                inodes.add(f"socket:[{fields[9]}]")
-    try:
-        return any(os.readlink(f"/proc/{pid}/fd/{fd}") in inodes for fd in os.listdir(f"/proc/{pid}/fd"))
-    except OSError:
-        return False
 
 
 def scrape(url: str) -> dict[str, float]:

@@ -14,10 +14,11 @@ from pathlib import Path
 
 import yaml
 from chaos_kit import (CAPACITY_RPS, PY, REPLICAS, SERVICE_S, SLOT_LIMIT, BenchOptions, Processes, bar, free_port,
-                       gateway_config, http_status, listens, load_spec, mock_argv, mock_requests, outcome_line,
+                       gateway_config, http_status, load_spec, mock_argv, mock_requests, outcome_line,
                        outstanding_by_replica, points, scrape, total)
 
 from tidegate.chaos.experiment import parse_experiment
+from tidegate.chaos.process_faults import listens_on
 from tidegate.chaos.report import build_report, classify
 from tidegate.chaos.runner import run_experiment
 
@@ -231,7 +232,7 @@ async def scenario_restart(options: BenchOptions, procs: Processes, mocks: list[
         deadline = time.monotonic() + 30
         streak = 0
         while time.monotonic() < deadline and gw_b.poll() is None and streak < 20:
-            if not listens(gw_b.pid, port):
+            if not listens_on(gw_b.pid, port):
                 await asyncio.sleep(0.1)
                 continue
             streak = streak + 1 if await asyncio.to_thread(http_status, f"{base}/ready") == 200 else 0

@@ -104,9 +104,12 @@ def test_a_member_is_found_by_the_port_it_listens_on() -> None:
     try:
         assert pf.pid_listening_on(port) == mock.pid
         assert Member(port=port).current_pid() == mock.pid
+        assert pf.listens_on(mock.pid, port)
+        assert not pf.listens_on(os.getpid(), port)  # another process: not the listener
     finally:
         mock.stop()
     assert pf.pid_listening_on(port) is None
+    assert not pf.listens_on(mock.pid, port)
 
 
 async def test_cpu_pressure_burns_cpu_near_the_target_for_its_duration(children) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Sequence, TypeVar
 
 __all__ = [
-    "Outcome", "FaultResult", "Member", "choose_fraction", "pid_listening_on", "kill", "pause", "resume",
+    "Outcome", "FaultResult", "Member", "choose_fraction", "pid_listening_on", "listens_on", "kill", "pause", "resume",
     "restart", "cpu_pressure", "memory_pressure", "delete_pods",
 ]
 
@@ -83,8 +83,8 @@ def choose_fraction(items: Sequence[T], fraction: float, rng: random.Random) -> 
     return rng.sample(list(items), count)
 
 
-def pid_listening_on(port: int) -> int | None:
-    """The PID of the process with a TCP socket listening on `port` (Linux /proc); None if none is found."""
+def _listening_sockets(port: int) -> set[str]:
+    """The `socket:[inode]` names of the TCP sockets listening on `port` (Linux /proc)."""
     inodes: set[str] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
@@ -95,18 +95,31 @@ def pid_listening_on(port: int) -> int | None:
             fields = line.split()
             if len(fields) > 9 and fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
                 inodes.add(f"socket:[{fields[9]}]")
+    return inodes
+
+
+def _holds_one_of(pid: int, inodes: set[str]) -> bool:
+    try:
+        return any(os.readlink(fd) in inodes for fd in Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:  # gone meanwhile, or not ours to read
+        return False
+
+
+def pid_listening_on(port: int) -> int | None:
+    """The PID of the process with a TCP socket listening on `port` (Linux /proc); None if none is found."""
+    inodes = _listening_sockets(port)
     if not inodes:
         return None
     for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            for fd in (entry / "fd").iterdir():
-                if os.readlink(fd) in inodes:
-                    return int(entry.name)
-        except OSError:  # gone meanwhile, or not ours to read
-            continue
+        if entry.name.isdigit() and _holds_one_of(int(entry.name), inodes):
+            return int(entry.name)
     return None
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` itself holds a socket listening on `port` (several may, with SO_REUSEPORT)."""
+    inodes = _listening_sockets(port)
+    return bool(inodes) and _holds_one_of(pid, inodes)
 
 
 def _signal_all(pids: Sequence[int], signum: signal.Signals, verb: str) -> FaultResult:
