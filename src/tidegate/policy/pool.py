@@ -237,8 +237,8 @@ class _Replica:
         if slots is None:
             self.level_cap = config.max_requests
             return
-        total = config.max_requests + config.headroom
-        self.level_cap = max(min(slots, 1), slots - min(slots - 1, round(slots * config.headroom / total)))
+        headroom = round(slots * config.headroom / (config.max_requests + config.headroom))
+        self.level_cap = slots - min(headroom, max(slots - 1, 0))
 
     def ahead(self, level: int) -> int:
         """Prefill tokens the engine does before a newcomer of `level` (its level's included)."""
