@@ -106,6 +106,7 @@ async def scenario_embedded(options: BenchOptions, procs: Processes, log_dir: Pa
                 "name": f"bench-embedded-spare{spare}", "duration_s": DURATION_S, "tail_s": 2,
                 "load": {"url": base, "model": MODEL, "endpoint": "chat", "stream": True, "arrival": "poisson",
                          "rate": round(rate, 2), "prompt_tokens": "const:32", "max_tokens": f"const:{MAX_TOKENS}",
+                         "ignore_eos": True,  # answers of the asked length, not cut short by a random EOS
                          "timeout_s": 30, "seed": 4},
                 "gateway": {"metrics_url": f"{base}/metrics", "interval_s": 0.1},
                 "targets": {"worker": [{"port": int(victim.rpartition(":")[2]), "address": victim}]},

@@ -75,3 +75,42 @@ def test_non_streaming_ttft_is_the_whole_response() -> None:
     body = orjson.dumps({"choices": [{"message": {"content": "abc"}}], "usage": {"prompt_tokens": 4, "completion_tokens": 3}})
     record = _measure(HttpResponse(status=200, chunks=[(10.4, body)]), stream=False)
     assert (record.ttft_s, record.completion_tokens, record.ok) == (pytest.approx(0.4), 3, True)
+
+
+def _finish(reason: str | None) -> dict:
+    return {"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]}
+
+
+def test_an_empty_but_finished_stream_is_a_success_with_no_output_tokens() -> None:
+    # the model's first token was end-of-sequence: no content, finish_reason "stop", usage 0 tokens
+    usage = {"choices": [], "usage": {"prompt_tokens": 8, "completion_tokens": 0}}
+    chunks = [(10.05, _sse(_chat_delta(None, role=True))), (10.2, _sse(_finish("stop"))),
+              (10.21, _sse(usage) + _sse("[DONE]"))]
+    record = _measure(HttpResponse(status=200, chunks=chunks))
+    assert (record.ok, record.reason, record.completion_tokens) == (True, None, 0)
+    assert record.ttft_s == pytest.approx(0.2) and record.tpot_s == 0.0
+
+
+def test_an_empty_finished_stream_without_usage_counts_zero_tokens() -> None:
+    chunks = [(10.05, _sse(_chat_delta(None, role=True))), (10.2, _sse(_finish("stop")) + _sse("[DONE]"))]
+    record = _measure(HttpResponse(status=200, chunks=chunks))
+    assert (record.ok, record.completion_tokens) == (True, 0)
+
+
+def test_an_empty_stream_that_ends_without_a_finish_reason_fails() -> None:
+    chunks = [(10.05, _sse(_chat_delta(None, role=True))), (10.2, _sse(_finish(None)) + _sse("[DONE]"))]
+    record = _measure(HttpResponse(status=200, chunks=chunks))
+    assert (record.ok, record.reason) == (False, "empty_stream")
+
+
+def test_an_empty_stream_with_an_error_event_fails_even_after_a_finish_reason() -> None:
+    chunks = [(10.05, _sse(_chat_delta(None, role=True))), (10.1, _sse(_finish("stop"))),
+              (10.2, _sse({"error": {"type": "server_error", "code": "upstream_error"}}))]
+    record = _measure(HttpResponse(status=200, chunks=chunks))
+    assert (record.ok, record.reason) == (False, "upstream_error")
+
+
+def test_an_empty_completions_stream_with_a_finish_reason_is_a_success() -> None:
+    chunks = [(10.1, _sse({"choices": [{"index": 0, "text": "", "finish_reason": "stop"}]}) + _sse("[DONE]"))]
+    record = _measure(HttpResponse(status=200, chunks=chunks), kind=ApiKind.COMPLETIONS)
+    assert (record.ok, record.completion_tokens) == (True, 0)

@@ -97,10 +97,16 @@ class _Measured:
     completion_tokens: int | None = None
 
 
+def _finish_reason(event: dict) -> str | None:
+    choices = event.get("choices") or []
+    return choices[0].get("finish_reason") if choices and isinstance(choices[0], dict) else None
+
+
 def _measure_stream(response: HttpResponse, sent_at: float, kind: ApiKind) -> _Measured:
     result = _Measured()
     token_times: list[float] = []
     content_events = 0
+    finished_at: float | None = None  # when a choice said why it ended: the answer is complete
     buffer = b""
     for received_at, chunk in response.chunks:
         buffer += chunk
@@ -126,6 +132,8 @@ def _measure_stream(response: HttpResponse, sent_at: float, kind: ApiKind) -> _M
                 if _event_text(event, kind):
                     token_times.append(received_at)
                     content_events += 1
+                if _finish_reason(event) and finished_at is None:
+                    finished_at = received_at
                 usage = event.get("usage")
                 if usage:
                     result.prompt_tokens = usage.get("prompt_tokens")
@@ -133,8 +141,14 @@ def _measure_stream(response: HttpResponse, sent_at: float, kind: ApiKind) -> _M
     if token_times:
         result.ttft_s = token_times[0] - sent_at
         result.itl_s = tuple(b - a for a, b in zip(token_times, token_times[1:]))
+    elif result.reason is None and finished_at is not None:
+        # the model's first token was end-of-sequence (random weights do it): an empty answer, but
+        # a complete one; counting it failed made chaos runs report failures no fault caused. Its
+        # first token is the end-of-sequence, so its TTFT is when the finish arrived
+        result.ttft_s = finished_at - sent_at
+        result.completion_tokens = result.completion_tokens or 0
     elif result.reason is None:
-        result.reason = "empty_stream"
+        result.reason = "empty_stream"  # no content and no finish_reason: the stream was cut
     if result.completion_tokens is None and content_events:
         result.completion_tokens = content_events  # no usage chunk: one token per event, best effort
     return result
