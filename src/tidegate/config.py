@@ -128,6 +128,10 @@ class HealthConfig(_Strict):
     failure_threshold: int = Field(3, ge=1)  # consecutive request failures that eject a replica
     # or its share failing of its last ~16 requests exceeds the median of the pool's others by this
     failure_ratio: float = Field(0.2, gt=0, le=1)
+    # ... and by this many standard errors of the pool's ratio over ~16 requests (a fleet failing
+    # alike has no outlier); failures in a row must be as rare as run_chance at the pool's ratio
+    ratio_confidence: float = Field(3.5, ge=0)
+    run_chance: float = Field(1e-4, gt=0, le=1)
     cooldown_s: float = Field(5.0, gt=0)
     max_cooldown_s: float = Field(60.0, gt=0)
     max_ejected_fraction: float = Field(0.5, gt=0, le=1)  # of a pool's replicas (at least one)

@@ -213,3 +213,79 @@ def test_median_of_an_odd_an_even_and_no_count() -> None:
     assert median([0.5, 0.0, 0.1]) == 0.1
     assert median([0.4, 0.0, 0.2, 0.1]) == pytest.approx(0.15)
     assert median([]) == 0.0
+
+
+def _fleet_trial(policy, shares, outcomes_each, seed):
+    """Replicas given outcomes in turn, each failure judged against the median of the others' ratios
+    under the pool's ejection cap, as the pool controller does: the reason each was first ejected for."""
+    rng = random.Random(seed)
+    breakers, reasons = [CLOSED_BREAKER] * len(shares), [None] * len(shares)
+    cap = max(1, int(len(shares) * policy.max_ejected_fraction))
+    for _ in range(outcomes_each):
+        for index, share in enumerate(shares):
+            breaker = breakers[index]
+            if breaker.state is not BreakerState.CLOSED:
+                continue
+            if rng.random() < share:
+                ejected = sum(1 for other in breakers if other.state is not BreakerState.CLOSED)
+                pool = median([other.failure_ratio for j, other in enumerate(breakers) if j != index])
+                breaker = breaker.on_failure(0.0, 0.0, policy, ejected < cap, pool)
+                if breaker.state is BreakerState.OPEN and reasons[index] is None:
+                    reasons[index] = breaker.reason
+            else:
+                breaker = breaker.on_success(0.0, 0.0, policy)
+            breakers[index] = breaker
+    return reasons
+
+
+def _trials_with_an_ejection(policy, shares, seeds=40, outcomes_each=200):
+    return sum(any(_fleet_trial(policy, shares, outcomes_each, seed)) for seed in range(seeds))
+
+
+def test_a_fleet_failing_alike_is_seldom_ejected_by_ratio() -> None:
+    # five replicas failing 30 % alike, 200 outcomes each: the ratio of ~16 outcomes wanders 0.2 above
+    # the median by chance in every run; the confidence margin (3.5 standard errors) keeps most runs whole
+    ratio_only = BreakerPolicy(failure_threshold=10**9)
+    without_confidence = BreakerPolicy(failure_threshold=10**9, ratio_confidence=0.0)
+    assert _trials_with_an_ejection(without_confidence, (0.3,) * 5) == 40
+    assert _trials_with_an_ejection(ratio_only, (0.3,) * 5) <= 10
+
+
+def test_one_replica_failing_among_healthy_ones_is_still_ejected() -> None:
+    runs = [_fleet_trial(BreakerPolicy(), (0.3, 0.0, 0.0, 0.0, 0.0), 200, seed) for seed in range(40)]
+    assert all(reasons[0] is not None for reasons in runs)
+    assert not any(any(reasons[1:]) for reasons in runs)
+
+
+def test_an_outlier_in_a_failing_fleet_is_still_ejected_by_ratio() -> None:
+    runs = [_fleet_trial(BreakerPolicy(failure_threshold=10**9), (0.6, 0.3, 0.3, 0.3, 0.3), 200, seed)
+            for seed in range(40)]
+    assert sum(reasons[0] is EjectionReason.SUCCESS_RATE for reasons in runs) >= 38
+
+
+def test_the_ratio_margin_is_failure_ratio_beside_a_healthy_pool_and_grows_with_its_errors() -> None:
+    policy = BreakerPolicy()
+    assert policy.ratio_margin(0.0) == policy.failure_ratio == policy.ratio_margin(0.02)
+    assert policy.ratio_margin(0.3) == pytest.approx(3.5 * (0.3 * 0.7 / 16) ** 0.5)
+
+
+def test_a_fleet_failing_alike_is_seldom_ejected_for_consecutive_failures() -> None:
+    # three failures in a row come every ~50 requests at 30 %: before, every run lost replicas
+    before = BreakerPolicy(ratio_confidence=0.0, run_chance=1.0)
+    assert _trials_with_an_ejection(before, (0.3,) * 5) == 40
+    assert _trials_with_an_ejection(BreakerPolicy(), (0.3,) * 5) <= 24
+
+
+def test_failures_in_a_row_that_eject_grow_with_the_pools_failure_ratio() -> None:
+    policy = BreakerPolicy()
+    assert [policy.consecutive_threshold(p) for p in (0.0, 0.02, 0.1, 0.3)] == [3, 3, 4, 8]
+    assert policy.consecutive_threshold(1.0) == float("inf")  # a pool failing everything has no outlier
+
+
+def test_a_dead_replica_in_a_fleet_failing_alike_is_ejected_after_a_longer_run() -> None:
+    breaker = CLOSED_BREAKER
+    for _ in range(7):
+        breaker = breaker.on_failure(0.0, 0.0, BreakerPolicy(), pool_failure_ratio=0.3)
+    assert breaker.state is BreakerState.CLOSED
+    breaker = breaker.on_failure(0.0, 0.0, BreakerPolicy(), pool_failure_ratio=0.3)
+    assert breaker.state is BreakerState.OPEN and breaker.reason is EjectionReason.CONSECUTIVE

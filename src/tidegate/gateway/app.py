@@ -125,6 +125,7 @@ class Gateway:
         server, health = config.server, config.health
         breaker_policy = BreakerPolicy(health.failure_threshold, health.cooldown_s, health.max_cooldown_s,
                                        failure_ratio=health.failure_ratio,
+                                       ratio_confidence=health.ratio_confidence, run_chance=health.run_chance,
                                        max_ejected_fraction=health.max_ejected_fraction,
                                        latency_factor=health.latency_factor)
         retry_budget = RetryBudgetPolicy(ratio=health.retry_budget_ratio, min_per_s=health.retry_budget_min_per_s)

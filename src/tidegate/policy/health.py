@@ -1,10 +1,12 @@
 """Passive ejection of a failing replica: a pure circuit-breaker state machine, time passed in.
 
 A CLOSED replica is ejected (OPEN) for a cool-down, each ejection with its `EjectionReason`:
-- CONSECUTIVE: it fails `failure_threshold` times in a row;
+- CONSECUTIVE: it fails `failure_threshold` times in a row (more when the pool's other replicas
+  fail so often that such a run is no longer rare: `run_chance`);
 - SUCCESS_RATE: its recent failure ratio (a moving average over about `ratio_window` outcomes)
-  exceeds the median of the pool's other replicas by `failure_ratio` (Envoy's success-rate outlier
-  detection, against the median, which one outlier cannot drag). A replica failing 30 % of
+  exceeds the median of the pool's other replicas by `failure_ratio`, and by `ratio_confidence`
+  standard errors of the pool's ratio over the window (Envoy's success-rate outlier detection,
+  against the median, which one outlier cannot drag). A replica failing 30 % of
   requests at random rarely fails three times in a row, and its instant errors keep its outstanding
   count lowest, so least-outstanding routing would favour it
   (`test_replica_failing_a_third_is_ejected_by_ratio`); but when every replica fails alike (an
@@ -30,6 +32,7 @@ Active health checks are a separate signal (`ReplicaHealth`), combined by `is_ro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from enum import Enum
 
@@ -62,6 +65,22 @@ class BreakerPolicy:
     # ejected after ~20 of its requests
     failure_ratio: float = 0.2
     ratio_window: int = 16  # outcomes the failure ratio averages over (weight 1/window each)
+    # the consecutive rule needs a run of failures this improbable at the pool's failure ratio
+    # (p ** run >= this lengthens the run asked for): in a fleet failing 30 % alike, three in a row
+    # come every ~50 requests on every replica, and ejected one replica or two in every run
+    # (`test_a_fleet_failing_alike_is_seldom_ejected_for_consecutive_failures`); beside a healthy
+    # pool the run stays `failure_threshold` (`test_threshold_failures_eject_for_cooldown`)
+    run_chance: float = 1e-4
+    # a replica is a success-rate outlier only when its failure ratio also exceeds the pool's by this
+    # many binomial standard errors of a window of `ratio_window` outcomes failing at the pool's ratio:
+    # when the whole fleet fails alike (~30 %), a ratio of ~16 outcomes wanders 0.2 above the median by
+    # chance alone, and ejecting for it only loses capacity
+    # (`test_a_fleet_failing_alike_is_seldom_ejected_by_ratio`). 3.5, not 2: the ratio is tested after
+    # every failure, hundreds of looks a minute, and at 2 a fleet failing 30 % alike still lost a
+    # replica in 197 of 200 runs (`bench/outlier_alike.py`). It binds only above a pool ratio of
+    # ~5.5 %: beside a healthy pool the rule is the plain `failure_ratio` one
+    # (`test_one_replica_failing_among_healthy_ones_is_still_ejected`)
+    ratio_confidence: float = 3.5
     # the breakers of a pool never eject more than this share of its replicas (at least one), so
     # an error every replica gives (a bad request pattern, an overloaded fleet) cannot empty it
     max_ejected_fraction: float = 0.5
@@ -75,6 +94,22 @@ class BreakerPolicy:
     @property
     def ratio_weight(self) -> float:
         return 1.0 / self.ratio_window
+
+    def consecutive_threshold(self, pool_failure_ratio: float) -> float:
+        """Failures in a row that eject: `failure_threshold`, or more when the pool fails so often
+        that a shorter run is no sign of a replica of its own going wrong; never, at a ratio of 1."""
+        p = min(max(pool_failure_ratio, 0.0), 1.0)
+        if p >= 1.0:
+            return math.inf
+        if p <= 0.0:
+            return self.failure_threshold
+        return max(self.failure_threshold, math.ceil(math.log(self.run_chance) / math.log(p) - 1e-9))
+
+    def ratio_margin(self, pool_failure_ratio: float) -> float:
+        """How far above the pool's failure ratio a replica's must be to make it an outlier."""
+        p = min(max(pool_failure_ratio, 0.0), 1.0)
+        standard_error = math.sqrt(p * (1.0 - p) / self.ratio_window)
+        return max(self.failure_ratio, self.ratio_confidence * standard_error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,9 +162,9 @@ class Breaker:
             failures = self.consecutive_failures + 1
             ratio = self.failure_ratio + policy.ratio_weight * (1.0 - self.failure_ratio)
             if may_eject:
-                if failures >= policy.failure_threshold:
+                if failures >= policy.consecutive_threshold(pool_failure_ratio):
                     return self._ejected(now_s, failures, ratio, policy, EjectionReason.CONSECUTIVE)
-                if ratio - pool_failure_ratio >= policy.failure_ratio:
+                if ratio - pool_failure_ratio >= policy.ratio_margin(pool_failure_ratio):
                     return self._ejected(now_s, failures, ratio, policy, EjectionReason.SUCCESS_RATE)
             return replace(self, consecutive_failures=failures, failure_ratio=ratio)
         if self.state is BreakerState.PROBING and sent_s >= self.probe_sent_s:
