@@ -1,6 +1,6 @@
 """Chaos bars, measured: three experiments against `tidegate serve` over five mock replicas.
 
-    python bench/chaos.py [--overload-control] [--only kill,outliers,restart,embedded] [--latency-factor X]
+    python bench/chaos.py [--overload-control] [--only kill,outliers,restart,embedded,embedded-kill20] [--latency-factor X]
 
 Starts what it measures: five `tidegate mock-upstream` replicas (50 ms to the first token, 10 ms
 between tokens, 16 tokens: 0.2 s per answer), one `tidegate serve` per scenario over them (each
@@ -29,7 +29,10 @@ open loop (Poisson), streaming chat, on loopback only.
    one SIGKILLed at 5 s; run without a spare and with `spare: 1`. Bars: with the spare, less time with
    fewer than two workers taking traffic, and a lower median end-to-end time, than without (same run).
 
-The scenarios live in bench/chaos_mocks.py and bench/chaos_embedded.py, shared parts in bench/chaos_kit.py.
+5. embedded-kill20 (bench/chaos_embedded_kill.py): five `tidegate engine` workers, no spare, streaming load
+   at 70 % of their measured capacity; one (20 %) SIGKILLed at 4 s. Bar: success >= 99.5 %.
+
+The scenarios live in bench/chaos_mocks.py, bench/chaos_embedded.py and bench/chaos_embedded_kill.py, shared parts in bench/chaos_kit.py.
 `--latency-factor X` turns on the latency outlier rule (`health.latency_factor`) for the mock scenarios.
 
 The gateways run with `overload_control: false` (static slot limits: the capacity above is the real one)
@@ -49,11 +52,12 @@ import time
 from pathlib import Path
 
 from chaos_embedded import scenario_embedded
+from chaos_embedded_kill import scenario_embedded_kill20
 from chaos_kit import (CAPACITY_RPS, ITL_MS, REPLICAS, RESULTS, SERVICE_S, SLOT_LIMIT, TOKENS, TTFT_MS, BenchOptions,
                        Processes, free_port, mock_argv, wait_ok)
 from chaos_mocks import scenario_kill, scenario_outliers, scenario_restart
 
-SCENARIOS = ("kill", "outliers", "restart", "embedded")
+SCENARIOS = ("kill", "outliers", "restart", "embedded", "embedded-kill20")
 
 
 async def main(options: BenchOptions, only: tuple[str, ...]) -> int:
@@ -79,6 +83,8 @@ async def main(options: BenchOptions, only: tuple[str, ...]) -> int:
             await asyncio.wait_for(scenario_restart(options, procs, mocks, log_dir), 90)
         if "embedded" in only:
             await asyncio.wait_for(scenario_embedded(options, procs, log_dir), 600)
+        if "embedded-kill20" in only:
+            await asyncio.wait_for(scenario_embedded_kill20(options, procs, log_dir), 600)
     finally:
         procs.stop_all()
     failed = [label for label, ok in RESULTS if not ok]
