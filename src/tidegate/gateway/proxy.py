@@ -54,6 +54,16 @@ __all__ = ["ProxySettings", "Proxy"]
 
 log = logging.getLogger("tidegate.gateway")
 
+
+def _log_retry_refused(request_id: bytes, pool: str, failed_replica: str, failure: str,
+                       refusal: OverloadedError) -> None:
+    """A request its replica failed before any byte found no other replica in time: the client gets
+    the replica's error (502), and the log says why the retry did not happen."""
+    log.warning("retry refused", extra={"fields": {
+        "request_id": request_id.decode("latin-1"), "pool": pool, "failed_replica": failed_replica,
+        "failure": failure, "refusal": refusal.code}})
+
+
 _API_ROUTES = {
     b"/v1/chat/completions": Endpoint.CHAT,
     b"/v1/completions": Endpoint.COMPLETIONS,
@@ -336,7 +346,8 @@ class Proxy:
                 held = None
                 try:
                     held = await self._acquire(pool, self.clock(), (tried,))
-                except OverloadedError:
+                except OverloadedError as refusal:
+                    _log_retry_refused(request_id, pool.name, tried, retry.reason, refusal)
                     raise retry.error from None
                 self.metrics.upstream_retries.labels(pool.name, retry.reason).inc()
                 status = await self._exchange_on(conn, pool, held, endpoint, body, raw_body, stream,
@@ -393,9 +404,11 @@ class Proxy:
                 status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
                                                  request_id, started, metrics, usage=usage)
             except _RetryElsewhere as retry:
+                failed_id = replica.replica_id
                 try:
                     replica = await overload.retry(ticket, retry.reason)
-                except OverloadedError:
+                except OverloadedError as refusal:
+                    _log_retry_refused(request_id, pool.name, failed_id, retry.reason, refusal)
                     raise retry.error from None
                 self.metrics.upstream_retries.labels(pool.name, retry.reason).inc()
                 status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
@@ -441,8 +454,13 @@ class Proxy:
             if failure.timed_out:
                 raise UpstreamTimeoutError("the upstream did not answer in time") from None
             error = UpstreamError(f"upstream replica failed: {failure}")
-            if failure.before_first_byte and not retried and self._may_retry(pool, replica, self.clock()):
-                raise _RetryElsewhere(error, kind) from None
+            if failure.before_first_byte:
+                refusal = "already_retried" if retried else self._retry_refusal(pool, replica, self.clock())
+                if refusal is None:
+                    raise _RetryElsewhere(error, kind) from None
+                log.warning("upstream failure not retried", extra={"fields": {
+                    "request_id": request_id.decode("latin-1"), "pool": pool.name,
+                    "replica": replica.replica_id, "failure": kind, "refusal": refusal}})
             raise error from None
 
     def _record(self, pool: ModelPool, replica: Replica, sent_s: float, usage: _Usage | None,
@@ -464,7 +482,15 @@ class Proxy:
     @staticmethod
     def _may_retry(pool: ModelPool, failed: Replica, now_s: float) -> bool:
         """Another replica could take the request, and the pool's retry budget allows one more."""
-        return any_routable(pool.replicas, now_s, (failed.replica_id,)) and pool.retry_budget.try_spend(now_s)
+        return Proxy._retry_refusal(pool, failed, now_s) is None
+
+    @staticmethod
+    def _retry_refusal(pool: ModelPool, failed: Replica, now_s: float) -> str | None:
+        """None, with the retry's budget spent, when another replica could take the request and the
+        pool's retry budget allows one more; else why not (for the log)."""
+        if not any_routable(pool.replicas, now_s, (failed.replica_id,)):
+            return "no_other_replica"
+        return None if pool.retry_budget.try_spend(now_s) else "retry_budget"
 
     async def _exchange(self, conn: HttpConnection, replica: Replica, data: bytes, stream: bool,
                         request_id: bytes, started: float, metrics: PoolMetrics, usage: _Usage | None,
