@@ -30,6 +30,7 @@ from tidegate.config import AutoscaleConfig
 from tidegate.gateway.dispatch import ModelPool
 from tidegate.gateway.overload_metrics import Buckets, bucket_increase, quantile_from_buckets
 from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, ScaleDecision, ScaleSignals
+from tidegate.policy.fleet import FleetActions, FleetCounts, fleet_actions
 from tidegate.policy.forecast import Forecaster, make_forecaster
 from tidegate.policy.health import is_routable
 from tidegate.types import ReplicaHealth
@@ -77,11 +78,13 @@ class ScaleRecord:
 
 class LocalActuator:
     """Makes an embedded pool's running workers follow the desired count, with `standby` more kept
-    loaded and out of traffic. A scale-out takes standbys first (routable at once: seconds instead of
-    a cold start), then starts stopped workers; standbys are refilled in the background. A scale-in
-    drains before it stops: the replica leaving takes no new request (`ReplicaHealth.DRAINING`), and
-    once it holds none it becomes a standby if one is missing, else its process stops, so no
-    request is aborted. The most recently started go first; the last serving replica never."""
+    loaded and out of traffic, through the pure decision the simulator also carries out
+    (`policy.fleet.fleet_actions`): a scale-out takes standbys first (routable at once: seconds
+    instead of a cold start), then starts stopped workers; standbys are refilled in the background.
+    A scale-in drains before it stops: the replica leaving takes no new request
+    (`ReplicaHealth.DRAINING`), and once it holds none it becomes a standby when the decision kept
+    it as one, else its process stops, so no request is aborted. The most recently started go
+    first; the last serving replica never (tests/gateway/test_local_actuator.py)."""
 
     def __init__(self, pool: ModelPool, supervisor: Any, wake: Callable[[], None], *, standby: int = 0,
                  drain_timeout_s: float = 600.0) -> None:
@@ -90,6 +93,7 @@ class LocalActuator:
         self._wake = wake  # tells the pool's dispatch (and controller) that health changed
         self._standby = standby
         self._drain_timeout_s = drain_timeout_s
+        self._kept: set[str] = set()  # draining replicas that become standbys once empty
         self._tasks: set[asyncio.Task] = set()
 
     def starting(self) -> int:
@@ -99,46 +103,52 @@ class LocalActuator:
     def _with(self, *states: ReplicaHealth) -> list[Any]:
         return [replica for replica in self._pool.replicas if replica.health in states]
 
-    def apply(self, desired: int) -> None:
-        """Starts, promotes or drains workers towards `desired`, then refills the standbys (changes
-        state: health, processes)."""
-        serving = self._with(ReplicaHealth.HEALTHY, ReplicaHealth.UNKNOWN, ReplicaHealth.UNHEALTHY)
-        changed = False
-        if desired > len(serving):
-            short = desired - len(serving)
-            for replica in self._with(ReplicaHealth.STANDBY)[:short]:
-                replica.health = ReplicaHealth.HEALTHY  # loaded already: routable now
-                short -= 1
-                changed = True
-                log.info("standby takes traffic", extra={"fields": {"replica": replica.replica_id}})
-            for replica in self._with(ReplicaHealth.STOPPED)[:short]:
-                replica.health = ReplicaHealth.UNKNOWN  # its health checks take it from here
-                self._spawn(self._supervisor.start_worker(replica.replica_id))
-        elif desired < len(serving):
-            for replica in list(reversed(serving))[:len(serving) - desired]:
-                if not any(r.health is ReplicaHealth.HEALTHY for r in serving if r is not replica):
-                    break  # never the last replica that serves
-                replica.health = ReplicaHealth.DRAINING
-                serving.remove(replica)
-                changed = True
-                self._spawn(self._drain(replica))
-        self._refill_standby()
-        if changed:
-            self._wake()
+    def counts(self) -> FleetCounts:
+        """The fleet as `fleet_actions` sees it; a draining replica kept as a standby counts as
+        warming (it will be one), so that it is not refilled twice."""
+        return FleetCounts(serving=len(self._with(ReplicaHealth.HEALTHY, ReplicaHealth.UNHEALTHY)),
+                           starting=self.starting(), standby=len(self._with(ReplicaHealth.STANDBY)),
+                           warming=len(self._with(ReplicaHealth.WARMING)) + len(self._kept),
+                           standby_target=self._standby)
 
-    def _refill_standby(self) -> None:
-        missing = self._standby - len(self._with(ReplicaHealth.STANDBY, ReplicaHealth.WARMING, ReplicaHealth.DRAINING))
-        for replica in self._with(ReplicaHealth.STOPPED)[:max(0, missing)]:
-            replica.health = ReplicaHealth.WARMING
+    def apply(self, desired: int) -> FleetActions:
+        """Carries out `fleet_actions` towards `desired` (changes state: health, processes) and
+        returns them."""
+        actions = fleet_actions(desired, self.counts())
+        promoted = self._with(ReplicaHealth.STANDBY)[:actions.promote]
+        for replica in promoted:
+            replica.health = ReplicaHealth.HEALTHY  # loaded already: routable now
+            log.info("standby takes traffic", extra={"fields": {"replica": replica.replica_id}})
+        stopped = self._with(ReplicaHealth.STOPPED)
+        for replica in stopped[:actions.start]:
+            replica.health = ReplicaHealth.UNKNOWN  # its health checks take it from here
             self._spawn(self._supervisor.start_worker(replica.replica_id))
+        for replica in stopped[actions.start:actions.start + actions.warm]:
+            replica.health = ReplicaHealth.WARMING  # its first good health check makes it a standby
+            self._spawn(self._supervisor.start_worker(replica.replica_id))
+        serving = self._with(ReplicaHealth.HEALTHY, ReplicaHealth.UNHEALTHY)
+        drained: list[Any] = []
+        for replica in list(reversed(serving))[:actions.drain]:
+            if not any(r.health is ReplicaHealth.HEALTHY for r in serving if r is not replica and r not in drained):
+                break  # what stays must include a replica that answers its health checks
+            drained.append(replica)
+        for index, replica in enumerate(drained):
+            replica.health = ReplicaHealth.DRAINING
+            if index < actions.keep_drained:
+                self._kept.add(replica.replica_id)
+            self._spawn(self._drain(replica))
+        if promoted or drained:
+            self._wake()
+        return actions
 
     async def _drain(self, replica: Any) -> None:
         loop = asyncio.get_running_loop()
         deadline_s = loop.time() + self._drain_timeout_s
         while replica.outstanding > 0 and loop.time() < deadline_s:
             await asyncio.sleep(0.05)
-        if len(self._with(ReplicaHealth.STANDBY, ReplicaHealth.WARMING)) < self._standby:
-            replica.health = ReplicaHealth.STANDBY  # loaded: keep it as a standby rather than start another
+        if replica.replica_id in self._kept:
+            self._kept.discard(replica.replica_id)
+            replica.health = ReplicaHealth.STANDBY  # loaded: kept as a standby rather than start another
             log.info("drained to standby", extra={"fields": {"replica": replica.replica_id}})
         else:
             await self._supervisor.stop_worker(replica.replica_id)
