@@ -206,15 +206,19 @@ def main() -> int:
     parser.add_argument("--slots", type=int, default=64)
     parser.add_argument("--max-replicas", type=int, default=20)
     parser.add_argument("--target-utilisation", type=float, default=0.85)
-    # tidegate's scale-in window (HPA's stays 300 s): on work demand the fleet does not shrink its
-    # own demand, so the 300 s that held demand needed only delays the evening (day: 1.31x the
-    # oracle's replica-hours with 300 s, 1.10x with 60 s)
-    parser.add_argument("--scale-down-window-s", type=float, default=60.0)
+    # tidegate's scale-in window (HPA's stays 300 s), by default the replica's cold start: a replica
+    # idle for less than a cold start is cheaper kept than stopped and started again (the oracle's
+    # rule), and on work demand the fleet does not shrink its own demand, so a longer window only
+    # delays the evening (day: 1.31x the oracle's replica-hours with 300 s, 1.10x with 60 s)
+    parser.add_argument("--scale-down-window-s", type=float, default=None,
+                        help="tidegate's scale-in window (default: the cold start)")
     parser.add_argument("--standby", type=int, default=0, help="tidegate's warm standbys (`policy.fleet`)")
     parser.add_argument("--only", choices=["day", "surge", "trace"])
     parser.add_argument("--policies", default="tidegate,HPA default,static 2x peak,oracle",
                         help="comma-separated; the oracle always runs (the ratios are to it)")
     args = parser.parse_args()
+    if args.scale_down_window_s is None:
+        args.scale_down_window_s = args.cold_start_s
     profile = load_profile(args.profile)
     print(f"profile {args.profile} ({'estimate' if profile.estimate else 'measured'}), {args.slots} slots, cold start "
           f"{args.cold_start_s:g} s, tidegate: target utilisation {args.target_utilisation:g}, scale-in window "
