@@ -46,7 +46,7 @@ from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
 from tidegate.policy.tiers import default_tiers
 from tidegate.sim.capacity import saturated_rps
 from tidegate.sim.harness import Harness, RunResult, TrafficClass, make_requests
-from tidegate.sim.oracle import ScheduledFleet, WindowSlo, schedule_for
+from tidegate.sim.oracle import ScheduledFleet, WindowSlo, oracle_schedule, schedule_for, work_per_bucket
 from tidegate.sim.profile import load_profile
 from tidegate.sim.scaling import ScalingLoop, oscillations
 from tidegate.sim.seam import SimRequest
@@ -255,13 +255,17 @@ def run_scenario(scenario: Scenario, args) -> bool:
     schedule = schedule_for(scenario.requests, BUCKET_S, args.cold_start_s, window_runner(args), WindowSlo(),
                             replica_tokens_per_s=capacity_tps, max_replicas=args.max_replicas)
     oracle_cpu_s = time.process_time() - started
+    # the first oracle's plan, from each bucket's average work at a 95 % ceiling, for comparison (not run)
+    average_plan = oracle_schedule(work_per_bucket(scenario.requests, BUCKET_S), BUCKET_S, capacity_tps,
+                                   args.cold_start_s, max_replicas=args.max_replicas)
     policies: dict[str, tuple[ScalePolicy, int]] = {
         "tidegate": (ours, initial), "HPA default": (HpaRule(settings), initial),
         "static 2x peak": (FixedFleet(static), static), "oracle": (ScheduledFleet(schedule), schedule.needed[0])}
     print(f"\n{scenario.name}: {len(scenario.requests)} requests, peak {peak_rate:.0f} req/s; a replica serves "
           f"{capacity_tps:.0f} tokens/s ({capacity_rps:.1f} req/s at {tokens_per_request:.0f} tokens); start with "
           f"{initial} replicas (static: {static}); oracle plan {schedule.replica_hours:.2f} replica-hours "
-          f"(each {BUCKET_S:g} s bucket simulated: {oracle_cpu_s:.0f} cpu s)")
+          f"(each {BUCKET_S:g} s bucket simulated: {oracle_cpu_s:.0f} cpu s; from average work at a 95 % ceiling "
+          f"{average_plan.replica_hours:.2f})")
     print(f"  {'policy':<15} {'success':>8} {'P99 TTFT':>9} {'rep-hours':>9} {'vs oracle':>9} {'peak ready':>10} "
           f"{'peak util':>9} {'first out':>9} {'flaps':>5} {'cpu s':>6}")
     wanted = set(args.policies.split(",")) | {"oracle"}
