@@ -10,7 +10,9 @@ answers (429, or 503 with its preset reply) and are not failures; "failed" is an
 5xx, a broken stream, a timeout, a connection error.
 
 With `--standby 1` a third worker is kept loaded out of traffic: the step takes it at once, and a
-new standby loads in the background.
+new standby loads in the background. With `--replica-tokens-per-s X` the pool scales on the work
+arriving (`autoscale.replica_tokens_per_s`: prompt + output tokens a second over X, one worker's
+token throughput, which the capacity phase prints) instead of the requests it holds.
 
 Run: flock /tmp/tidegate-bench.lock python bench/autoscale_live.py [--step 3] [--standby 1] [--quick]
 """
@@ -34,6 +36,8 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from support import start_process, tidegate_argv  # noqa: E402
+
+from tidegate.gateway.overload import estimate_prompt_tokens  # noqa: E402
 
 MODEL = "tiny-random-llama"
 BODY = {"model": MODEL, "max_tokens": 16, "stream": True, "ignore_eos": True,
@@ -158,6 +162,8 @@ async def main_async(args: argparse.Namespace) -> int:
                          "backends": [{"type": "embedded", "model": MODEL, "count": 2 + args.standby, "threads": 1}],
                          "autoscale": {"min_replicas": 1, "max_replicas": 2, "tick_s": 1.0, "stable_window_s": 10,
                                        "panic_window_s": 3, "scale_down_window_s": 20, "standby": args.standby}}]}
+    if args.replica_tokens_per_s is not None:
+        config["pools"][0]["autoscale"]["replica_tokens_per_s"] = args.replica_tokens_per_s
     (work / "serve.yaml").write_text(yaml.safe_dump(config))
     url = f"http://127.0.0.1:{port}"
     gateway = start_process(tidegate_argv("serve", "--config", str(work / "serve.yaml")), ready_url=f"{url}/ready",
@@ -166,7 +172,11 @@ async def main_async(args: argparse.Namespace) -> int:
         timeout = aiohttp.ClientTimeout(total=120)
         async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
             one = await capacity(session, url)
-            print(f"one worker's capacity: {one:.1f} req/s (closed loop, 16 in flight)")
+            tokens = estimate_prompt_tokens(BODY) + BODY["max_tokens"]  # as the gateway counts the work
+            print(f"one worker's capacity: {one:.1f} req/s (closed loop, 16 in flight) = {one * tokens:.0f} tokens/s "
+                  f"at {tokens} tokens a request; the pool scales on "
+                  + ("requests held" if args.replica_tokens_per_s is None
+                     else f"work, {args.replica_tokens_per_s:g} tokens/s a replica"))
             await asyncio.sleep(25.0)  # the closed loop's demand leaves the stable window: back to one worker
             scale = 0.5 if args.quick else 1.0
             lengths = (20.0 * scale, 60.0 * scale, 60.0 * scale)
@@ -214,6 +224,8 @@ def main() -> int:
     parser.add_argument("--step", type=float, default=3.0, help="the step's load, in multiples of one worker's capacity")
     parser.add_argument("--quick", action="store_true", help="phases half as long")
     parser.add_argument("--standby", type=int, default=0, help="warm standby workers (one more worker each)")
+    parser.add_argument("--replica-tokens-per-s", type=float, default=None,
+                        help="scale on work demand with this per-worker token throughput (measured)")
     return asyncio.run(main_async(parser.parse_args()))
 
 

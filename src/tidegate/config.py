@@ -235,6 +235,11 @@ class AutoscaleConfig(_Strict):
     queue_trigger: int = Field(100, ge=1)
     latency_trigger: float = Field(1.2, gt=0)
     tick_s: float = Field(5.0, gt=0)  # how often the gateway decides
+    # tokens (prompt + output) per second one replica serves at its slot limit, measured (e.g.
+    # `bench/autoscale_live.py` prints it for an embedded worker); set (and overload_control on: it
+    # counts the work), the pool scales on the work arriving, not on the requests it holds
+    replica_tokens_per_s: float | None = Field(None, gt=0)
+    scale_in_sigmas: float = Field(2.0, ge=0)  # work demand: scale in only past its mean + this many std errors
     # embedded pools: workers kept loaded and out of traffic, taken at once by a scale-out (seconds
     # instead of a cold start) and refilled in the background
     standby: int = Field(0, ge=0)

@@ -64,6 +64,11 @@ def test_desired_replicas_rise_under_load_and_fall_after_it(gateway: str) -> Non
             _gauges(gateway, "tidegate_desired_replicas")
         assert _gauges(gateway, "tidegate_replicas_ready")["m"] == 1.0
     assert wait_for(lambda: _gauges(gateway, "tidegate_desired_replicas")["m"] == 1.0, 15)  # scaled in after its window
+    with urllib.request.urlopen(f"{gateway}/metrics", timeout=10) as response:
+        work = {sample.labels["kind"]: sample.value for family in text_string_to_metric_families(response.read().decode())
+                for sample in family.samples
+                if sample.name == "tidegate_overload_work_tokens_total" and sample.labels["pool"] == "m"}
+    assert work["prompt"] > 0 and work["output"] > 0, work  # the work the load brought, for work demand
     with urllib.request.urlopen(f"{gateway}/status.json", timeout=10) as response:
         decisions = json.loads(response.read())["pools"][0]["scaling"]
     assert [d["desired"] for d in decisions][:1] == [1] and any(d["desired"] == 3 for d in decisions), decisions

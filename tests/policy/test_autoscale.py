@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, HpaRule, ScaleLayer, ScaleSignals
 
 SETTINGS = AutoscaleSettings(slots_per_replica=10, min_replicas=1, max_replicas=20, target_utilisation=0.5,
@@ -152,3 +154,34 @@ def test_on_work_demand_a_scale_in_is_not_stepped() -> None:
     assert desired[0] == 16  # the window still remembers the high work
     assert all(b <= a for a, b in zip(desired, desired[1:]))  # down only: no flapping on the way
     assert desired.index(2) <= 121  # 1,000 tokens/s at 0.5 of 1,000: there two windows on, not a step a minute
+
+
+def _noisy_work(scaler, start_s: float, end_s: float, mean_tokens_per_s: float, *, ready: int, seed: int):
+    """Poisson arrivals (10 a second on average) of requests of uniform size around the mean's share:
+    the per-tick work varies as real arrivals do. Returns every decision."""
+    rng = np.random.default_rng(seed)
+    decisions = []
+    for t in range(int(start_s), int(end_s)):
+        arrivals = int(rng.poisson(10))
+        tokens = int(rng.uniform(0.5, 1.5, arrivals).sum() * mean_tokens_per_s / 10)
+        decisions.append(scaler.on_tick(ScaleSignals(float(t), ready, 0, 20, 0, arrivals, arrived_tokens=tokens)))
+    return decisions
+
+
+def test_a_noisy_flat_work_demand_never_scales_in() -> None:
+    # 2,100 tokens/s: 4.2 replicas at the 0.5 target of 1,000 tokens/s, so 5; the minute's mean
+    # dips under 2,000 (4) now and then, by noise alone
+    settings = replace(WORK, scale_down_window_s=60.0)
+    held = _noisy_work(Autoscaler(settings), 0, 1800, 2100, ready=5, seed=11)
+    assert min(d.desired for d in held[60:]) == 5
+    # the contrast: without the noise band the same arrivals scale in (the test can fail)
+    bare = _noisy_work(Autoscaler(replace(settings, scale_in_sigmas=0.0)), 0, 1800, 2100, ready=5, seed=11)
+    assert min(d.desired for d in bare[60:]) < 5
+
+
+def test_a_real_fall_in_work_scales_in_after_the_window() -> None:
+    scaler = Autoscaler(replace(WORK, scale_down_window_s=60.0))
+    _noisy_work(scaler, 0, 300, 2100, ready=5, seed=12)
+    after = _noisy_work(scaler, 300, 600, 1000, ready=5, seed=13)  # half the work: 2 or 3 replicas
+    assert all(d.desired == 5 for d in after[:60])  # the scale-down window first
+    assert after[-1].desired in (2, 3)

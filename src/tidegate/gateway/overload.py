@@ -297,11 +297,12 @@ class OverloadRuntime:
                              timeout_s=timeout_s, streamed=streamed, prefix=prefix)
         arrival = self.control.arrive(now_s, facts, cached_answer_available=cached_answer_available,
                                       admission=None if shared is None else shared.decision)
+        metrics = self.metrics
+        metrics.of(metrics.work_tokens, model, "prompt").inc(prompt_tokens)
         tier = arrival.tier.name
         limits = arrival.admission.headers
         headers = _header_lines(limits.as_http_headers()) if limits is not None else b""
         outcome = arrival.outcome
-        metrics = self.metrics
         if outcome is ArrivalOutcome.QUEUED or outcome is ArrivalOutcome.ASSIGNED:
             assert arrival.pool is not None
             if arrival.rung is not Rung.PRIMARY:
@@ -411,6 +412,8 @@ class OverloadRuntime:
         elif ticket.replica is not None:  # also when assigned just as the client left
             body.ended(now_s, ticket, completion_tokens)
         used_tokens = ticket.prompt_tokens + completion_tokens
+        if completion_tokens > 0:
+            self.metrics.of(self.metrics.work_tokens, ticket.pool, "output").inc(completion_tokens)
         self.control.finish(now_s, ticket.request_id, used_tokens=used_tokens)
         if ticket.shared is not None:
             ticket.shared.settle(used_tokens)

@@ -48,6 +48,11 @@ class OverloadMetrics:
                                         buckets=_WAIT_BUCKETS_S, registry=r)
         self.admissions = Counter("tidegate_overload_admissions", "Arrivals by outcome (queued, rate_limited, "
                                   "too_large, preset_reply, fallback_pool)", ["pool", "tier", "outcome"], registry=r)
+        # the work arriving, for the autoscaler's work demand (`gateway.scaling`): prompt tokens as each
+        # request arrives (refused ones too: demand the fleet did not hold), output tokens as generated
+        self.work_tokens = Counter("tidegate_overload_work_tokens", "Work arriving by pool and kind: prompt "
+                                   "tokens of every arrival (refused ones too), output tokens as generated",
+                                   ["pool", "kind"], registry=r)
         self.rejections = Counter("tidegate_overload_rejections", "Requests refused or shed, by reason",
                                   ["pool", "tier", "reason"], registry=r)
         self.degraded = Counter("tidegate_overload_degraded_responses", "Responses served below the primary "

@@ -6,8 +6,9 @@ reports use), for an actuator to follow: the Kubernetes HPA or KEDA on that metr
 
 Signals, from the gateway alone: ready = replicas taking traffic (health and breaker); starting =
 replicas the last decision asked for that are not ready yet; in flight = requests held by
-replicas; queued = the pool's queue; arrivals and refusals since the last tick from the gateway's
-own counters; the worst tier's P99 time to first token over the tick against its target. The pool
+replicas; queued = the pool's queue; arrivals, refusals and the work arriving (prompt tokens at
+arrival, output tokens as generated: `tidegate_overload_work_tokens_total{pool,kind}`) since the
+last tick from the gateway's own counters; the worst tier's P99 time to first token over the tick against its target. The pool
 lists up to `max_replicas` backends: one that is not running is just not ready.
 """
 
@@ -29,6 +30,7 @@ from tidegate.config import AutoscaleConfig
 from tidegate.gateway.dispatch import ModelPool
 from tidegate.gateway.overload_metrics import Buckets, bucket_increase, quantile_from_buckets
 from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, ScaleDecision, ScaleSignals
+from tidegate.policy.fleet import FleetActions, FleetCounts, fleet_actions
 from tidegate.policy.forecast import Forecaster, make_forecaster
 from tidegate.policy.health import is_routable
 from tidegate.types import ReplicaHealth
@@ -40,15 +42,19 @@ log = logging.getLogger("tidegate.scaling")
 HISTORY = 20  # decisions kept per pool for the status page
 
 
-def autoscale_settings(config: AutoscaleConfig, pool: ModelPool) -> AutoscaleSettings:
+def autoscale_settings(config: AutoscaleConfig, pool: ModelPool, work_counted: bool = True) -> AutoscaleSettings:
+    """The policy's settings; on work demand when `replica_tokens_per_s` is set and the gateway
+    counts the work arriving (`work_counted`: overload control on)."""
     slots = config.slots_per_replica or max(replica.slot_limit for replica in pool.replicas)
+    work = config.replica_tokens_per_s if work_counted else None
     ahead = {} if config.forecast is None else {"cold_start_s": config.forecast.cold_start_s,
                                                  "forecast_bucket_s": config.forecast.bucket_s}
     return AutoscaleSettings(slots, min_replicas=config.min_replicas, max_replicas=config.max_replicas,
                              target_utilisation=config.target_utilisation, stable_window_s=config.stable_window_s,
                              panic_window_s=config.panic_window_s, scale_up_step=config.scale_up_step,
                              scale_down_window_s=config.scale_down_window_s, queue_trigger=config.queue_trigger,
-                             latency_trigger=config.latency_trigger, **ahead)
+                             latency_trigger=config.latency_trigger, replica_tokens_per_s=work,
+                             scale_in_sigmas=config.scale_in_sigmas, **ahead)
 
 
 def forecaster_for(config: AutoscaleConfig) -> Forecaster | None:
@@ -72,11 +78,13 @@ class ScaleRecord:
 
 class LocalActuator:
     """Makes an embedded pool's running workers follow the desired count, with `standby` more kept
-    loaded and out of traffic. A scale-out takes standbys first (routable at once: seconds instead of
-    a cold start), then starts stopped workers; standbys are refilled in the background. A scale-in
-    drains before it stops: the replica leaving takes no new request (`ReplicaHealth.DRAINING`), and
-    once it holds none it becomes a standby if one is missing, else its process stops, so no
-    request is aborted. The most recently started go first; the last serving replica never."""
+    loaded and out of traffic, through the pure decision the simulator also carries out
+    (`policy.fleet.fleet_actions`): a scale-out takes standbys first (routable at once: seconds
+    instead of a cold start), then starts stopped workers; standbys are refilled in the background.
+    A scale-in drains before it stops: the replica leaving takes no new request
+    (`ReplicaHealth.DRAINING`), and once it holds none it becomes a standby when the decision kept
+    it as one, else its process stops, so no request is aborted. The most recently started go
+    first; the last serving replica never (tests/gateway/test_local_actuator.py)."""
 
     def __init__(self, pool: ModelPool, supervisor: Any, wake: Callable[[], None], *, standby: int = 0,
                  drain_timeout_s: float = 600.0) -> None:
@@ -85,6 +93,7 @@ class LocalActuator:
         self._wake = wake  # tells the pool's dispatch (and controller) that health changed
         self._standby = standby
         self._drain_timeout_s = drain_timeout_s
+        self._kept: set[str] = set()  # draining replicas that become standbys once empty
         self._tasks: set[asyncio.Task] = set()
 
     def starting(self) -> int:
@@ -94,46 +103,52 @@ class LocalActuator:
     def _with(self, *states: ReplicaHealth) -> list[Any]:
         return [replica for replica in self._pool.replicas if replica.health in states]
 
-    def apply(self, desired: int) -> None:
-        """Starts, promotes or drains workers towards `desired`, then refills the standbys (changes
-        state: health, processes)."""
-        serving = self._with(ReplicaHealth.HEALTHY, ReplicaHealth.UNKNOWN, ReplicaHealth.UNHEALTHY)
-        changed = False
-        if desired > len(serving):
-            short = desired - len(serving)
-            for replica in self._with(ReplicaHealth.STANDBY)[:short]:
-                replica.health = ReplicaHealth.HEALTHY  # loaded already: routable now
-                short -= 1
-                changed = True
-                log.info("standby takes traffic", extra={"fields": {"replica": replica.replica_id}})
-            for replica in self._with(ReplicaHealth.STOPPED)[:short]:
-                replica.health = ReplicaHealth.UNKNOWN  # its health checks take it from here
-                self._spawn(self._supervisor.start_worker(replica.replica_id))
-        elif desired < len(serving):
-            for replica in list(reversed(serving))[:len(serving) - desired]:
-                if not any(r.health is ReplicaHealth.HEALTHY for r in serving if r is not replica):
-                    break  # never the last replica that serves
-                replica.health = ReplicaHealth.DRAINING
-                serving.remove(replica)
-                changed = True
-                self._spawn(self._drain(replica))
-        self._refill_standby()
-        if changed:
-            self._wake()
+    def counts(self) -> FleetCounts:
+        """The fleet as `fleet_actions` sees it; a draining replica kept as a standby counts as
+        warming (it will be one), so that it is not refilled twice."""
+        return FleetCounts(serving=len(self._with(ReplicaHealth.HEALTHY, ReplicaHealth.UNHEALTHY)),
+                           starting=self.starting(), standby=len(self._with(ReplicaHealth.STANDBY)),
+                           warming=len(self._with(ReplicaHealth.WARMING)) + len(self._kept),
+                           standby_target=self._standby)
 
-    def _refill_standby(self) -> None:
-        missing = self._standby - len(self._with(ReplicaHealth.STANDBY, ReplicaHealth.WARMING, ReplicaHealth.DRAINING))
-        for replica in self._with(ReplicaHealth.STOPPED)[:max(0, missing)]:
-            replica.health = ReplicaHealth.WARMING
+    def apply(self, desired: int) -> FleetActions:
+        """Carries out `fleet_actions` towards `desired` (changes state: health, processes) and
+        returns them."""
+        actions = fleet_actions(desired, self.counts())
+        promoted = self._with(ReplicaHealth.STANDBY)[:actions.promote]
+        for replica in promoted:
+            replica.health = ReplicaHealth.HEALTHY  # loaded already: routable now
+            log.info("standby takes traffic", extra={"fields": {"replica": replica.replica_id}})
+        stopped = self._with(ReplicaHealth.STOPPED)
+        for replica in stopped[:actions.start]:
+            replica.health = ReplicaHealth.UNKNOWN  # its health checks take it from here
             self._spawn(self._supervisor.start_worker(replica.replica_id))
+        for replica in stopped[actions.start:actions.start + actions.warm]:
+            replica.health = ReplicaHealth.WARMING  # its first good health check makes it a standby
+            self._spawn(self._supervisor.start_worker(replica.replica_id))
+        serving = self._with(ReplicaHealth.HEALTHY, ReplicaHealth.UNHEALTHY)
+        drained: list[Any] = []
+        for replica in list(reversed(serving))[:actions.drain]:
+            if not any(r.health is ReplicaHealth.HEALTHY for r in serving if r is not replica and r not in drained):
+                break  # what stays must include a replica that answers its health checks
+            drained.append(replica)
+        for index, replica in enumerate(drained):
+            replica.health = ReplicaHealth.DRAINING
+            if index < actions.keep_drained:
+                self._kept.add(replica.replica_id)
+            self._spawn(self._drain(replica))
+        if promoted or drained:
+            self._wake()
+        return actions
 
     async def _drain(self, replica: Any) -> None:
         loop = asyncio.get_running_loop()
         deadline_s = loop.time() + self._drain_timeout_s
         while replica.outstanding > 0 and loop.time() < deadline_s:
             await asyncio.sleep(0.05)
-        if len(self._with(ReplicaHealth.STANDBY, ReplicaHealth.WARMING)) < self._standby:
-            replica.health = ReplicaHealth.STANDBY  # loaded: keep it as a standby rather than start another
+        if replica.replica_id in self._kept:
+            self._kept.discard(replica.replica_id)
+            replica.health = ReplicaHealth.STANDBY  # loaded: kept as a standby rather than start another
             log.info("drained to standby", extra={"fields": {"replica": replica.replica_id}})
         else:
             await self._supervisor.stop_worker(replica.replica_id)
@@ -189,12 +204,13 @@ class KubernetesActuator:
 
 
 class _PoolScaling:
-    def __init__(self, pool: ModelPool, config: AutoscaleConfig) -> None:
+    def __init__(self, pool: ModelPool, config: AutoscaleConfig, work_counted: bool) -> None:
         self.pool = pool
-        self.autoscaler = Autoscaler(autoscale_settings(config, pool), forecaster_for(config))
+        self.autoscaler = Autoscaler(autoscale_settings(config, pool, work_counted), forecaster_for(config))
         self.desired: int | None = None
         self.arrived = 0.0  # the gateway's counters at the previous tick
         self.refused = 0.0
+        self.tokens = 0.0
         self.ttft: dict[str, Buckets] = {}  # tier -> cumulative buckets at the previous tick
         self.history: deque[ScaleRecord] = deque(maxlen=HISTORY)
 
@@ -207,7 +223,12 @@ class ScaleLoop:
         self._registry = registry
         self._overload = overload
         self._clock = clock
-        self._pools = {name: _PoolScaling(pools[name], config) for name, config in configs.items()}
+        for name, config in configs.items():
+            if config.replica_tokens_per_s is not None and overload is None:
+                log.warning("autoscale: replica_tokens_per_s needs overload_control (it counts the work "
+                            "arriving); the pool scales on the requests it holds", extra={"fields": {"pool": name}})
+        self._pools = {name: _PoolScaling(pools[name], config, overload is not None)
+                       for name, config in configs.items()}
         self._tick_s = min((config.tick_s for config in configs.values()), default=5.0)
         self.desired = Gauge("tidegate_desired_replicas", "Replicas the pool's autoscaler wants (for the HPA or "
                              "KEDA to follow)", ["pool"], registry=registry)
@@ -223,9 +244,10 @@ class ScaleLoop:
 
     async def start(self) -> None:
         now_s = self._clock()
-        arrivals, refusals = self._totals()
+        arrivals, refusals, tokens = self._totals()
         for name, scaling in self._pools.items():  # counters from now: what came before is not this tick's
             scaling.arrived, scaling.refused = arrivals.get(name, 0.0), refusals.get(name, 0.0)
+            scaling.tokens = tokens.get(name, 0.0)
             self.ready.labels(name).set(self._ready(scaling.pool, now_s))
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -245,7 +267,7 @@ class ScaleLoop:
 
     def tick(self, now_s: float) -> None:
         """Decides every pool's size once (changes the autoscalers' state and the gauges)."""
-        arrivals, refusals = self._totals()
+        arrivals, refusals, tokens = self._totals()
         for name, scaling in self._pools.items():
             pool = scaling.pool
             ready = self._ready(pool, now_s)
@@ -255,8 +277,9 @@ class ScaleLoop:
             signals = ScaleSignals(now_s, ready=ready, starting=starting,
                                    in_flight=sum(replica.outstanding for replica in pool.replicas),
                                    queued=self._queued(name, pool), arrivals=int(arrived - scaling.arrived),
-                                   refused=int(refused - scaling.refused), ttft_ratio=self._take_ttft_ratio(name, scaling))
-            scaling.arrived, scaling.refused = arrived, refused
+                                   refused=int(refused - scaling.refused), ttft_ratio=self._take_ttft_ratio(name, scaling),
+                                   arrived_tokens=int(tokens.get(name, 0.0) - scaling.tokens))
+            scaling.arrived, scaling.refused, scaling.tokens = arrived, refused, tokens.get(name, 0.0)
             decision = scaling.autoscaler.on_tick(signals)
             self.ready.labels(name).set(ready)
             self.desired.labels(name).set(decision.desired)
@@ -282,14 +305,15 @@ class ScaleLoop:
             return self._overload.bodies[name].controller.queued
         return len(pool.queue)
 
-    def _totals(self) -> tuple[dict[str, float], dict[str, float]]:
-        """Arrivals and refusals so far by pool, from the gateway's counters (FIFO's refusals: its
-        429 and 503 answers)."""
+    def _totals(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """Arrivals, refusals and work tokens (prompt + output) so far by pool, from the gateway's
+        counters (FIFO's refusals: its 429 and 503 answers; FIFO counts no work)."""
         if self._overload is not None:
             return (self._sample_sums("tidegate_overload_admissions_total"),
-                    self._sample_sums("tidegate_overload_rejections_total"))
+                    self._sample_sums("tidegate_overload_rejections_total"),
+                    self._sample_sums("tidegate_overload_work_tokens_total"))
         return (self._sample_sums("tidegate_requests_total"),
-                self._sample_sums("tidegate_requests_total", refused_only=True))
+                self._sample_sums("tidegate_requests_total", refused_only=True), {})
 
     def _sample_sums(self, sample_name: str, refused_only: bool = False) -> dict[str, float]:
         """A counter's value summed by pool."""

@@ -28,7 +28,9 @@ docs/autoscaling.md:
   (`test_the_predictive_layer_scales_a_cold_start_ahead_of_the_forecast`).
 Scale-in takes the highest desired count of the last `scale_down_window_s` (HPA's stabilisation
 window), one step per stable window (`test_scale_in_waits_its_window_then_goes_a_step_per_stable_window`,
-`test_the_fleet_found_at_start_is_not_cut_before_a_window`); the body drains a replica before it
+`test_the_fleet_found_at_start_is_not_cut_before_a_window`); on work demand, the count asked for
+is never below what the work's mean plus `scale_in_sigmas` standard errors needs, so a noisy dip
+does not scale in (`test_a_noisy_flat_work_demand_never_scales_in`); the body drains a replica before it
 stops it: no request is aborted by a scale-in
 (`tests/sim/test_scaling.py::test_the_pool_grows_for_a_surge_and_shrinks_by_draining_after_it`).
 """
@@ -66,6 +68,9 @@ class AutoscaleSettings:
     # request shape, measured (`sim.capacity.saturated_rps` x tokens per request, or a live run);
     # set, demand is the work arriving (`ScaleSignals.arrived_tokens`) rather than requests held
     replica_tokens_per_s: float | None = None
+    # on work demand, a scale-in only to what the work's mean plus this many standard errors needs:
+    # a noisy dip is not a fall (`test_a_noisy_flat_work_demand_never_scales_in`)
+    scale_in_sigmas: float = 2.0
 
     def __post_init__(self) -> None:
         if self.slots_per_replica < 1 or not 1 <= self.min_replicas <= self.max_replicas:
@@ -76,6 +81,8 @@ class AutoscaleSettings:
             raise ValueError("need 0 < panic_window_s <= stable_window_s and forecast_bucket_s > 0")
         if self.replica_tokens_per_s is not None and self.replica_tokens_per_s <= 0:
             raise ValueError("replica_tokens_per_s must be > 0")
+        if self.scale_in_sigmas < 0:
+            raise ValueError("scale_in_sigmas must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,6 +180,23 @@ class Autoscaler:
         assert s.replica_tokens_per_s is not None
         return self._work_rate_since(since_s) / s.replica_tokens_per_s * s.slots_per_replica
 
+    def _work_scale_in_floor(self, since_s: float, fleet: int) -> int:
+        """The replicas the work since then needs at its mean plus `scale_in_sigmas` standard errors
+        (of the per-tick rates' mean); the fleet while fewer than two ticks say how noisy it is.
+        The mean of a window of Poisson-like arrivals wanders by its standard error: a fleet sized
+        on a level just over a replica's boundary reads a dip under it as a fall, scales in and
+        out again a window later (`test_a_noisy_flat_work_demand_never_scales_in`). A real fall clears the band and scales
+        in after the scale-down window (`test_a_real_fall_in_work_scales_in_after_the_window`)."""
+        s = self.settings
+        assert s.replica_tokens_per_s is not None
+        rates = [n / c for t, n, _, c in self._work if t > since_s and c > 0]
+        if len(rates) < 2:
+            return fleet
+        mean = sum(rates) / len(rates)
+        variance = sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)
+        upper = self._work_rate_since(since_s) + s.scale_in_sigmas * math.sqrt(variance / len(rates))
+        return self._replicas_for(upper / s.replica_tokens_per_s * s.slots_per_replica)
+
     def _held_demand_since(self, since_s: float) -> float:
         """Mean requests held since then, scaled up by the share of arrivals refused: under early
         refusal the queue stays short and the replicas' slots full whatever the load, so the
@@ -230,7 +254,10 @@ class Autoscaler:
         desired, layer, reason = max(candidates, key=lambda c: c[0])
         if not self._desired:  # the fleet found at the start counts as asked for: no scale-in before a window
             self._desired.append((now_s, fleet))
-        self._desired.append((now_s, desired))
+        floor = desired
+        if s.replica_tokens_per_s is not None:  # scale in only past the noise of the work's mean
+            floor = max(desired, self._work_scale_in_floor(now_s - s.stable_window_s, fleet))
+        self._desired.append((now_s, floor))
         while self._desired and self._desired[0][0] <= now_s - s.scale_down_window_s:
             self._desired.popleft()
         if desired < fleet:

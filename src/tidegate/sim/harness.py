@@ -377,6 +377,11 @@ class Harness:
         self._stop_if_drained(replica_id)
 
     @property
+    def kept_draining(self) -> int:
+        """Draining replicas that become standbys once empty."""
+        return len(self._keep)
+
+    @property
     def queued(self) -> int:
         """Requests arrived and neither sent to a replica nor refused: the dispatcher's queue."""
         return self._queued

@@ -93,8 +93,9 @@ class ScalingLoop:
                                arrived_tokens=h.arrived_tokens - self._arrived_tokens)
         self._arrived, self._refused, self._arrived_tokens = h.arrived, h.refused, h.arrived_tokens
         decision = self.autoscaler.on_tick(signals)
+        # a draining replica kept as a standby counts as warming (it will be one): not refilled twice
         actions = fleet_actions(decision.desired, FleetCounts(len(up), len(h.starting), len(h.standby),
-                                                              len(h.warming), self.standby))
+                                                              len(h.warming) + h.kept_draining, self.standby))
         for replica_id in [i for i in self._order if i in h.standby][:actions.promote]:
             h.promote_replica(replica_id, self.promote_s)
         down = [i for i in self._order if not h.replicas[i].alive and i not in h.starting and i not in h.warming]
