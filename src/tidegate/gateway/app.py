@@ -266,7 +266,7 @@ class Gateway:
         if batch_url is not None:
             if not config.overload_control:
                 log.warning("batch: without overload_control its requests queue FIFO with interactive ones")
-            self.batch_store = BatchStore(batch_url, batch.key_prefix)
+            self.batch_store = BatchStore(batch_url, batch.key_prefix, batch.retention_s, batch.dead_letter_max_len)
             self.proxy.batch_api = BatchApi(self.batch_store, lambda: self.pools.keys(), batch.max_file_bytes,
                                             batch.max_requests_per_batch)
             if batch.worker:
