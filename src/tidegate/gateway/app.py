@@ -272,7 +272,8 @@ class Gateway:
             if batch.worker:
                 self.batch_worker = BatchWorker(self.batch_store, self.proxy.handle, batch.tier, batch.max_in_flight,
                                                 batch.max_attempts, batch.claim_idle_s, batch.sweep_interval_s,
-                                                server.request_timeout_s)
+                                                server.request_timeout_s, batch.retention_sweep_interval_s,
+                                                batch.consumer_idle_s)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
         # each request in flight holds an upstream connection: their descriptors are kept out of the cap
         open_file_limit = raise_open_file_limit()

@@ -85,7 +85,8 @@ class CapturedAnswer:
 
 class BatchWorker:
     def __init__(self, store: BatchStore, handle: Any, tier: str, max_in_flight: int, max_attempts: int,
-                 claim_idle_s: float, sweep_interval_s: float, request_timeout_s: float) -> None:
+                 claim_idle_s: float, sweep_interval_s: float, request_timeout_s: float,
+                 retention_sweep_interval_s: float = 60.0, consumer_idle_s: float = 300.0) -> None:
         self.store = store
         self._handle = handle  # Proxy.handle: (conn, request, identity=...) -> None
         self.tier = tier
@@ -93,6 +94,8 @@ class BatchWorker:
         self.max_attempts = max_attempts
         self.claim_idle_s = claim_idle_s
         self.sweep_interval_s = sweep_interval_s
+        self.retention_sweep_interval_s = retention_sweep_interval_s
+        self.consumer_idle_s = consumer_idle_s
         self.lease_s = request_timeout_s + claim_idle_s  # a run that outlives this is dead
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(2).hex()}"
         self.running: dict[str, asyncio.Task[None]] = {}  # entry id -> its run
@@ -108,7 +111,7 @@ class BatchWorker:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read_loop()), loop.create_task(self._confirm_loop()),
-                       loop.create_task(self._sweep_loop())]
+                       loop.create_task(self._sweep_loop()), loop.create_task(self._retention_loop())]
 
     async def hand_back(self) -> None:
         """Draining: the runs still going are cancelled and their entries handed back, made idle for
@@ -230,6 +233,20 @@ class BatchWorker:
                 self._redis_down(error)
             except Exception:
                 log.exception("batch: sweep failed")
+
+    async def _retention_loop(self) -> None:
+        """What is past `batch.retention_s` goes (BatchStore.sweep_retention), so Redis does not grow forever."""
+        while not self.stopping:
+            await asyncio.sleep(self.retention_sweep_interval_s)
+            try:
+                batches, files, consumers = await self.store.sweep_retention(time.time(), self.consumer_idle_s)
+                if batches or files or consumers:
+                    log.info("batch: retention sweep", extra={"fields": {
+                        "batches": batches, "files": files, "consumers": consumers}})
+            except _REDIS_ERRORS as error:
+                self._redis_down(error)
+            except Exception:
+                log.exception("batch: retention sweep failed")
 
     async def sweep(self) -> None:
         """Closes batches that are done, expired or cancelled, and ones a killed finalizer left."""
