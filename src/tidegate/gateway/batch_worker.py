@@ -119,6 +119,8 @@ class BatchWorker:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self._share_inputs is not None:
+            self._sample_share()  # before the first read: no burst of reads up to max_in_flight
         self._tasks = [loop.create_task(self._read_loop()), loop.create_task(self._confirm_loop()),
                        loop.create_task(self._sweep_loop()), loop.create_task(self._retention_loop())]
         if self._share_inputs is not None:
@@ -132,12 +134,15 @@ class BatchWorker:
         return min(self.max_in_flight, background_slots(self._level_slots, self._demand))
 
     async def _share_loop(self) -> None:
-        assert self._share_inputs is not None
         while not self.stopping:
-            level_slots, demand = self._share_inputs()
-            self._demand = remember_demand(self._demand, time.monotonic(), demand, self.share_memory_s)
-            self._level_slots = level_slots
+            self._sample_share()
             await asyncio.sleep(_SHARE_SAMPLE_S)
+
+    def _sample_share(self) -> None:
+        assert self._share_inputs is not None
+        level_slots, demand = self._share_inputs()
+        self._demand = remember_demand(self._demand, time.monotonic(), demand, self.share_memory_s)
+        self._level_slots = level_slots
 
     async def hand_back(self) -> None:
         """Draining: the runs still going are cancelled and their entries handed back, made idle for
