@@ -34,7 +34,7 @@ def started() -> Iterator[list[ManagedProcess]]:
         process.stop()
 
 
-def _mock(started: list[ManagedProcess], *extra: str) -> str:
+def mock_upstream(started: list[ManagedProcess], *extra: str) -> str:
     port = free_port()
     started.append(start_process(tidegate_argv("mock-upstream", "--port", str(port), "--tokens", "4", *extra),
                                  ready_url=f"http://127.0.0.1:{port}/health", timeout_s=30))
@@ -43,8 +43,8 @@ def _mock(started: list[ManagedProcess], *extra: str) -> str:
 
 @pytest.fixture(scope="module")
 def mocks(started: list[ManagedProcess]) -> dict[str, str]:
-    return {"fast": _mock(started), "slow": _mock(started, "--ttft-ms", "300"),
-            "broken": _mock(started, "--error-rate", "1")}
+    return {"fast": mock_upstream(started), "slow": mock_upstream(started, "--ttft-ms", "300"),
+            "broken": mock_upstream(started, "--error-rate", "1")}
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,12 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from batch_fixtures import KEY_A, _mock, client, jsonl, redis_url, started, wait_final  # noqa: E402,F401
+from batch_fixtures import KEY_A, client, jsonl, mock_upstream, redis_url, started, wait_final  # noqa: E402,F401
 from support import free_port, start_process, tidegate_argv  # noqa: E402
 
 
 def _peak_at_engine(tmp_path: Path, started, redis_url: str, prefix: str, share_memory_s: float) -> int:
-    upstream = _mock(started, "--ttft-ms", "150")
+    upstream = mock_upstream(started, "--ttft-ms", "150")
     port = free_port()
     config = {"server": {"port": port, "access_log": False},
               "pools": [{"name": "slow", "backends": [{"type": "upstream", "url": upstream, "slot_limit": 4}]}],
