@@ -17,6 +17,7 @@ knee, so the slots are the capacity. Figures printed:
                its data directory
 
 Run: flock /tmp/tidegate-bench.lock python bench/batch_api.py [--phase-s 20 --windows 3] [--batch 1000] [--crash-batch 600]
+     [--max-in-flight 8 --share-memory-s 10 | 0] [--skip-crash]
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ class Redis:
         self.process.wait()
 
 
-def gateway_config(port: int, upstreams: list[str], redis_url: str, knee: int, max_in_flight: int) -> dict:
+def gateway_config(port: int, upstreams: list[str], redis_url: str, knee: int, max_in_flight: int,
+                   share_memory_s: float) -> dict:
     return {
         "server": {"port": port, "access_log": False},
         "pools": [{"name": "knee", "backends": [{"type": "upstream", "url": url, "slot_limit": knee}
@@ -118,7 +120,7 @@ def gateway_config(port: int, upstreams: list[str], redis_url: str, knee: int, m
         "tenants": {"app": {"api_keys": [INTERACTIVE_KEY], "tier": "standard"},
                     "jobs": {"api_keys": [BATCH_KEY]}},
         "batch": {"redis_url": redis_url, "max_in_flight": max_in_flight, "claim_idle_s": 3.0,
-                  "sweep_interval_s": 0.5},
+                  "sweep_interval_s": 0.5, "share_memory_s": share_memory_s},
     }
 
 
@@ -377,13 +379,14 @@ async def run(args: argparse.Namespace, processes: Processes) -> int:
                                            "--knee", str(args.knee), "--step-ms", str(args.step_ms),
                                            "--tokens", str(args.tokens)], ready_url=f"http://127.0.0.1:{port}/health")
     config = gateway_config(free_port(), [f"http://127.0.0.1:{p}/v1" for p in upstream_ports], redis.url, args.knee,
-                            args.max_in_flight)
+                            args.max_in_flight, args.share_memory_s)
     start_gateway(processes, config, "gateway")
     base = f"http://127.0.0.1:{config['server']['port']}"
     slots = REPLICAS * args.knee
     per_request_s = args.tokens * args.step_ms / 1000
     print(f"replicas: {REPLICAS} x knee mock (knee {args.knee} running, step {args.step_ms:.0f} ms, {args.tokens} tokens "
-          f"an answer), slot_limit {args.knee} each: {slots} slots; batch worker max_in_flight {args.max_in_flight}; "
+          f"an answer), slot_limit {args.knee} each: {slots} slots; batch worker max_in_flight {args.max_in_flight}, "
+          f"background share {f'over {args.share_memory_s:.0f} s' if args.share_memory_s > 0 else 'off'}; "
           f"redis-server appendonly yes")
     # the replicas' own capacity: a closed loop straight at the engines, every slot busy (through the
     # gateway a tier gets only its share of the slots, the rest being headroom for better tiers)
@@ -394,6 +397,8 @@ async def run(args: argparse.Namespace, processes: Processes) -> int:
           f"{args.capacity_s:.0f} s); the slots' bound {slots / per_request_s:.1f} req/s at "
           f"{per_request_s * 1000:.0f} ms a request")
     ok = await protection_bar(base, capacity, args)
+    if args.skip_crash:
+        return 0 if ok else 1
     # the crash bars run more at once, so that a crash catches many requests mid-way
     gateway = processes.started[-1]
     gateway.terminate()
@@ -423,6 +428,10 @@ def main() -> int:
                         help="the gateway's batch.max_in_flight in the protection bar; default: the replicas' "
                              "headroom slots (what interactive tiers alone never use)")
     parser.add_argument("--crash-max-in-flight", type=int, default=16)
+    parser.add_argument("--share-memory-s", type=float, default=10.0,
+                        help="batch.share_memory_s: batch holds the level slots less the interactive demand's mean "
+                             "over this window (policy.background_share); 0: only max_in_flight bounds it")
+    parser.add_argument("--skip-crash", action="store_true", help="the protection bar only")
     args = parser.parse_args()
     if args.max_in_flight is None:
         headroom = min(args.knee - 1, round(args.knee * HEADROOM_SHARE))

@@ -380,6 +380,17 @@ class BatchConfig(_Strict):
     max_file_bytes: int = Field(100 << 20, ge=1024)  # an upload is also bounded by server.max_body_bytes
     max_requests_per_batch: int = Field(50_000, ge=1)  # OpenAI's limit
     key_prefix: str = Field("tidegate:batch:", min_length=1)
+    # retention, so that Redis does not grow forever: a final batch, its output and error files and
+    # its input file go this long after it ended; a file no batch read goes this long after its upload
+    retention_s: float = Field(30 * 86400.0, gt=0)
+    dead_letter_max_len: int = Field(10_000, ge=1)  # the dead-letter stream is trimmed to its newest entries
+    # a stream consumer (a gateway's worker, by process) with nothing pending and idle this long is
+    # removed: each restart makes a new one, and their names would pile up in the group
+    consumer_idle_s: float = Field(300.0, gt=0)
+    retention_sweep_interval_s: float = Field(60.0, gt=0)  # how often expired batches, files, consumers go
+    # batch work takes the level slots the interactive tiers left idle on average over this window
+    # (policy.background_share); 0: only batch.max_in_flight bounds it
+    share_memory_s: float = Field(10.0, ge=0)
 
     @model_validator(mode="after")
     def _url_is_redis(self) -> BatchConfig:

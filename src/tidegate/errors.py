@@ -15,6 +15,7 @@ __all__ = [
     "PermissionDeniedError",
     "NotFoundError",
     "MethodNotAllowedError",
+    "ConflictError",
     "PayloadTooLargeError",
     "RateLimitError",
     "OverloadedError",
@@ -77,6 +78,13 @@ class MethodNotAllowedError(TidegateError):
         super().__init__(message, **kwargs)
         # header lines the answer carries (HTTP requires Allow with a 405): the methods the path takes
         self.headers = f"allow: {allow}\r\n".encode()
+
+
+class ConflictError(TidegateError):
+    """The resource's state forbids the change now (OpenAI answers 409: a file a running batch reads)."""
+
+    status = 409
+    error_type = "invalid_request_error"
 
 
 class PayloadTooLargeError(TidegateError):

@@ -7,6 +7,7 @@ import logging
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -15,7 +16,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from tidegate import __version__
-from tidegate.config import EmbeddedBackend, GatewayConfig, TracingConfig, UpstreamBackend
+from tidegate.config import BatchConfig, EmbeddedBackend, GatewayConfig, TracingConfig, UpstreamBackend
 from tidegate.control.health_checks import HealthChecker
 from tidegate.control.supervisor import WorkerSpec, WorkerSupervisor
 from tidegate.gateway.batch_api import BatchApi
@@ -267,13 +268,15 @@ class Gateway:
         if batch_url is not None:
             if not config.overload_control:
                 log.warning("batch: without overload_control its requests queue FIFO with interactive ones")
-            self.batch_store = BatchStore(batch_url, batch.key_prefix)
+            self.batch_store = BatchStore(batch_url, batch.key_prefix, batch.retention_s, batch.dead_letter_max_len)
             self.proxy.batch_api = BatchApi(self.batch_store, lambda: self.pools.keys(), batch.max_file_bytes,
                                             batch.max_requests_per_batch)
             if batch.worker:
                 self.batch_worker = BatchWorker(self.batch_store, self.proxy.handle, batch.tier, batch.max_in_flight,
                                                 batch.max_attempts, batch.claim_idle_s, batch.sweep_interval_s,
-                                                server.request_timeout_s)
+                                                server.request_timeout_s, batch.retention_sweep_interval_s,
+                                                batch.consumer_idle_s, self._background_share_inputs(batch),
+                                                batch.share_memory_s)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
         # each request in flight holds an upstream connection: their descriptors are kept out of the cap
         open_file_limit = raise_open_file_limit()
@@ -351,6 +354,21 @@ class Gateway:
                                                             metrics_host, server.metrics_port, reuse_address=True)
             self.metrics_port = self._metrics_server.sockets[0].getsockname()[1]
             log.info("metrics listening", extra={"fields": {"host": metrics_host, "port": self.metrics_port}})
+
+    def _background_share_inputs(self, batch: BatchConfig) -> Callable[[], tuple[int, int]] | None:
+        """(level slots, demand of tiers better than batch's) over the pools' controllers, for the
+        batch worker's share (`policy.background_share`); None without overload control or a memory."""
+        overload = self.overload
+        if overload is None or batch.share_memory_s <= 0:
+            return None
+        controllers = [body.controller for body in overload.bodies.values()]
+
+        def inputs() -> tuple[int, int]:
+            now_s = overload.clock()
+            return (sum(c.level_slots(now_s) for c in controllers),
+                    sum(c.demand_above(batch.tier) for c in controllers))
+
+        return inputs
 
     async def _start_batch(self) -> None:
         """The stream's consumer group, then the worker; a Redis not up yet is waited for by the

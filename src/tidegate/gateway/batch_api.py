@@ -17,7 +17,8 @@ import redis.exceptions
 from tidegate.batch.files import BATCH_URLS, parse_batch_file, parse_multipart
 from tidegate.batch.records import (BatchStatus, batch_object, check_metadata, completion_window_s, file_object,
                                     new_id)
-from tidegate.errors import InvalidRequestError, MethodNotAllowedError, NotFoundError, OverloadedError
+from tidegate.errors import (ConflictError, InvalidRequestError, MethodNotAllowedError, NotFoundError,
+                             OverloadedError)
 from tidegate.gateway.batch_store import BatchStore
 from tidegate.gateway.http import HttpConnection, HttpRequest
 from tidegate.policy.identity import ANONYMOUS_TENANT, Identity
@@ -56,15 +57,19 @@ class BatchApi:
             raise NotFoundError(f"no route {request.path.decode('latin-1')}", code="not_found")
         if parts[1] == "files":
             if len(parts) == 2:
-                _expect(method, b"POST", request.path)
+                if method == b"GET":
+                    return 200, orjson.dumps(await self._list_files(request, tenant)), _JSON
+                _expect(method, b"POST", request.path, allow="GET, POST")
                 return 200, orjson.dumps(await self._upload(request.body, tenant)), _JSON
+            if len(parts) == 3 and method == b"DELETE":
+                return 200, orjson.dumps(await self._delete_file(parts[2], tenant)), _JSON
             record = await self.store.file(parts[2], tenant) if len(parts) in (3, 4) else None
             if len(parts) == 4 and parts[3] != "content":
                 record = None
             if record is None:
                 raise NotFoundError(f"no file {parts[2]!r}" if len(parts) > 2 else "no such route",
                                     code="not_found", param="file_id")
-            _expect(method, b"GET", request.path)
+            _expect(method, b"GET", request.path, allow="GET, DELETE" if len(parts) == 3 else "GET")
             if len(parts) == 3:
                 return 200, orjson.dumps(file_object(record)), _JSON
             return 200, await self.store.file_content(record["id"]), b"content-type: application/octet-stream\r\n"
@@ -127,7 +132,8 @@ class BatchApi:
                  "expires_at": str(created + window_s), "total": "0", "completed": "0", "failed": "0"}
         if metadata is not None:
             batch["metadata"] = orjson.dumps(metadata).decode()
-        await self.store.create_batch(tenant, batch)
+        if not await self.store.create_batch(tenant, batch):  # deleted since it was looked up
+            raise NotFoundError(f"no file {file_id!r}", code="not_found", param="input_file_id")
         content = await self.store.file_content(file_id)
         try:
             lines = parse_batch_file(content, self._served_models(), self.max_requests)
@@ -147,6 +153,35 @@ class BatchApi:
         assert stored is not None
         return batch_object(stored)
 
+    async def _list_files(self, request: HttpRequest, tenant: str) -> dict:
+        """OpenAI's `GET /v1/files`: purpose, limit (1 to 10,000, all by default), after, order (desc)."""
+        query = parse_qs(request.query.decode("utf-8", "replace"))
+        try:
+            limit = int(query.get("limit", ["10000"])[0])
+        except ValueError:
+            limit = 0
+        if not 1 <= limit <= 10_000:
+            raise InvalidRequestError("limit must be an integer from 1 to 10000", param="limit")
+        order = query.get("order", ["desc"])[0]
+        if order not in ("asc", "desc"):
+            raise InvalidRequestError("order must be 'asc' or 'desc'", param="order")
+        purpose = query.get("purpose", [None])[0]
+        records, has_more = await self.store.list_files(tenant, purpose, limit, query.get("after", [None])[0],
+                                                        ascending=order == "asc")
+        data = [file_object(record) for record in records]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": has_more}
+
+    async def _delete_file(self, file_id: str, tenant: str) -> dict:
+        outcome = await self.store.delete_file(file_id, tenant)
+        if outcome == "missing":
+            raise NotFoundError(f"no file {file_id!r}", code="not_found", param="file_id")
+        if outcome.startswith("in_use:"):
+            raise ConflictError(f"file {file_id!r} is the input of batch {outcome.removeprefix('in_use:')}, "
+                                "which is not finished; cancel it or wait for it to end", code="file_in_use",
+                                param="file_id")
+        return {"id": file_id, "object": "file", "deleted": True}
+
     async def _list(self, request: HttpRequest, tenant: str) -> dict:
         query = parse_qs(request.query.decode("utf-8", "replace"))
         try:
@@ -162,6 +197,7 @@ class BatchApi:
                 "last_id": data[-1]["id"] if data else None, "has_more": has_more}
 
 
-def _expect(method: bytes, wanted: bytes, path: bytes) -> None:
+def _expect(method: bytes, wanted: bytes, path: bytes, allow: str | None = None) -> None:
     if method != wanted:
-        raise MethodNotAllowedError(f"{path.decode('latin-1')} takes {wanted.decode()}", allow=wanted.decode())
+        allow = allow or wanted.decode()
+        raise MethodNotAllowedError(f"{path.decode('latin-1')} takes {allow}", allow=allow)

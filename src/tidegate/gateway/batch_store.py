@@ -3,7 +3,10 @@
 Keys (under `key_prefix`): `file:{id}` (a hash) and `file:{id}:content`; `batch:{id}` (a hash) with
 `:out` and `:err` (custom_id -> result line), `:attempts` (custom_id -> runs begun) and `:running`
 (custom_id -> lease end, ms); `batches:{tenant}` (a sorted set, newest last) and `active` (batches not
-final); `queue`, a stream read by the consumer group `workers`, and `dead`, the dead-letter stream.
+final); `files:{tenant}` and `files:{tenant}:{purpose}` (sorted sets, newest last), `file:{id}:readers`
+(the batches that read it); `expiry` (`file:{id}` | `batch:{id}` -> when it goes, s: the retention
+sweep's); `queue`, a stream read by the consumer group `workers`, and `dead`, the dead-letter stream
+(trimmed to `dead_letter_max_len`).
 
 Exactly one result per custom_id: `RECORD` writes a line only when neither hash holds one, in one
 Lua script, and counts it there, so a request run twice (a gateway killed after its answer, before
@@ -24,6 +27,7 @@ import redis.asyncio as aioredis
 
 from tidegate.batch.files import BatchLine
 from tidegate.batch.records import BatchStatus, error_line, new_id
+from tidegate.gateway.batch_scripts import CREATE_BATCH, DELETE_FILE, EXPIRE_BATCH, PRUNE_CONSUMERS
 
 __all__ = ["BatchStore", "GROUP"]
 
@@ -87,15 +91,22 @@ def _decoded(mapping: dict) -> dict[str, str]:
 class BatchStore:
     """Every Redis operation of the Batch API; the routes and the worker hold no state of their own."""
 
-    def __init__(self, redis_url: str, key_prefix: str) -> None:
+    def __init__(self, redis_url: str, key_prefix: str, retention_s: float = 30 * 86400,
+                 dead_letter_max_len: int = 10_000) -> None:
         self.redis = aioredis.Redis.from_url(redis_url, socket_timeout=5.0, socket_connect_timeout=2.0,
                                              health_check_interval=5)
         self.prefix = key_prefix
+        self.retention_s = retention_s  # a file, or a final batch, is kept this long (since upload, since final)
+        self.dead_letter_max_len = dead_letter_max_len
         self.queue = key_prefix + "queue"
         self.dead = key_prefix + "dead"
         self._record = self.redis.register_script(_RECORD)
         self._seal = self.redis.register_script(_SEAL)
         self._cancel = self.redis.register_script(_CANCEL)
+        self._create_batch = self.redis.register_script(CREATE_BATCH)
+        self._delete_file = self.redis.register_script(DELETE_FILE)
+        self._expire_batch = self.redis.register_script(EXPIRE_BATCH)
+        self._prune_consumers = self.redis.register_script(PRUNE_CONSUMERS)
 
     def key(self, *parts: str) -> str:
         return self.prefix + ":".join(parts)
@@ -115,13 +126,54 @@ class BatchStore:
     async def put_file(self, tenant: str, filename: str, purpose: str, content: bytes,
                        file_id: str | None = None) -> dict[str, str]:
         file_id = file_id or new_id("file-")
+        now = int(time.time())
         record = {"id": file_id, "tenant": tenant, "filename": filename, "purpose": purpose,
-                  "bytes": str(len(content)), "created_at": str(int(time.time()))}
+                  "bytes": str(len(content)), "created_at": str(now)}
+        seq = await self.redis.incr(self.key("seq"))
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.set(self.key("file", file_id, "content"), content)
             pipe.hset(self.key("file", file_id), mapping=record)
+            self._index_file(pipe, tenant, purpose, file_id, seq, now)
             await pipe.execute()
         return record
+
+    def _index_file(self, pipe: Any, tenant: str, purpose: str, file_id: str, seq: int, now: float) -> None:
+        """Listed for its tenant; goes a retention after now (or after the last batch reading it ends)."""
+        pipe.zadd(self.key("files", tenant), {file_id: seq})
+        pipe.zadd(self.key("files", tenant, purpose), {file_id: seq})
+        pipe.zadd(self.key("expiry"), {f"file:{file_id}": now + self.retention_s}, gt=True)  # GT still adds
+
+    def _expire_later(self, pipe: Any, batch_id: str, input_file_id: str | None, now: float) -> None:
+        """A batch turned final: it, and its input file (unless read again later), go a retention from now."""
+        pipe.zadd(self.key("expiry"), {f"batch:{batch_id}": now + self.retention_s})
+        if input_file_id:
+            pipe.zadd(self.key("expiry"), {f"file:{input_file_id}": now + self.retention_s}, gt=True)
+
+    async def list_files(self, tenant: str, purpose: str | None, limit: int, after: str | None,
+                         ascending: bool) -> tuple[list[dict[str, str]], bool]:
+        """The tenant's files (of `purpose`, if given), newest first unless `ascending`, from after the
+        file `after`; and whether more follow."""
+        index = self.key("files", tenant, purpose) if purpose else self.key("files", tenant)
+        low, high = "-inf", "+inf"
+        if after is not None:
+            score = await self.redis.zscore(index, after)
+            if score is None:
+                return [], False
+            low, high = (f"({int(score)}", "+inf") if ascending else ("-inf", f"({int(score)}")
+        if ascending:
+            ids = await self.redis.zrangebyscore(index, low, high, start=0, num=limit + 1)
+        else:
+            ids = await self.redis.zrevrangebyscore(index, high, low, start=0, num=limit + 1)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for file_id in ids[:limit]:
+                pipe.hgetall(self.key("file", _text(file_id)))
+            records = [_decoded(found) for found in await pipe.execute()]
+        return [record for record in records if record], len(ids) > limit
+
+    async def delete_file(self, file_id: str, tenant: str) -> str:
+        """'deleted', 'missing', or 'in_use:<batch id>' (a batch not yet final reads it): one script."""
+        return _text(await self._delete_file(args=[self.prefix, file_id, tenant, "delete", int(time.time()),
+                                                   int(self.retention_s)]))
 
     async def file(self, file_id: str, tenant: str) -> dict[str, str] | None:
         """The file's record, if it exists and is the tenant's (another tenant's file is not found)."""
@@ -132,14 +184,12 @@ class BatchStore:
         return await self.redis.get(self.key("file", file_id, "content")) or b""
 
     # -- batches
-    async def create_batch(self, tenant: str, record: dict[str, str]) -> None:
-        """Stored as `validating`, listed for its tenant."""
-        seq = await self.redis.incr(self.key("seq"))
-        async with self.redis.pipeline(transaction=True) as pipe:
-            pipe.hset(self.key("batch", record["id"]), mapping={**record, "tenant": tenant, "seq": str(seq)})
-            pipe.zadd(self.key("batches", tenant), {record["id"]: seq})
-            pipe.sadd(self.key("active"), record["id"])  # a sweep fails it if its creator dies validating
-            await pipe.execute()
+    async def create_batch(self, tenant: str, record: dict[str, str]) -> bool:
+        """Stored as `validating`, listed for its tenant, a reader of its input file (a sweep fails it
+        if its creator dies validating); False, and nothing stored, when the file is gone."""
+        fields = [item for pair in record.items() for item in pair]
+        return bool(await self._create_batch(args=[self.prefix, tenant, record["input_file_id"], record["id"],
+                                                   *fields]))
 
     async def start_batch(self, batch_id: str, lines: Sequence[BatchLine]) -> None:
         """validating -> in_progress with every request queued, in one transaction: a batch is either
@@ -155,11 +205,14 @@ class BatchStore:
             await pipe.execute()
 
     async def fail_batch(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
+        now = int(time.time())
+        input_file_id = await self.redis.hget(self.key("batch", batch_id), "input_file_id")
         async with self.redis.pipeline(transaction=True) as pipe:
             pipe.hset(self.key("batch", batch_id), mapping={
-                "status": BatchStatus.FAILED.value, "failed_at": str(int(time.time())),
+                "status": BatchStatus.FAILED.value, "failed_at": str(now),
                 "errors": orjson.dumps({"object": "list", "data": errors})})
             pipe.srem(self.key("active"), batch_id)
+            self._expire_later(pipe, batch_id, _text(input_file_id) if input_file_id else None, now)
             await pipe.execute()
 
     async def batch(self, batch_id: str, tenant: str | None = None) -> dict[str, str] | None:
@@ -228,13 +281,38 @@ class BatchStore:
             await pipe.execute()
 
     async def dead_letter(self, entry_id: str, fields: dict[str, str], attempts: int, reason: str) -> None:
-        await self.redis.xadd(self.dead, {**fields, "entry": entry_id, "attempts": str(attempts), "reason": reason})
+        # trimmed: a dead letter is kept for inspection, not forever (its error line is in the error file)
+        await self.redis.xadd(self.dead, {**fields, "entry": entry_id, "attempts": str(attempts), "reason": reason},
+                              maxlen=self.dead_letter_max_len, approximate=False)
 
     async def live_runs(self, batch_id: str) -> int:
         """Requests of the batch some worker is running now (leases not yet ended)."""
         now_ms = int(time.time() * 1000)
         leases = await self.redis.hvals(self.key("batch", batch_id, "running"))
         return sum(1 for lease in leases if int(lease) > now_ms)
+
+    # -- retention
+    async def sweep_retention(self, now_s: float, consumer_idle_s: float, max_items: int = 1000) -> tuple[int, int, int]:
+        """Removes what is past its retention (final batches, files no unfinished batch reads) and the
+        stream's consumers idle `consumer_idle_s` with nothing pending: (batches, files, consumers)
+        removed. Every script checks again, so any number of gateways may sweep at once."""
+        due = await self.redis.zrangebyscore(self.key("expiry"), "-inf", now_s, start=0, num=max_items)
+        batches = files = 0
+        for member in map(_text, due):
+            kind, _, item_id = member.partition(":")
+            if kind == "batch":
+                batches += int(await self._expire_batch(args=[self.prefix, item_id]))
+            else:
+                outcome = await self._delete_file(args=[self.prefix, item_id, "", "expire", int(now_s),
+                                                        int(self.retention_s)])
+                files += _text(outcome) == "deleted"
+        try:
+            consumers = int(await self._prune_consumers(keys=[self.queue], args=[GROUP, int(consumer_idle_s * 1000)]))
+        except aioredis.ResponseError as error:
+            if "no such key" not in str(error).lower() and "NOGROUP" not in str(error):
+                raise
+            consumers = 0
+        return batches, files, consumers
 
     # -- closing a batch
     async def finalize(self, batch_id: str, target: BatchStatus) -> bool:
@@ -264,8 +342,9 @@ class BatchStore:
             fields = {"status": target.value, f"{target.value}_at": now}
             suffix = batch_id.removeprefix("batch_")
             files = (("output_file_id", f"file-{suffix}out", out), ("error_file_id", f"file-{suffix}err", err))
+            seqs = [await self.redis.incr(self.key("seq")) if lines else 0 for _, _, lines in files]
             async with self.redis.pipeline(transaction=True) as pipe:
-                for field, file_id, lines in files:
+                for (field, file_id, lines), seq in zip(files, seqs):
                     if not lines:
                         continue
                     content = b"".join(lines[c].encode() + b"\n" for c in custom_ids if c in lines)
@@ -273,8 +352,10 @@ class BatchStore:
                     pipe.hset(self.key("file", file_id), mapping={
                         "id": file_id, "tenant": record["tenant"], "filename": f"{batch_id}_{field[:-8]}.jsonl",
                         "purpose": "batch_output", "bytes": str(len(content)), "created_at": now})
+                    self._index_file(pipe, record["tenant"], "batch_output", file_id, seq, int(now))
                     fields[field] = file_id
                 pipe.hset(batch_key, mapping=fields)
+                self._expire_later(pipe, batch_id, record["input_file_id"], int(now))
                 pipe.srem(self.key("active"), batch_id)
                 pipe.delete(batch_key + ":out", batch_key + ":err", batch_key + ":attempts", batch_key + ":running",
                             batch_key + ":lasterror")

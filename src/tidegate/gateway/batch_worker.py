@@ -19,6 +19,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -27,6 +28,7 @@ import redis.exceptions
 from tidegate.batch.records import BatchStatus, error_line, new_id, output_line
 from tidegate.gateway.batch_store import GROUP, BatchStore
 from tidegate.gateway.http import HttpRequest
+from tidegate.policy.background_share import DemandMemory, background_slots, remember_demand
 from tidegate.policy.identity import Identity
 
 __all__ = ["BatchWorker", "CapturedAnswer"]
@@ -39,6 +41,7 @@ _MAX_CAPACITY_WAIT_S = 5.0  # a refused request goes again at least this often
 # a batch still validating this long after its creation lost the gateway that was queueing it
 VALIDATION_LOST_S = 60.0
 _NO_RESULT = (408, 500, 502, 504)  # the replica or gateway failed it: another run may answer it
+_SHARE_SAMPLE_S = 0.1  # how often the interactive demand is sampled for the background share
 
 
 class CapturedAnswer:
@@ -85,7 +88,9 @@ class CapturedAnswer:
 
 class BatchWorker:
     def __init__(self, store: BatchStore, handle: Any, tier: str, max_in_flight: int, max_attempts: int,
-                 claim_idle_s: float, sweep_interval_s: float, request_timeout_s: float) -> None:
+                 claim_idle_s: float, sweep_interval_s: float, request_timeout_s: float,
+                 retention_sweep_interval_s: float = 60.0, consumer_idle_s: float = 300.0,
+                 share_inputs: Callable[[], tuple[int, int]] | None = None, share_memory_s: float = 10.0) -> None:
         self.store = store
         self._handle = handle  # Proxy.handle: (conn, request, identity=...) -> None
         self.tier = tier
@@ -93,6 +98,13 @@ class BatchWorker:
         self.max_attempts = max_attempts
         self.claim_idle_s = claim_idle_s
         self.sweep_interval_s = sweep_interval_s
+        self.retention_sweep_interval_s = retention_sweep_interval_s
+        self.consumer_idle_s = consumer_idle_s
+        # (level slots, interactive demand) of the pools now; None: only max_in_flight bounds batch work
+        self._share_inputs = share_inputs
+        self.share_memory_s = share_memory_s
+        self._demand = DemandMemory()
+        self._level_slots: int | None = None
         self.lease_s = request_timeout_s + claim_idle_s  # a run that outlives this is dead
         self.consumer = f"{socket.gethostname()}-{os.getpid()}-{os.urandom(2).hex()}"
         self.running: dict[str, asyncio.Task[None]] = {}  # entry id -> its run
@@ -107,8 +119,30 @@ class BatchWorker:
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self._share_inputs is not None:
+            self._sample_share()  # before the first read: no burst of reads up to max_in_flight
         self._tasks = [loop.create_task(self._read_loop()), loop.create_task(self._confirm_loop()),
-                       loop.create_task(self._sweep_loop())]
+                       loop.create_task(self._sweep_loop()), loop.create_task(self._retention_loop())]
+        if self._share_inputs is not None:
+            self._tasks.append(loop.create_task(self._share_loop()))
+
+    def allowed_in_flight(self) -> int:
+        """Batch requests this gateway may hold now: max_in_flight, and no more than the level slots the
+        interactive demand leaves on average (`policy.background_share`)."""
+        if self._level_slots is None:
+            return self.max_in_flight
+        return min(self.max_in_flight, background_slots(self._level_slots, self._demand))
+
+    async def _share_loop(self) -> None:
+        while not self.stopping:
+            self._sample_share()
+            await asyncio.sleep(_SHARE_SAMPLE_S)
+
+    def _sample_share(self) -> None:
+        assert self._share_inputs is not None
+        level_slots, demand = self._share_inputs()
+        self._demand = remember_demand(self._demand, time.monotonic(), demand, self.share_memory_s)
+        self._level_slots = level_slots
 
     async def hand_back(self) -> None:
         """Draining: the runs still going are cancelled and their entries handed back, made idle for
@@ -150,10 +184,13 @@ class BatchWorker:
                 if not self.taking:
                     await asyncio.sleep(0.2)
                     continue
-                free = self.max_in_flight - len(self.running)
-                if free <= 0:
+                free = self.allowed_in_flight() - len(self.running)
+                if free <= 0:  # until a run ends, or the share grows
                     self._slot_freed.clear()
-                    await self._slot_freed.wait()
+                    try:
+                        await asyncio.wait_for(self._slot_freed.wait(), _SHARE_SAMPLE_S * 2)
+                    except asyncio.TimeoutError:
+                        pass
                     continue
                 if time.monotonic() >= next_claim_s:  # entries of a dead consumer, or of failed runs
                     # looked for often (cheap): entries a draining gateway handed back are idle at once
@@ -230,6 +267,20 @@ class BatchWorker:
                 self._redis_down(error)
             except Exception:
                 log.exception("batch: sweep failed")
+
+    async def _retention_loop(self) -> None:
+        """What is past `batch.retention_s` goes (BatchStore.sweep_retention), so Redis does not grow forever."""
+        while not self.stopping:
+            await asyncio.sleep(self.retention_sweep_interval_s)
+            try:
+                batches, files, consumers = await self.store.sweep_retention(time.time(), self.consumer_idle_s)
+                if batches or files or consumers:
+                    log.info("batch: retention sweep", extra={"fields": {
+                        "batches": batches, "files": files, "consumers": consumers}})
+            except _REDIS_ERRORS as error:
+                self._redis_down(error)
+            except Exception:
+                log.exception("batch: retention sweep failed")
 
     async def sweep(self) -> None:
         """Closes batches that are done, expired or cancelled, and ones a killed finalizer left."""

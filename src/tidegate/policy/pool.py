@@ -487,6 +487,19 @@ class PoolController:
         """Requests sent to the replica and not yet ended."""
         return self._replicas[replica_id].requests
 
+    def level_slots(self, now_s: float) -> int:
+        """Rule 5's requests of one level and better over the routable replicas (rule 8's grant of
+        each): what background work may share, the headroom left to better levels
+        (`policy.background_share`)."""
+        return sum(r.level_cap for r in self._order if self._routable(r, now_s))
+
+    def demand_above(self, tier: str) -> int:
+        """Requests of tiers ranked better than `tier`, held at replicas or waiting in the queue: the
+        interactive demand `policy.background_share` leaves room for."""
+        rank = self.tiers[tier].rank
+        held = sum(sum(r.held[: 2 * rank]) for r in self._order)
+        return held + sum(self._queue.depth(t.name) for t in self.tiers if t.rank < rank)
+
     # ---- internals ----------------------------------------------------------------------------
 
     def _assign_at_once(self, now_s: float, tier: TierSpec, request: PoolRequest) -> Assignment | None:
