@@ -33,7 +33,7 @@ KILL_AT_S, DURATION_S = 4.0, 12.0
 def _config(options: BenchOptions, log_dir: Path, name: str, port: int) -> str:
     path = log_dir / f"{name}.yaml"
     path.write_text(yaml.safe_dump({
-        "server": {"port": port, "access_log": False},
+        "server": {"port": port, "access_log": True},  # each failure's status and replica, in the log
         "health": {"interval_s": 0.5, "cooldown_s": 5},
         "overload_control": options.overload_control,
         "pools": [{"name": MODEL, "backends": [{"type": "embedded", "model": MODEL, "count": WORKERS,
@@ -110,6 +110,10 @@ async def scenario_embedded_kill20(options: BenchOptions, procs: Processes, log_
         print(f"  served {summary['ok']} of {summary['requests']}, failed {failed}; gateway: streams failed over "
               f"{growth.get('resumed', 0):.0f}, failover failed {growth.get('failed', 0):.0f}, retries "
               f"{growth.get('retries', 0):.0f}")
+        for record in result.records:
+            if not record.ok:  # where a failure came from: its status, reason and send time
+                print(f"    failed: status {record.status}, reason {record.reason}, sent at "
+                      f"{record.sent_s + result.record_offset_s:.2f} s, e2e {record.e2e_s}")
         bar(f"embedded kill 20 %, control {arm}: success %", summary["success_pct"], ">= 99.5",
             summary["success_pct"] >= 99.5, f"served {summary['ok']}/{summary['requests']}, hung {summary['hung']}")
         return {"summary": summary, "failovers": growth, "capacity_rps": capacity_rps}

@@ -41,11 +41,13 @@ def start_mock(processes: list[ManagedProcess]) -> Callable[..., Upstream]:
 def start_gateway(processes: list[ManagedProcess], tmp_path_factory: pytest.TempPathFactory
                   ) -> Callable[..., Gateway]:
     def start(pools: list[dict], server: dict | None = None, health: dict | None = None,
-              wait_ready: bool = True) -> Gateway:
+              wait_ready: bool = True, overload_control: bool | None = None) -> Gateway:
         port = free_port()
         config = {"server": {"port": port, **(server or {})}, "pools": pools}
         if health:
             config["health"] = health
+        if overload_control is not None:
+            config["overload_control"] = overload_control
         path = tmp_path_factory.mktemp("gateway") / "gateway.yaml"
         path.write_text(yaml.safe_dump(config))
         ready = "/ready" if wait_ready else "/health"

@@ -219,3 +219,42 @@ def test_stream_broken_midway_ends_with_an_error_event(start_gateway) -> None:
             list(stream)
     finally:
         server.shutdown()
+
+
+class _DiesBeforeFirstTokenHandler(_BreaksMidStreamHandler):
+    """An engine killed during prefill: it sent its head and the role-only opening event at once,
+    then its connection dropped before any output."""
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length", 0)))
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+        event = b'data: {"id":"x","object":"chat.completion.chunk","created":0,"model":"m","choices":' \
+                b'[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}\n\n'
+        self.wfile.write(b"%x\r\n%b\r\n" % (len(event), event))
+        self.wfile.flush()
+        self.close_connection = True
+
+
+@pytest.mark.parametrize("overload_control", [False, True])
+def test_stream_whose_replica_dies_before_its_first_token_is_retried(start_mock, start_gateway,
+                                                                       overload_control: bool) -> None:
+    # nothing reached the client (its head waits for the first output): as safe to retry as a
+    # connection failure. It was answered 502 instead: the "http errors" at the kill moment of the
+    # embedded kill experiments (bench/chaos.py)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _DiesBeforeFirstTokenHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        dying = f"http://127.0.0.1:{server.server_address[1]}/v1"
+        gateway = start_gateway([upstream_pool("dies", dying, start_mock(), health_path=None)],
+                                health={"failure_threshold": 100, "failure_ratio": 1.0},  # keep it in rotation
+                                overload_control=overload_control)
+        client = _client(gateway)
+        for _ in range(6):
+            chunks = list(client.chat.completions.create(model="dies", messages=MESSAGES, stream=True))
+            assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert (_metric(gateway, "tidegate_upstream_retries_total") or 0) >= 1
+    finally:
+        server.shutdown()

@@ -533,6 +533,11 @@ class Proxy:
             return 200
         except UpstreamFailure as failure:
             if relay is None or not relay.streaming:
+                if relay is not None and not failure.before_first_byte and not failure.timed_out:
+                    # the engine sent its head and role-only event at once, then died before any
+                    # output (killed during prefill): the client got nothing, held back until the
+                    # first output, so another replica may take it as after a connection failure
+                    raise UpstreamFailure(str(failure), before_first_byte=True) from None
                 raise
             # headers are out: continue the answer on another replica (gateway/failover.py), or say
             # what happened in the stream, then end it, so it cannot look complete
