@@ -1,0 +1,56 @@
+"""`bench/retry_storm.py`'s storm in the simulator: the same clients (closed loop, resend at once),
+prompts and answer lengths, on the shipped `tiny-random-llama-cpu` profile (the embedded engine,
+fitted on its own steps), two replicas, the controller `tidegate serve` builds for the embedded
+default, against FIFO. Prints per arm, mean of three seeds: completed, completed within the
+standard tier's TTFT target, refusals, replicas busy. A simulated refusal costs no CPU: compare with
+the live bench to see what refusals cost on cores shared with the engines (docs/overload-knobs.md).
+
+Run: python bench/retry_storm_sim.py [--storm-s 40] [--prompt 250] [--output 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tidegate.loadgen.mix import LengthDistribution
+from tidegate.sim.fifo import FifoDispatcher
+from tidegate.sim.harness import ClosedLoopClients, Harness, TrafficClass
+from tidegate.simulate import Simulation, pool_controller
+
+SEEDS = (1, 2, 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--storm-s", type=float, default=40.0)
+    parser.add_argument("--prompt", type=int, default=250)
+    parser.add_argument("--output", type=int, default=32)
+    args = parser.parse_args()
+    sim = Simulation(replicas=2)
+    traffic = TrafficClass("t1", "standard", 1.0, LengthDistribution("const", args.prompt),
+                           LengthDistribution("const", args.output))
+    target_s = sim.tiers["standard"].ttft_target_s
+    print(f"profile {sim.profile.name}, 2 replicas, slot_limit {sim.slot_limit}; prompts {args.prompt} tokens, "
+          f"{args.output} answered; storm {args.storm_s:.0f} s; TTFT target {target_s:.0f} s; mean of {len(SEEDS)} seeds")
+    for clients in (64, 512):
+        for arm in ("fifo", "tidegate"):
+            completed = good = refused = 0
+            busy = []
+            for seed in SEEDS:
+                dispatcher = (FifoDispatcher(sim.replica_ids, sim.tiers, slot_limit=sim.slot_limit) if arm == "fifo"
+                              else pool_controller(sim.config, sim.pool.name, sim.replica_ids)[0])
+                harness = Harness([sim.profile.spec(i) for i in sim.replica_ids], dispatcher)
+                storm = ClosedLoopClients(clients, traffic, 0.0, args.storm_s, resend_s=0.002, seed=seed)
+                result = harness.run((), clients=storm, probes_s=(2.0, args.storm_s))
+                done = [r for r in result.records if r.finish_s is not None and r.finish_s < args.storm_s]
+                completed += len(done)
+                good += sum(1 for r in done if r.ttft_s is not None and r.ttft_s <= target_s)
+                refused += sum(1 for r in result.records if r.refused_reason is not None)
+                busy.append(result.busy_fraction(2.0, args.storm_s))
+            n = len(SEEDS)
+            print(f"  {clients:4d} clients {arm:8s} completed {completed / n:6.1f}  within target {good / n:6.1f}  "
+                  f"refused {refused / n:9,.0f}  replicas busy {100 * min(busy):3.0f} %", flush=True)
+
+
+if __name__ == "__main__":
+    main()
