@@ -278,7 +278,9 @@ def test_a_request_run_twice_leaves_one_result_line(
     for _, fields in store.xrange("twice:queue"):  # every request queued twice, as a redelivery would
         store.xadd("twice:queue", fields)
     served_before = _mock_requests(mocks["fast"])
-    base, _ = gateway_factory(key_prefix="twice:", max_in_flight=12)
+    # both copies of each request read at once (no background share: 12 in flight over the 4 slots),
+    # so each runs twice before either records its result
+    base, _ = gateway_factory(key_prefix="twice:", max_in_flight=12, share_memory_s=0)
     batch = _wait_final(client, batch_id)
     assert batch.status == "completed" and batch.request_counts.completed == 6
     lines = _lines(client, batch.output_file_id)
