@@ -428,7 +428,7 @@ def main() -> int:
                         help="the gateway's batch.max_in_flight in the protection bar; default: the replicas' "
                              "headroom slots (what interactive tiers alone never use)")
     parser.add_argument("--crash-max-in-flight", type=int, default=16)
-    parser.add_argument("--share-memory-s", type=float, default=10.0,
+    parser.add_argument("--share-memory-s", type=float, default=0.0,
                         help="batch.share_memory_s: batch holds the level slots less the interactive demand's mean "
                              "over this window (policy.background_share); 0: only max_in_flight bounds it")
     parser.add_argument("--skip-crash", action="store_true", help="the protection bar only")

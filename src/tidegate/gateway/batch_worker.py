@@ -90,7 +90,7 @@ class BatchWorker:
     def __init__(self, store: BatchStore, handle: Any, tier: str, max_in_flight: int, max_attempts: int,
                  claim_idle_s: float, sweep_interval_s: float, request_timeout_s: float,
                  retention_sweep_interval_s: float = 60.0, consumer_idle_s: float = 300.0,
-                 share_inputs: Callable[[], tuple[int, int]] | None = None, share_memory_s: float = 10.0) -> None:
+                 share_inputs: Callable[[], tuple[int, int]] | None = None, share_memory_s: float = 0.0) -> None:
         self.store = store
         self._handle = handle  # Proxy.handle: (conn, request, identity=...) -> None
         self.tier = tier
