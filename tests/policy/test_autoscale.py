@@ -171,7 +171,7 @@ def _noisy_work(scaler, start_s: float, end_s: float, mean_tokens_per_s: float, 
 def test_a_noisy_flat_work_demand_never_scales_in() -> None:
     # 2,100 tokens/s: 4.2 replicas at the 0.5 target of 1,000 tokens/s, so 5; the minute's mean
     # dips under 2,000 (4) now and then, by noise alone
-    settings = replace(WORK, scale_down_window_s=60.0)
+    settings = replace(WORK, scale_down_window_s=60.0, scale_in_sigmas=2.0)
     held = _noisy_work(Autoscaler(settings), 0, 1800, 2100, ready=5, seed=11)
     assert min(d.desired for d in held[60:]) == 5
     # the contrast: without the noise band the same arrivals scale in (the test can fail)
@@ -180,7 +180,7 @@ def test_a_noisy_flat_work_demand_never_scales_in() -> None:
 
 
 def test_a_real_fall_in_work_scales_in_after_the_window() -> None:
-    scaler = Autoscaler(replace(WORK, scale_down_window_s=60.0))
+    scaler = Autoscaler(replace(WORK, scale_down_window_s=60.0, scale_in_sigmas=2.0))
     _noisy_work(scaler, 0, 300, 2100, ready=5, seed=12)
     after = _noisy_work(scaler, 300, 600, 1000, ready=5, seed=13)  # half the work: 2 or 3 replicas
     assert all(d.desired == 5 for d in after[:60])  # the scale-down window first
