@@ -298,7 +298,7 @@ class OverloadRuntime:
         arrival = self.control.arrive(now_s, facts, cached_answer_available=cached_answer_available,
                                       admission=None if shared is None else shared.decision)
         metrics = self.metrics
-        metrics.of(metrics.work_tokens, model, "prompt").inc(prompt_tokens)
+        metrics.work_tokens.add(model, prompt_tokens, 0)
         tier = arrival.tier.name
         limits = arrival.admission.headers
         headers = _header_lines(limits.as_http_headers()) if limits is not None else b""
@@ -413,7 +413,7 @@ class OverloadRuntime:
             body.ended(now_s, ticket, completion_tokens)
         used_tokens = ticket.prompt_tokens + completion_tokens
         if completion_tokens > 0:
-            self.metrics.of(self.metrics.work_tokens, ticket.pool, "output").inc(completion_tokens)
+            self.metrics.work_tokens.add(ticket.pool, 0, completion_tokens)
         self.control.finish(now_s, ticket.request_id, used_tokens=used_tokens)
         if ticket.shared is not None:
             ticket.shared.settle(used_tokens)
