@@ -15,7 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -24,40 +24,16 @@ import redis
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from support import ManagedProcess, free_port, start_process, start_redis, tidegate_argv  # noqa: E402
-
-KEY_A, KEY_B = "sk-tenant-a", "sk-tenant-b"
-
-
-@pytest.fixture(scope="module")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    process, url = start_redis(append_only=True, data_dir=str(tmp_path_factory.mktemp("redis")))
-    try:
-        yield url
-    finally:
-        process.stop()
-
-
-@pytest.fixture(scope="module")
-def started() -> Iterator[list[ManagedProcess]]:
-    processes: list[ManagedProcess] = []
-    yield processes
-    for process in reversed(processes):
-        process.stop()
-
-
-def _mock(started: list[ManagedProcess], *extra: str) -> str:
-    port = free_port()
-    started.append(start_process(tidegate_argv("mock-upstream", "--port", str(port), "--tokens", "4", *extra),
-                                 ready_url=f"http://127.0.0.1:{port}/health", timeout_s=30))
-    return f"http://127.0.0.1:{port}/v1"
+from support import ManagedProcess, free_port, start_process, tidegate_argv  # noqa: E402
+from batch_fixtures import KEY_A, KEY_B, mock_upstream, redis_url, started  # noqa: E402,F401  (fixtures)
 
 
 @pytest.fixture(scope="module")
 def mocks(started: list[ManagedProcess]) -> dict[str, str]:
-    return {"fast": _mock(started), "slow": _mock(started, "--ttft-ms", "400"),
-            "broken": _mock(started, "--error-rate", "1")}
+    return {"fast": mock_upstream(started), "slow": mock_upstream(started, "--ttft-ms", "400"),
+            "broken": mock_upstream(started, "--error-rate", "1")}
 
 
 @pytest.fixture(scope="module")
