@@ -187,8 +187,10 @@ class BatchWorker:
                 free = self.allowed_in_flight() - len(self.running)
                 if free <= 0:  # until a run ends, or the share grows
                     self._slot_freed.clear()
+                    # with a share, also when it may have grown; without one, only a run's end frees a slot
+                    timeout_s = None if self._share_inputs is None else _SHARE_SAMPLE_S * 2
                     try:
-                        await asyncio.wait_for(self._slot_freed.wait(), _SHARE_SAMPLE_S * 2)
+                        await asyncio.wait_for(self._slot_freed.wait(), timeout_s)
                     except asyncio.TimeoutError:
                         pass
                     continue

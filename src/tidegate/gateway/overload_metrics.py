@@ -142,6 +142,10 @@ class WorkTokens:
         row[0] += prompt_tokens
         row[1] += output_tokens
 
+    def totals(self) -> dict[str, float]:
+        """Tokens (prompt + output) counted so far by pool: a query, for the autoscaler's tick."""
+        return {pool: prompt + output for pool, (prompt, output) in self._by_pool.items()}
+
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily("tidegate_overload_work_tokens", "Work arriving by pool and kind: prompt "
                                      "tokens of every arrival (refused ones too), output tokens as generated",

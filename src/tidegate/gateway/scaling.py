@@ -311,7 +311,7 @@ class ScaleLoop:
         if self._overload is not None:
             return (self._sample_sums("tidegate_overload_admissions_total"),
                     self._sample_sums("tidegate_overload_rejections_total"),
-                    self._sample_sums("tidegate_overload_work_tokens_total"))
+                    self._overload.metrics.work_tokens.totals())  # plain numbers: no collection
         return (self._sample_sums("tidegate_requests_total"),
                 self._sample_sums("tidegate_requests_total", refused_only=True), {})
 

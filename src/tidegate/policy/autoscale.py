@@ -257,7 +257,7 @@ class Autoscaler:
         if not self._desired:  # the fleet found at the start counts as asked for: no scale-in before a window
             self._desired.append((now_s, fleet))
         floor = desired
-        if s.replica_tokens_per_s is not None:  # scale in only past the noise of the work's mean
+        if s.replica_tokens_per_s is not None and s.scale_in_sigmas > 0:  # scale in only past the work's noise
             floor = max(desired, self._work_scale_in_floor(now_s - s.stable_window_s, fleet))
         self._desired.append((now_s, floor))
         while self._desired and self._desired[0][0] <= now_s - s.scale_down_window_s:
