@@ -57,6 +57,8 @@ class Arm:
     errors: int = 0
     error_kinds: Counter = field(default_factory=Counter)
     ttfts_s: list[float] = field(default_factory=list)
+    started: float = 0.0  # requests the engines started (from their prompt tokens)
+    reasons: Counter = field(default_factory=Counter)  # the gateway's refusals by reason
 
 
 async def client(session: aiohttp.ClientSession, url: str, body: bytes, stop_at: float, arm: Arm) -> None:
@@ -106,13 +108,23 @@ def engine_busy_s(upstreams: list[str]) -> float:
     return total
 
 
-def engine_generated(upstreams: list[str]) -> float:
+def engine_counter(upstreams: list[str], name: str) -> float:
     total = 0.0
     for url in upstreams:
         text = http_text(url.removesuffix("/v1") + "/metrics")
-        for match in re.finditer(r"^tidegate_engine_generation_tokens_total(?:\{[^}]*\})? (\S+)", text, re.M):
+        for match in re.finditer(rf"^{name}_total(?:\{{[^}}]*\}})? (\S+)", text, re.M):
             total += float(match.group(1))
     return total
+
+
+def refusal_reasons(gateway: str) -> Counter:
+    """The gateway's refusals so far, by reason (overload control's counter; FIFO has none)."""
+    reasons: Counter = Counter()
+    text = http_text(gateway + "/metrics")
+    for match in re.finditer(r'^tidegate_overload_rejections_total\{([^}]*)\} (\S+)', text, re.M):
+        reason = re.search(r'reason="([^"]*)"', match.group(1))
+        reasons[reason.group(1) if reason else "?"] += int(float(match.group(2)))
+    return reasons
 
 
 async def storm(gateway: str, clients: int, storm_s: float, upstreams: list[str]) -> tuple[Arm, float, float]:
@@ -120,7 +132,10 @@ async def storm(gateway: str, clients: int, storm_s: float, upstreams: list[str]
     body = json.dumps({"model": "m", "stream": True, "max_tokens": TOKENS, "ignore_eos": True,
                        "messages": [{"role": "user", "content": prompt}]}).encode()
     arm = Arm()
-    busy_before, generated_before = engine_busy_s(upstreams), engine_generated(upstreams)
+    busy_before = engine_busy_s(upstreams)
+    generated_before = engine_counter(upstreams, "tidegate_engine_generation_tokens")
+    prompts_before = engine_counter(upstreams, "tidegate_engine_prompt_tokens")
+    reasons_before = refusal_reasons(gateway)
     started = time.monotonic()
     stop_at = started + storm_s
     connector = aiohttp.TCPConnector(limit=0)
@@ -133,7 +148,10 @@ async def storm(gateway: str, clients: int, storm_s: float, upstreams: list[str]
         await asyncio.gather(*tasks, return_exceptions=True)
     elapsed = time.monotonic() - started
     busy = (engine_busy_s(upstreams) - busy_before) / (elapsed * len(upstreams))
-    generated = (engine_generated(upstreams) - generated_before) / elapsed
+    generated = (engine_counter(upstreams, "tidegate_engine_generation_tokens") - generated_before) / elapsed
+    # requests the engines started: their prompt tokens over one prompt's (~1 token a word)
+    arm.started = (engine_counter(upstreams, "tidegate_engine_prompt_tokens") - prompts_before) / PROMPT_WORDS
+    arm.reasons = refusal_reasons(gateway) - reasons_before
     return arm, busy, generated
 
 
@@ -142,6 +160,8 @@ def line(name: str, arm: Arm, busy: float, tokens_s: float) -> str:
     return (f"  {name:8s} completed {arm.completed:5d}  within {TTFT_TARGET_S[TIER]:.0f} s target {arm.within_target:5d}"
             f"  refused {arm.refused:7,d}  errors {arm.errors:4d}  TTFT p50 {p50:5.2f} s p99 {p99:5.2f} s"
             f"  replicas busy {100 * busy:3.0f} %  generated {tokens_s:5.0f} tok/s"
+            + f"\n           engines started ~{arm.started:.0f} requests"
+            + (f"; refusals by reason: {dict(arm.reasons.most_common())}" if arm.reasons else "")
             + (f"\n           errors: {dict(arm.error_kinds.most_common(3))}" if arm.errors else ""))
 
 

@@ -62,6 +62,9 @@ class PoolRequest(NamedTuple):
     # chained hashes of the prompt's leading blocks (`policy.prefix`): routes it where its prefix is
     # probably cached; empty: no affinity
     prefix: tuple[int, ...] = ()
+    # the same request sent again by the same tenant has the same fingerprint (`policy.resends`): a
+    # resend before its Retry-After is held, not refused again at once; 0: none
+    fingerprint: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,10 +57,14 @@ def test_long_prompt_burst_after_idle_keeps_critical_within_target_from_the_firs
 def test_a_retry_storm_serves_fifos_good_work_with_the_replicas_busy() -> None:
     verdict = scenarios.retry_storm(scenarios.STORM_SEEDS[:3])  # the bench sums all eight
     assert verdict.passed, verdict.figures
-    for count in (64, 512):  # and where the bar leans on the noise allowed, it stays small: ~1 % of the work
-        good, fifo_good = verdict.value(f"good_{count}"), verdict.value(f"fifo_good_{count}")
-        assert good >= fifo_good or verdict.value(f"noise_{count}") <= 0.03 * fifo_good, verdict.figures
-    assert min(verdict.value("busy_64"), verdict.value("busy_512")) >= 0.8, verdict.figures
+    for case in ("64", "512", "512_shared_cores"):  # and where the bar leans on the noise allowed, it stays small
+        good, fifo_good = verdict.value(f"good_{case}"), verdict.value(f"fifo_good_{case}")
+        assert good >= fifo_good or verdict.value(f"noise_{case}") <= 0.03 * fifo_good, verdict.figures
+        assert verdict.value(f"busy_{case}") >= 0.8, verdict.figures
+        # rule 9 of `policy.pool`: resends held, not refused at once, so the storm's round trips stay
+        # near FIFO's (refused at once, the controller took 130x FIFO's, and on shared cores their
+        # CPU cost it half of FIFO's good work)
+        assert verdict.value(f"sent_{case}") <= 1.5 * verdict.value(f"fifo_sent_{case}"), verdict.figures
 
 
 def test_a_slowed_replica_shows_twice_the_slope_within_10_s_and_stays_there_with_the_pool_busy() -> None:

@@ -282,11 +282,12 @@ class OverloadRuntime:
 
     def admit(self, now_s: float, request_id: str, identity: Identity, model: str, body: Mapping[str, Any],
               timeout_s: float | None = None, streamed: bool = True, cached_answer_available: bool = False,
-              shared: Any = None) -> Ticket:
+              shared: Any = None, fingerprint: int = 0) -> Ticket:
         """Admits a request into its pool's controller, or raises the answer to send at once
         (CachedAnswerRung when `cached_answer_available` and the ladder takes that rung).
         `shared`: the shared limits' admission (`SharedAdmission`), which then replaces the
-        in-process limiter's decision and is settled with the ticket."""
+        in-process limiter's decision and is settled with the ticket. `fingerprint`: the same for
+        the same request sent again (`policy.resends`), 0 for none."""
         if shared is None:
             prompt_tokens, max_tokens = self.request_cost(body)
         else:
@@ -294,7 +295,7 @@ class OverloadRuntime:
         # a prompt shorter than one block has no prefix to route by: not hashed
         prefix = prompt_prefix(body) if self._prefix_affinity and prompt_tokens > BLOCK_TOKENS else ()
         facts = RequestFacts(request_id, identity.tenant, identity.tier, model, prompt_tokens, max_tokens,
-                             timeout_s=timeout_s, streamed=streamed, prefix=prefix)
+                             timeout_s=timeout_s, streamed=streamed, prefix=prefix, fingerprint=fingerprint)
         arrival = self.control.arrive(now_s, facts, cached_answer_available=cached_answer_available,
                                       admission=None if shared is None else shared.decision)
         metrics = self.metrics

@@ -379,8 +379,10 @@ class Proxy:
         self._ticket_ids += 1
         # raises the answer for a refusal (429, or 503 with the preset reply) at once
         try:
+            # the same bytes from the same tenant: a resend of the same request (`policy.resends`)
             ticket = overload.admit(started, str(self._ticket_ids), identity, pool.name, body, timeout_s, stream,
-                                    cached_answer_available=cached_fallback is not None, shared=admission)
+                                    cached_answer_available=cached_fallback is not None, shared=admission,
+                                    fingerprint=hash(raw_body) ^ hash(identity.tenant))
         except CachedAnswerRung as rung:
             assert cached_fallback is not None
             self.pool_metrics[pool.name].count(200)

@@ -79,6 +79,14 @@ without it; a rule no scenario needs does not belong here):
    do not send N batches. (`tidegate.sim.active_active`: unsplit, three gateways at 2x capacity
    left the engines' queues deep and served fewer requests within target than one gateway;
    `test_a_gateway_holds_no_more_than_its_grant_of_a_replica`)
+9. Early resends (`policy.resends`): a request refused at arrival (rule 6) is remembered by its
+   fingerprint until its Retry-After; sent again before then, it is not refused again at once but
+   held below the queue until its deadline, and held requests go to replicas with room when
+   nothing of the queue can, best tier first and newest first. A client that resends the moment it
+   is refused then makes one round trip a deadline instead of hundreds a second, and what is served
+   of the held requests is what has most of its target left. (`retry_storm` on shared cores:
+   `test_an_early_resend_is_held_to_its_deadline_not_refused_at_once`,
+   `test_held_resends_are_served_newest_first_when_a_replica_has_room`)
 """
 
 from __future__ import annotations
@@ -94,6 +102,7 @@ from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, is_rout
 from tidegate.policy.prediction import WaitPredictor, WorkUnit
 from tidegate.policy.prefix import BLOCK_TOKENS, PrefixIndex
 from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReason
+from tidegate.policy.resends import EarlyResends, HeldResends
 from tidegate.policy.shares import TenantShares
 from tidegate.policy.tiers import TierSpec, TierTable
 from tidegate.policy.ttft_model import ReplicaSpeed, TtftFit, pool_line
@@ -105,7 +114,7 @@ from tidegate.types import (ArrivalDecision, ArrivalVerdict, Assignment, Dispatc
 _LATENCY_REFERENCE_TOKENS = 256
 
 __all__ = ["ServiceClass", "PoolReplica", "PoolSettings", "ReplicaSnapshot", "PoolSnapshot", "PoolController",
-           "REFUSED_UNKNOWN_TIER", "REFUSED_NO_REPLICA", "REFUSED_PREDICTED_MISS"]
+           "REFUSED_UNKNOWN_TIER", "REFUSED_NO_REPLICA", "REFUSED_PREDICTED_MISS", "REFUSED_EARLY_RESEND"]
 
 REFUSED_UNKNOWN_TIER = "unknown_tier"
 # A request with a prompt prefix prefers a replica only while it holds at most this many times the
@@ -121,6 +130,7 @@ REFUSED_UNKNOWN_TIER = "unknown_tier"
 LOAD_IMBALANCE = 1.5
 REFUSED_NO_REPLICA = "no_replica"
 REFUSED_PREDICTED_MISS = "predicted_miss"
+REFUSED_EARLY_RESEND = "early_resend"  # resent before its Retry-After, held to its deadline, not served
 
 
 class ServiceClass(Enum):
@@ -184,6 +194,7 @@ class PoolSnapshot:
     queued: int
     retries_waiting: int
     replicas: tuple[ReplicaSnapshot, ...]
+    held_resends: int = 0  # rule 9
 
 
 @dataclass(slots=True)
@@ -264,6 +275,8 @@ class PoolController:
         self._shares = shares
         self._sent: dict[int | str, _Sent] = {}
         self._retries: deque[tuple[QueuedRequest, frozenset[str]]] = deque()  # go first, in order
+        self._early = EarlyResends(settings.max_queued)  # rule 9: refused early, until their Retry-After
+        self._held = HeldResends()  # rule 9: resent before it, served last, newest first
         self._whole: set[int | str] = set()  # queued or sent requests that report no first token
         # (when its replica's fit says its prefill is done, request id) for those that report none
         self._assumed_prefills: list[tuple[float, int | str]] = []
@@ -282,12 +295,12 @@ class PoolController:
 
     @property
     def queued(self) -> int:
-        return len(self._queue) + len(self._retries)
+        return len(self._queue) + len(self._retries) + len(self._held)
 
     def snapshot(self, now_s: float) -> PoolSnapshot:
         return PoolSnapshot(len(self._queue), len(self._retries), tuple(
             ReplicaSnapshot(r.config.replica_id, self._routable(r, now_s), r.breaker.current(now_s).state, r.requests,
-                            tuple(r.prefill), r.fit) for r in self._order))
+                            tuple(r.prefill), r.fit) for r in self._order), len(self._held))
 
     def queue_depth(self, tier: str) -> int:
         return self._queue.depth(tier)
@@ -366,6 +379,11 @@ class PoolController:
         ahead = self._queue.work_ahead(tier.name, request.tenant, tokens)
         prediction = self._predictor.predict(now_s, ahead, now_s + wait_s, tier.rank)
         if prediction.misses_deadline:
+            if request.fingerprint and self.queued < self.settings.max_queued:
+                if self._early.is_early(now_s, request.fingerprint):  # rule 9
+                    self._hold(now_s, request, wait_s)
+                    return ArrivalDecision(ArrivalVerdict.QUEUED, pressure=prediction.pressure, predicted_wait_s=wait_s)
+                self._early.remember(now_s, request.fingerprint, prediction.retry_after_s)
             return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_PREDICTED_MISS, prediction.retry_after_s)
         decision = self._queue.enqueue(now_s, request_id=request.request_id, tenant=request.tenant,  # type: ignore[arg-type]
                                        tier=tier.name, prompt_tokens=request.prompt_tokens,
@@ -414,6 +432,8 @@ class PoolController:
             if skip or head.tenant not in flooding:
                 break
             skip = flooding
+        if self._held and not self._queue and not self._retries:
+            assignments += self._assign_held(now_s)
         refusals, self._refusals = tuple(self._refusals), []
         return Dispatch(tuple(assignments), refusals, self._wake_at_s(now_s))
 
@@ -463,6 +483,10 @@ class PoolController:
             if request.request_id == request_id:
                 del self._retries[index]
                 return
+        if self._held and self._held.cancel(request_id):
+            self._whole.discard(request_id)
+            self._prefixes.pop(request_id, None)
+            return
         sent = self._end(request_id)
         if sent is not None:
             self._settle(now_s, sent, 0)
@@ -718,6 +742,40 @@ class PoolController:
         if shed and not len(self._queue):
             self._predictor.on_queue_emptied()
         self._refusals += [self._refusal(now_s, item.request, item.reason.value) for item in shed]
+        if self._held:
+            for request, fingerprint in self._held.expire(now_s):
+                refusal = self._refusal(now_s, request, REFUSED_EARLY_RESEND)
+                self._early.remember(now_s, fingerprint, refusal.retry_after_s or 1.0)
+                self._refusals.append(refusal)
+
+    def _hold(self, now_s: float, request: PoolRequest, wait_s: float) -> None:
+        """Rule 9: an early resend waits, below the queue, to its deadline."""
+        self._held.hold(QueuedRequest(request.request_id, request.tenant, request.tier,  # type: ignore[arg-type]
+                                      request.prompt_tokens, request.max_output_tokens, now_s, now_s + wait_s),
+                        request.fingerprint)
+        if not request.streamed:
+            self._whole.add(request.request_id)
+        if request.prefix:
+            self._prefixes[request.request_id] = request.prefix
+
+    def _assign_held(self, now_s: float) -> list[Assignment]:
+        """Rule 9: held resends to replicas with room, best tier first, newest first, with the
+        accounts of a request assigned at arrival."""
+        assignments = []
+        for tier in sorted(self._held.tiers(), key=lambda name: self.tiers[name].rank):
+            while (request := self._held.newest(tier)) is not None:
+                assignment = self._try_assign(now_s, request, frozenset())
+                if assignment is None:
+                    break
+                self._held.take_newest(tier)
+                tokens = request.tokens
+                self._queue.charge_unqueued(request)
+                self._predictor.on_queued(now_s, self.tiers[tier].rank, tokens)
+                self._predictor.on_dispatch(now_s, tokens, queued_after=0)
+                if self._shares is not None:
+                    self._shares.on_dispatch(now_s, tier, tokens)
+                assignments.append(assignment)
+        return assignments
 
     def _refuse_all(self, now_s: float) -> None:
         while (request := self._queue.peek()) is not None:
@@ -728,6 +786,8 @@ class PoolController:
             request, _ = self._retries.popleft()
             self._whole.discard(request.request_id)
             self._refusals.append(Refusal(request.request_id, REFUSED_NO_REPLICA, self._retry_after_s(now_s, None)))
+        for request, _ in self._held.take_all():
+            self._refusals.append(self._refusal(now_s, request, REFUSED_NO_REPLICA))
         self._predictor.on_queue_emptied()
 
     def _refusal(self, now_s: float, request: QueuedRequest, reason: str) -> Refusal:
@@ -777,7 +837,7 @@ class PoolController:
         """The next deadline, hopeless check or breaker cool-down's end while requests wait."""
         if not self.queued:
             return None
-        times = [t for t in (self._queue.next_deadline_s(),) if t is not None]
+        times = [t for t in (self._queue.next_deadline_s(), self._held.next_deadline_s()) if t is not None]
         if self._assumed_prefills:
             times.append(self._assumed_prefills[0][0])
         times += [r.breaker.reopen_at_s for r in self._order

@@ -168,11 +168,27 @@ def requests_from_trace(trace: Trace, tenant: str = "trace", tier: str = "standa
     )
 
 
+# how often the refusals' CPU is taken from the replicas' cores (`Harness.refusal_cpu_s`): short
+# beside a 5 s TTFT target, long beside one engine step
+CONTENTION_TICK_S = 0.1
+# the most of a core other processes take from an engine: with a gateway and clients runnable beside
+# the engines on as many cores, the scheduler shares each core at least in half
+MAX_CORE_SHARE_TAKEN = 0.5
+
+
 class Harness:
     """Drives one dispatcher and its replicas through one run; implements `ReplicaListener`."""
 
-    def __init__(self, replicas: Sequence[ReplicaSpec], dispatcher: Dispatcher) -> None:
+    def __init__(self, replicas: Sequence[ReplicaSpec], dispatcher: Dispatcher, *, refusal_cpu_s: float = 0.0) -> None:
+        """`refusal_cpu_s`: the CPU a refusal's round trip (the gateway answering it, the client
+        reading it and sending again) takes from the replicas' cores, one core a replica: on the
+        embedded default they share one machine; 0: the gateway and clients have their own cores."""
+        if refusal_cpu_s < 0:
+            raise ValueError("refusal_cpu_s >= 0 needed")
         self.loop = EventLoop()
+        self.refusal_cpu_s = refusal_cpu_s
+        self._cpu_owed_s = 0.0  # refusals' CPU not yet taken from the replicas
+        self._contention_tick: EventHandle | None = None
         self.dispatcher = dispatcher
         self.replicas = {spec.replica_id: ModelledReplica(spec, self.loop, self) for spec in replicas}
         if len(self.replicas) != len(replicas):
@@ -240,9 +256,10 @@ class Harness:
         if again is None:
             rng = self._client_rngs[client]
             prompt, output = int(traffic.prompt_tokens.sample(rng, 1)[0]), int(traffic.output_tokens.sample(rng, 1)[0])
+            fingerprint = self._next_id + 1  # its resends keep it
         else:
-            prompt, output = again.prompt_tokens, again.output_tokens
-        request = SimRequest(self._next_id, now_s, traffic.tenant, traffic.tier, prompt, output)
+            prompt, output, fingerprint = again.prompt_tokens, again.output_tokens, again.fingerprint
+        request = SimRequest(self._next_id, now_s, traffic.tenant, traffic.tier, prompt, output, fingerprint=fingerprint)
         self._next_id += 1
         self._client_of[request.request_id] = client
         self._schedule(request)
@@ -433,8 +450,25 @@ class Harness:
     def _refuse(self, now_s: float, request_id: int, reason: str | None) -> None:
         self._queued -= 1
         self.refused += 1
+        if self.refusal_cpu_s:
+            self._cpu_owed_s += self.refusal_cpu_s
+            if self._contention_tick is None:
+                self._contention_tick = self.loop.call_later(CONTENTION_TICK_S, self._share_cores)
         self._update(request_id, refused_s=now_s, refused_reason=reason)
         self._settled(request_id, answered=False)
+
+    def _share_cores(self) -> None:
+        """Each tick, the refusals' CPU owed is taken from the replicas' cores: their steps stretch
+        by 1 / (1 - share). The operating system gives every runnable process its turn, so an engine
+        keeps at least half its core (`MAX_CORE_SHARE_TAKEN`); what it cannot take is not owed on:
+        the refusals' own round trips were as slow then."""
+        alive = [r for r in self.replicas.values() if r.alive]
+        capacity_s = CONTENTION_TICK_S * max(len(alive), 1)
+        share = min(MAX_CORE_SHARE_TAKEN, self._cpu_owed_s / capacity_s)
+        self._cpu_owed_s = 0.0
+        for replica in alive:
+            replica.share_cores(1.0 / (1.0 - share))
+        self._contention_tick = (self.loop.call_later(CONTENTION_TICK_S, self._share_cores) if share > 0 else None)
 
     def _submit(self, now_s: float, assignment: Assignment) -> None:
         self._queued -= 1

@@ -147,6 +147,8 @@ class ModelledReplica:
         self.scheduler = Scheduler(spec.scheduler, BlockManager(spec.kv_cache_tokens))
         self.alive = True
         self.slowdown = 1.0  # step durations are multiplied by this
+        # and by this: the share of its cores other work on the machine takes (`share_cores`)
+        self.contention = 1.0
         self._next_step: EventHandle | None = None  # a step started or about to start
         self._stretch: _Stretch | None = None  # the decode stretch `_next_step` ends, if it is one
         self._load: ReplicaLoad | None = None  # `load`, until the scheduler's state changes
@@ -207,6 +209,15 @@ class ModelledReplica:
         self._cut_stretch()
         self.slowdown = factor
 
+    def share_cores(self, factor: float) -> None:
+        """Other work on the machine (a gateway and clients on the same cores) stretches every step
+        from the next one by `factor` (1: the cores are the engine's alone)."""
+        if factor < 1:
+            raise ValueError(f"contention factor must be >= 1, got {factor}")
+        if factor != self.contention:
+            self._cut_stretch()
+            self.contention = factor
+
     def kill(self) -> None:
         """The replica dies: the step in flight is lost and every request it holds fails now."""
         if not self.alive:
@@ -258,7 +269,7 @@ class ModelledReplica:
             # nothing can run (cannot happen with prompts that fit the cache): idle till a submit
             self._next_step = None
             return
-        step_s = self.spec.cost.batch_step_s(batch) * self.slowdown
+        step_s = self.spec.cost.batch_step_s(batch) * self.slowdown * self.contention
         self._next_step = self._loop.call_later(step_s, self._end_step, batch)
         if self.step_observer is not None:
             self.step_observer(self.replica_id, self._loop.now_s, step_s, batch)
@@ -329,10 +340,11 @@ class ModelledReplica:
         if len(chunks) < 2:
             return None
         cost, ends_s, elapsed_s = self.spec.cost, [], 0.0
+        slowdown = self.slowdown * self.contention
         context = sum(seq.num_tokens for seq in running if seq is not prompt)  # a decode's: its tokens so far
         prompt_at = prompt.num_computed_tokens if prompt is not None else 0
         for chunk in chunks:
-            elapsed_s += cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0)) * self.slowdown
+            elapsed_s += cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0)) * slowdown
             ends_s.append(elapsed_s)
             context += decoding
             prompt_at += chunk

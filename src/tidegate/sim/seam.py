@@ -52,12 +52,13 @@ class SimRequest:
     # None: its prompt shares nothing
     shared_prefix: int | None = None
     shared_prefix_tokens: int = 0
+    fingerprint: int = 0  # the same for a request and its resends (`policy.resends`); 0: none
 
     def as_pool_request(self) -> PoolRequest:
         """What a dispatcher sees: the client asks for up to the tokens the model will generate; a
         prompt with a shared prefix has its block names, as the gateway hashes them (`policy.prefix`)."""
         return PoolRequest(self.request_id, self.arrival_s, self.tenant, self.tier, self.prompt_tokens,
-                           self.output_tokens, prefix=self._prefix_blocks())
+                           self.output_tokens, prefix=self._prefix_blocks(), fingerprint=self.fingerprint)
 
     def prompt_token_ids(self) -> list[int] | None:
         """Token ids for the modelled engine's prefix cache: the shared prefix's, then this request's
