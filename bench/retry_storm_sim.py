@@ -2,10 +2,12 @@
 prompts and answer lengths, on the shipped `tiny-random-llama-cpu` profile (the embedded engine,
 fitted on its own steps), two replicas, the controller `tidegate serve` builds for the embedded
 default, against FIFO. Prints per arm, mean of three seeds: completed, completed within the
-standard tier's TTFT target, refusals, replicas busy. A simulated refusal costs no CPU: compare with
-the live bench to see what refusals cost on cores shared with the engines (docs/overload-knobs.md).
+standard tier's TTFT target, refusals, replicas busy. Each refusal's round trip takes
+`--refusal-cpu-us` of CPU from the replicas' cores, as it does live where the gateway, the clients
+and the engines share a machine (`tidegate.sim.scenarios.SHARED_CORES_REFUSAL_CPU_S`; 0: the
+gateway and its clients on cores of their own). docs/overload-knobs.md compares it with the live run.
 
-Run: python bench/retry_storm_sim.py [--storm-s 40] [--prompt 250] [--output 32]
+Run: python bench/retry_storm_sim.py [--storm-s 40] [--prompt 250] [--output 32] [--refusal-cpu-us 190]
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 from tidegate.loadgen.mix import LengthDistribution
 from tidegate.sim.fifo import FifoDispatcher
 from tidegate.sim.harness import ClosedLoopClients, Harness, TrafficClass
+from tidegate.sim.scenarios import SHARED_CORES_REFUSAL_CPU_S
 from tidegate.simulate import Simulation, pool_controller
 
 SEEDS = (1, 2, 3)
@@ -25,13 +28,16 @@ def main() -> None:
     parser.add_argument("--storm-s", type=float, default=40.0)
     parser.add_argument("--prompt", type=int, default=250)
     parser.add_argument("--output", type=int, default=32)
+    parser.add_argument("--refusal-cpu-us", type=float, default=SHARED_CORES_REFUSAL_CPU_S * 1e6,
+                        help="CPU a refusal's round trip takes from the replicas' cores, in microseconds")
     args = parser.parse_args()
     sim = Simulation(replicas=2)
     traffic = TrafficClass("t1", "standard", 1.0, LengthDistribution("const", args.prompt),
                            LengthDistribution("const", args.output))
     target_s = sim.tiers["standard"].ttft_target_s
     print(f"profile {sim.profile.name}, 2 replicas, slot_limit {sim.slot_limit}; prompts {args.prompt} tokens, "
-          f"{args.output} answered; storm {args.storm_s:.0f} s; TTFT target {target_s:.0f} s; mean of {len(SEEDS)} seeds")
+          f"{args.output} answered; storm {args.storm_s:.0f} s; TTFT target {target_s:.0f} s; a refusal takes "
+          f"{args.refusal_cpu_us:.0f} us of the replicas' CPU; mean of {len(SEEDS)} seeds")
     for clients in (64, 512):
         for arm in ("fifo", "tidegate"):
             completed = good = refused = 0
@@ -39,7 +45,8 @@ def main() -> None:
             for seed in SEEDS:
                 dispatcher = (FifoDispatcher(sim.replica_ids, sim.tiers, slot_limit=sim.slot_limit) if arm == "fifo"
                               else pool_controller(sim.config, sim.pool.name, sim.replica_ids)[0])
-                harness = Harness([sim.profile.spec(i) for i in sim.replica_ids], dispatcher)
+                harness = Harness([sim.profile.spec(i) for i in sim.replica_ids], dispatcher,
+                                  refusal_cpu_s=args.refusal_cpu_us * 1e-6)
                 storm = ClosedLoopClients(clients, traffic, 0.0, args.storm_s, resend_s=0.002, seed=seed)
                 result = harness.run((), clients=storm, probes_s=(2.0, args.storm_s))
                 done = [r for r in result.records if r.finish_s is not None and r.finish_s < args.storm_s]
