@@ -7,8 +7,11 @@ with three tenants, one per tier (critical 20 %, standard 40 %, sheddable 40 % o
 measures the pool's capacity with a closed loop (once, on the first code run), then offers `--overload` x that rate as a Poisson
 stream of non-streamed chat requests (64-token prompts, 16 tokens) for `--seconds`. Prints, per
 tier: requests, served, refused, the refusals' latency p50/p99, and how many refusals came only
-after 1 s or more (a refusal known early should come at once). With `--src-before DIR`, the same run
-is made first on the code under DIR/src (e.g. a checkout of an older commit), for comparison.
+after 1 s or more (a refusal known early should come at once). Each request has its own prompt, as
+different users' do; with `--same-prompt` every request of a tier is the same bytes, which the
+gateway takes for resends of one request while their Retry-After runs (rule 9 of `policy.pool`:
+held to their deadline, not refused at once). With `--src-before DIR`, the same run is made first on
+the code under DIR/src (e.g. a checkout of an older commit), for comparison.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import aiohttp
 from gateway_overhead import free_port, wait_ok  # bench/ is the script's directory
 
 TIERS = {"critical": 0.2, "standard": 0.4, "sheddable": 0.4}
-PROMPT = "word " * 60
+PROMPT = "word " * 59
 
 
 
@@ -50,8 +53,10 @@ def start_gateway(workdir: Path, src: str | None) -> tuple[subprocess.Popen, int
     return process, port
 
 
-def body() -> dict:
-    return {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": PROMPT}]}
+def body(index: int | None = None) -> dict:
+    """A request; `index`: its own prompt (None: the same prompt as every other request)."""
+    content = PROMPT + ("word" if index is None else f"q{index}")
+    return {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": content}]}
 
 
 async def capacity(port: int, seconds: float = 10.0, in_flight: int = 32) -> float:
@@ -72,17 +77,19 @@ async def capacity(port: int, seconds: float = 10.0, in_flight: int = 32) -> flo
         return done / (time.monotonic() - started)
 
 
-async def overload(port: int, rate_per_s: float, seconds: float, seed: int) -> list[tuple[str, int, float]]:
+async def overload(port: int, rate_per_s: float, seconds: float, seed: int,
+                   same_prompt: bool = False) -> list[tuple[str, int, float]]:
     """(tier, status, seconds to the answer) of each request of a Poisson stream."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     rng = random.Random(seed)
     results: list[tuple[str, int, float]] = []
     tiers, weights = list(TIERS), list(TIERS.values())
 
-    async def one(session: aiohttp.ClientSession, tier: str) -> None:
+    async def one(session: aiohttp.ClientSession, tier: str, index: int) -> None:
         started = time.monotonic()
         try:
-            async with session.post(url, json=body(), headers={"authorization": f"Bearer key-{tier}"}) as response:
+            async with session.post(url, json=body(None if same_prompt else index),
+                                    headers={"authorization": f"Bearer key-{tier}"}) as response:
                 await response.read()
                 status = response.status
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -99,7 +106,7 @@ async def overload(port: int, rate_per_s: float, seconds: float, seed: int) -> l
             delay_s = started + at_s - time.monotonic()
             if delay_s > 0:
                 await asyncio.sleep(delay_s)
-            tasks.append(asyncio.create_task(one(session, rng.choices(tiers, weights)[0])))
+            tasks.append(asyncio.create_task(one(session, rng.choices(tiers, weights)[0], len(tasks))))
         await asyncio.gather(*tasks)
     return results
 
@@ -132,6 +139,7 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--src-before", default=None, help="a checkout whose src/ runs first, for comparison")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--same-prompt", action="store_true", help="every request the same bytes (see above)")
     args = parser.parse_args()
     workdir = Path(tempfile.mkdtemp(prefix="refusal-bench-"))
     variants = [("this code", None)]
@@ -145,7 +153,7 @@ def main() -> int:
                 rate = asyncio.run(capacity(port))
             print(f"[{label}] capacity {rate:.1f} req/s; offering {args.overload:.0f}x = {args.overload * rate:.1f} "
                   f"req/s for {args.seconds:.0f} s")
-            results = asyncio.run(overload(port, args.overload * rate, args.seconds, args.seed))
+            results = asyncio.run(overload(port, args.overload * rate, args.seconds, args.seed, args.same_prompt))
             summarise(f"[{label}]", results)
         finally:
             process.terminate()
