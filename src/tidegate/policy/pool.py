@@ -295,12 +295,12 @@ class PoolController:
 
     @property
     def queued(self) -> int:
-        return len(self._queue) + len(self._retries) + len(self._held)
+        return len(self._queue) + len(self._retries) + self._held.count
 
     def snapshot(self, now_s: float) -> PoolSnapshot:
         return PoolSnapshot(len(self._queue), len(self._retries), tuple(
             ReplicaSnapshot(r.config.replica_id, self._routable(r, now_s), r.breaker.current(now_s).state, r.requests,
-                            tuple(r.prefill), r.fit) for r in self._order), len(self._held))
+                            tuple(r.prefill), r.fit) for r in self._order), self._held.count)
 
     def queue_depth(self, tier: str) -> int:
         return self._queue.depth(tier)
@@ -432,7 +432,7 @@ class PoolController:
             if skip or head.tenant not in flooding:
                 break
             skip = flooding
-        if self._held and not self._queue and not self._retries:
+        if self._held.count and not self._queue and not self._retries:
             assignments += self._assign_held(now_s)
         refusals, self._refusals = tuple(self._refusals), []
         return Dispatch(tuple(assignments), refusals, self._wake_at_s(now_s))
@@ -483,7 +483,7 @@ class PoolController:
             if request.request_id == request_id:
                 del self._retries[index]
                 return
-        if self._held and self._held.cancel(request_id):
+        if self._held.count and self._held.cancel(request_id):
             self._whole.discard(request_id)
             self._prefixes.pop(request_id, None)
             return
@@ -742,7 +742,7 @@ class PoolController:
         if shed and not len(self._queue):
             self._predictor.on_queue_emptied()
         self._refusals += [self._refusal(now_s, item.request, item.reason.value) for item in shed]
-        if self._held:
+        if self._held.count:
             for request, fingerprint in self._held.expire(now_s):
                 refusal = self._refusal(now_s, request, REFUSED_EARLY_RESEND)
                 self._early.remember(now_s, fingerprint, refusal.retry_after_s or 1.0)
@@ -837,7 +837,9 @@ class PoolController:
         """The next deadline, hopeless check or breaker cool-down's end while requests wait."""
         if not self.queued:
             return None
-        times = [t for t in (self._queue.next_deadline_s(), self._held.next_deadline_s()) if t is not None]
+        times = [t for t in (self._queue.next_deadline_s(),) if t is not None]
+        if self._held.count:
+            times.append(self._held.next_deadline_s())  # type: ignore[arg-type]
         if self._assumed_prefills:
             times.append(self._assumed_prefills[0][0])
         times += [r.breaker.reopen_at_s for r in self._order

@@ -64,10 +64,10 @@ class HeldResends:
 
     def __init__(self) -> None:
         self._by_tier: dict[str, deque[tuple[QueuedRequest, int]]] = {}  # (request, fingerprint), arrival order
-        self._count = 0
+        self.count = 0  # held now (an attribute: the pool controller reads it on every dispatch)
 
     def __len__(self) -> int:
-        return self._count
+        return self.count
 
     def tiers(self) -> Iterator[str]:
         """Tiers with a held request."""
@@ -84,11 +84,11 @@ class HeldResends:
     def hold(self, request: QueuedRequest, fingerprint: int) -> None:
         """Changes state: the request waits until taken, expired or cancelled."""
         self._by_tier.setdefault(request.tier, deque()).append((request, fingerprint))
-        self._count += 1
+        self.count += 1
 
     def take_newest(self, tier: str) -> QueuedRequest:
         """Changes state: the newest held request of `tier` leaves (it was just assigned)."""
-        self._count -= 1
+        self.count -= 1
         return self._by_tier[tier].pop()[0]
 
     def expire(self, now_s: float) -> list[tuple[QueuedRequest, int]]:
@@ -98,7 +98,7 @@ class HeldResends:
         for held in self._by_tier.values():
             while held and held[0][0].deadline_s <= now_s:
                 expired.append(held.popleft())
-        self._count -= len(expired)
+        self.count -= len(expired)
         return expired
 
     def cancel(self, request_id: int | str) -> bool:
@@ -107,7 +107,7 @@ class HeldResends:
             for index, (request, _) in enumerate(held):
                 if request.request_id == request_id:
                     del held[index]
-                    self._count -= 1
+                    self.count -= 1
                     return True
         return False
 
@@ -115,5 +115,5 @@ class HeldResends:
         """Changes state: every held request leaves (no replica is left to serve them)."""
         everything = [item for held in self._by_tier.values() for item in held]
         self._by_tier.clear()
-        self._count = 0
+        self.count = 0
         return everything
