@@ -44,6 +44,7 @@ class RequestFacts(NamedTuple):  # built per request: a NamedTuple is cheap (tid
     timeout_s: float | None = None  # the client's `x-request-timeout`, if any
     streamed: bool = True  # the answer is a stream: its first token is reported
     prefix: tuple[int, ...] = ()  # the prompt's prefix blocks (`policy.prefix`), for prefix-aware routing
+    preemptible: bool = False  # re-runnable background work (`PoolRequest.preemptible`)
 
 
 class ArrivalOutcome(Enum):
@@ -137,7 +138,7 @@ class OverloadControl:
             return Arrival(outcome, tier, None, Rung.PRIMARY, admission, None, None, None, ())
         assert admission.reservation is not None
         request = PoolRequest(facts.request_id, now_s, facts.tenant, tier.name, facts.prompt_tokens, facts.max_tokens,
-                              facts.timeout_s, facts.streamed, facts.prefix)
+                              facts.timeout_s, facts.streamed, facts.prefix, facts.preemptible)
         self._admitted[facts.request_id] = _Admitted(admission.reservation, request,
                                                      cached_answer=cached_answer_available, external=external)
         decision = policies.controller.on_arrival(now_s, request)

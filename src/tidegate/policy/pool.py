@@ -415,7 +415,7 @@ class PoolController:
         while self._retries and (assignment := self._try_assign(now_s, *self._retries[0])) is not None:
             self._retries.popleft()
             assignments.append(assignment)
-        preemptions: list[Preemption] = []
+        preemptions: list[Preemption] | None = None  # rarely any: not built unless needed
         skip: frozenset[str] = frozenset()
         while not self._retries and (head := self._queue.peek(skip)) is not None:
             assignment = self._try_assign(now_s, head, frozenset(), dequeue_skip=skip)
@@ -423,7 +423,7 @@ class PoolController:
                 assignments.append(assignment)
                 continue
             if self._preemptible and (preemption := self._preempt_for(now_s, head)) is not None:  # rule 9
-                preemptions.append(preemption)
+                preemptions = [*(preemptions or ()), preemption]
                 assignment = self._try_assign(now_s, head, frozenset(), dequeue_skip=skip)
                 if assignment is None:  # `_preempt_for` checks what `_pick` does: not expected
                     break
@@ -436,7 +436,8 @@ class PoolController:
                 break
             skip = flooding
         refusals, self._refusals = tuple(self._refusals), []
-        return Dispatch(tuple(assignments), refusals, self._wake_at_s(now_s), tuple(preemptions))
+        return Dispatch(tuple(assignments), refusals, self._wake_at_s(now_s),
+                        tuple(preemptions) if preemptions else ())
 
     def on_first_token(self, now_s: float, request_id: int | str) -> None:
         sent = self._sent.get(request_id)
