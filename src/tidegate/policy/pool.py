@@ -86,9 +86,11 @@ without it; a rule no scenario needs does not belong here):
    request takes its slot in the same `Dispatch` (`Preemption`; the body cancels the call and
    runs it again later). Engines do not preempt, so without it every slot a batch request holds
    is one an interactive burst waits for until the batch request ends: `bench/batch_api.py`
-   measured interactive P99 TTFT +36 % to +38 % beside a batch (rule 5's headroom and a share of
-   the mean demand did not help: docs/batch.md)
-   (`test_a_waiting_request_preempts_the_youngest_background_request_on_a_full_replica`).
+   measured interactive P99 TTFT +24.8 % and +36.8 % beside a batch without it (rule 5's headroom
+   and a share of the mean demand did not help), +5.4 % and -4.9 % with it, a quarter of the batch
+   requests preempted once (docs/batch.md)
+   (`test_a_waiting_request_preempts_the_youngest_background_request_on_a_full_replica`,
+   `test_interactive_requests_take_the_slots_of_a_running_batch_at_once`).
 """
 
 from __future__ import annotations
