@@ -9,7 +9,9 @@ knee, so the slots are the capacity. Figures printed:
                then windows with the same arrivals (same seeds) beside a 1,000-request batch (tier
                batch): interactive P99 TTFT with the batch vs alone; bar: < +10 %, and the batch
                completes. Printed beside: how long the batch took, the requests served per second
-               and the utilisation of the replicas' capacity
+               and the utilisation of the replicas' capacity, and what preemption cost the batch
+               (`policy.pool` rule 9: interactive requests stop batch ones for their slots; the
+               gateway's preemption counters, and the engines' runs against the batch's results)
   kill         a batch running on a gateway that is SIGKILLed mid-way and started again: every
                custom_id has exactly one line in the output file (zero lost, zero duplicated); the
                requests the engines ran more than once are printed (what the idempotent results absorbed)
@@ -17,7 +19,7 @@ knee, so the slots are the capacity. Figures printed:
                its data directory
 
 Run: flock /tmp/tidegate-bench.lock python bench/batch_api.py [--phase-s 20 --windows 3] [--batch 1000] [--crash-batch 600]
-     [--max-in-flight 8 --share-memory-s 10 | 0] [--skip-crash]
+     [--max-in-flight 8 --share-memory-s 10 | 0] [--no-preemption] [--skip-crash]
 """
 
 from __future__ import annotations
@@ -112,7 +114,7 @@ class Redis:
 
 
 def gateway_config(port: int, upstreams: list[str], redis_url: str, knee: int, max_in_flight: int,
-                   share_memory_s: float) -> dict:
+                   share_memory_s: float, preemptible: bool) -> dict:
     return {
         "server": {"port": port, "access_log": False},
         "pools": [{"name": "knee", "backends": [{"type": "upstream", "url": url, "slot_limit": knee}
@@ -120,7 +122,7 @@ def gateway_config(port: int, upstreams: list[str], redis_url: str, knee: int, m
         "tenants": {"app": {"api_keys": [INTERACTIVE_KEY], "tier": "standard"},
                     "jobs": {"api_keys": [BATCH_KEY]}},
         "batch": {"redis_url": redis_url, "max_in_flight": max_in_flight, "claim_idle_s": 3.0,
-                  "sweep_interval_s": 0.5, "share_memory_s": share_memory_s},
+                  "sweep_interval_s": 0.5, "share_memory_s": share_memory_s, "preemptible": preemptible},
     }
 
 
@@ -264,6 +266,20 @@ async def result_check(base: str, state: dict, count: int) -> tuple[bool, int, i
     return len(ids) == len(set(ids)) == count and not missing, len(ids), len(set(ids)), missing
 
 
+def preemption_counters(base: str) -> tuple[float, float]:
+    """(batch requests preempted, seconds they had run) from the gateway's metrics."""
+    import urllib.request
+
+    request = urllib.request.Request(f"{base}/metrics", headers={"authorization": f"Bearer {INTERACTIVE_KEY}"})
+    counts = [0.0, 0.0]
+    with urllib.request.urlopen(request, timeout=5) as response:
+        for line in response.read().decode().splitlines():
+            for index, name in enumerate(("tidegate_overload_preemptions_total", "tidegate_overload_preempted_seconds_total")):
+                if line.startswith(name + "{"):
+                    counts[index] += float(line.split()[-1])
+    return counts[0], counts[1]
+
+
 def engine_completed(ports: list[int]) -> int:
     import urllib.request
 
@@ -278,7 +294,7 @@ def engine_completed(ports: list[int]) -> int:
 
 # ---- the bars --------------------------------------------------------------------------------------
 
-async def protection_bar(base: str, capacity: float, args: argparse.Namespace) -> bool:
+async def protection_bar(base: str, capacity: float, args: argparse.Namespace, upstream_ports: list[int]) -> bool:
     """Common random numbers: the interactive arrivals of each measured window beside the batch are
     the same (same seeds) as those of a window alone, so the difference is the batch's, not the
     arrivals' luck (two alone phases of different seeds differed 2x in P99 in trial runs)."""
@@ -288,6 +304,8 @@ async def protection_bar(base: str, capacity: float, args: argparse.Namespace) -
           f"{args.windows} windows of {args.phase_s:.0f} s alone, then the same arrivals beside the batch")
     alone = [await open_loop(base, rate, float(args.phase_s), args.tokens, seed=seed, max_s=args.phase_s)
              for seed in seeds]
+    preempted_before, preempted_s_before = preemption_counters(base)
+    engines_before = engine_completed(upstream_ports)
     batch_id = await submit_batch(base, args.batch, args.tokens)
     started = time.perf_counter()
     beside = [await open_loop(base, rate, float(args.phase_s), args.tokens, seed=seed, max_s=args.phase_s)
@@ -325,6 +343,16 @@ async def protection_bar(base: str, capacity: float, args: argparse.Namespace) -
           f"{counts['failed']} failed, {counts['completed'] / batch_s:.1f} req/s); served {served_beside:.1f} req/s "
           f"(interactive {interactive_s:.1f} + batch {counts['completed'] / batch_s:.1f}), "
           f"utilisation {served_beside / capacity:.0%}")
+    preempted, preempted_s = (after - before for after, before in zip(preemption_counters(base),
+                                                                       (preempted_before, preempted_s_before)))
+    interactive_done = ok_beside + sum(ok for ok, _ in rest)
+    # the knee engines count answers they completed; a preempted (cut off) run is not one of them
+    engines_ran = engine_completed(upstream_ports) - engines_before
+    print(f"  preemption {'on' if args.preemption else 'off'}: {preempted:.0f} batch requests preempted "
+          f"({preempted / max(1, args.batch):.1%} of the batch, {preempted / batch_s:.1f}/s), {preempted_s:.1f} s of "
+          f"their runs thrown away ({preempted_s / max(1e-9, preempted):.3f} s each, "
+          f"{preempted_s / (args.batch * args.tokens * args.step_ms / 1000):.1%} of the batch's own engine time); "
+          f"engines completed {engines_ran} answers for {interactive_done} interactive + {counts['completed']} batch")
     exact, lines, distinct, missing = await result_check(base, state, args.batch)
     passed = (raise_ < MAX_TTFT_RAISE and state["status"] == "completed" and exact and still_running
               and ok_beside == len(flat_beside))
@@ -379,14 +407,15 @@ async def run(args: argparse.Namespace, processes: Processes) -> int:
                                            "--knee", str(args.knee), "--step-ms", str(args.step_ms),
                                            "--tokens", str(args.tokens)], ready_url=f"http://127.0.0.1:{port}/health")
     config = gateway_config(free_port(), [f"http://127.0.0.1:{p}/v1" for p in upstream_ports], redis.url, args.knee,
-                            args.max_in_flight, args.share_memory_s)
+                            args.max_in_flight, args.share_memory_s, args.preemption)
     start_gateway(processes, config, "gateway")
     base = f"http://127.0.0.1:{config['server']['port']}"
     slots = REPLICAS * args.knee
     per_request_s = args.tokens * args.step_ms / 1000
     print(f"replicas: {REPLICAS} x knee mock (knee {args.knee} running, step {args.step_ms:.0f} ms, {args.tokens} tokens "
           f"an answer), slot_limit {args.knee} each: {slots} slots; batch worker max_in_flight {args.max_in_flight}, "
-          f"background share {f'over {args.share_memory_s:.0f} s' if args.share_memory_s > 0 else 'off'}; "
+          f"background share {f'over {args.share_memory_s:.0f} s' if args.share_memory_s > 0 else 'off'}, "
+          f"preemption {'on' if args.preemption else 'off'}; "
           f"redis-server appendonly yes")
     # the replicas' own capacity: a closed loop straight at the engines, every slot busy (through the
     # gateway a tier gets only its share of the slots, the rest being headroom for better tiers)
@@ -396,7 +425,7 @@ async def run(args: argparse.Namespace, processes: Processes) -> int:
     print(f"capacity: {capacity:.1f} req/s measured (closed loop of {args.knee} clients at each engine, "
           f"{args.capacity_s:.0f} s); the slots' bound {slots / per_request_s:.1f} req/s at "
           f"{per_request_s * 1000:.0f} ms a request")
-    ok = await protection_bar(base, capacity, args)
+    ok = await protection_bar(base, capacity, args, upstream_ports)
     if args.skip_crash:
         return 0 if ok else 1
     # the crash bars run more at once, so that a crash catches many requests mid-way
@@ -431,6 +460,8 @@ def main() -> int:
     parser.add_argument("--share-memory-s", type=float, default=0.0,
                         help="batch.share_memory_s: batch holds the level slots less the interactive demand's mean "
                              "over this window (policy.background_share); 0: only max_in_flight bounds it")
+    parser.add_argument("--no-preemption", dest="preemption", action="store_false",
+                        help="batch.preemptible false: batch requests keep their slots until they end")
     parser.add_argument("--skip-crash", action="store_true", help="the protection bar only")
     args = parser.parse_args()
     if args.max_in_flight is None:

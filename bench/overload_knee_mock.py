@@ -87,6 +87,9 @@ class Engine:
                 seq = self.waiting.popleft()
                 if not seq.conn.closed:
                     self.running.append(seq)
+            # a sequence whose client left is freed at the step boundary, as vLLM aborts it, not
+            # after one more step at the batch size it no longer belongs to
+            self.running = [seq for seq in self.running if not seq.conn.closed]
             self.count()
             if not self.running:
                 continue

@@ -9,7 +9,7 @@ stream of non-streamed chat requests (64-token prompts, 16 tokens) for `--second
 tier: requests, served, refused, the refusals' latency p50/p99, and how many refusals came only
 after 1 s or more (a refusal known early should come at once). Each request has its own prompt, as
 different users' do; with `--same-prompt` every request of a tier is the same bytes, which the
-gateway takes for resends of one request while their Retry-After runs (rule 9 of `policy.pool`:
+gateway takes for resends of one request while their Retry-After runs (rule 10 of `policy.pool`:
 held to their deadline, not refused at once). With `--src-before DIR`, the same run is made first on
 the code under DIR/src (e.g. a checkout of an older commit), for comparison.
 """

@@ -393,6 +393,10 @@ class BatchConfig(_Strict):
     # measured (docs/batch.md), it halved the batch's rate and left the replicas 70 % busy instead
     # of 85 % for 2.4 points of interactive P99 (+35.9 % against +38.3 %): capacity idled, goal missed
     share_memory_s: float = Field(0.0, ge=0)
+    # an interactive request that finds no free slot stops a running batch request to take its slot,
+    # and the batch request runs again later (`policy.pool` rule 9; docs/batch.md): engines do not
+    # preempt, so without it each slot batch work holds is one an interactive burst waits for
+    preemptible: bool = True
 
     @model_validator(mode="after")
     def _url_is_redis(self) -> BatchConfig:

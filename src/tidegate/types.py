@@ -15,7 +15,7 @@ from enum import Enum
 from typing import NamedTuple
 
 __all__ = ["ReplicaHealth", "ReplicaLoad", "ArrivalVerdict", "PoolRequest", "Refusal", "ArrivalDecision", "QUEUED",
-           "Assignment", "Dispatch"]
+           "Assignment", "Preemption", "Dispatch"]
 
 
 class ReplicaHealth(Enum):
@@ -65,6 +65,9 @@ class PoolRequest(NamedTuple):
     # the same request sent again by the same tenant has the same fingerprint (`policy.resends`): a
     # resend before its Retry-After is held, not refused again at once; 0: none
     fingerprint: int = 0
+    # re-runnable background work (a Batch API request, whose result is kept only when it ends): the
+    # controller may stop it to give its slot to a better tier's waiting request (`Preemption`)
+    preemptible: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,8 +97,20 @@ class Assignment(NamedTuple):
     priority: int = 0  # the engine's scheduling level (lower first), for engines that order by it
 
 
+class Preemption(NamedTuple):
+    """A preemptible request stopped so that a better tier's waiting request takes its slot: the
+    controller has ended it already (its slot is free); the body cancels its upstream call and runs
+    it again later."""
+
+    request_id: int | str
+    replica_id: str
+    for_request_id: int | str  # the waiting request that takes its slot in the same `Dispatch`
+    held_s: float  # how long it had been at the replica: the work thrown away
+
+
 @dataclass(frozen=True, slots=True)
 class Dispatch:
     assignments: tuple[Assignment, ...] = ()
     refusals: tuple[Refusal, ...] = ()  # queued requests given up now
     wake_at_s: float | None = None  # later than now_s: call `on_capacity` then even if nothing happens
+    preemptions: tuple[Preemption, ...] = ()  # sent requests stopped to free slots that `assignments` use

@@ -1,4 +1,4 @@
-"""Rule 9 of `policy.pool`: a request resent before its Retry-After is held, not refused at once."""
+"""Rule 10 of `policy.pool`: a request resent before its Retry-After is held, not refused at once."""
 
 from __future__ import annotations
 

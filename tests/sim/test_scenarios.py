@@ -61,7 +61,7 @@ def test_a_retry_storm_serves_fifos_good_work_with_the_replicas_busy() -> None:
         good, fifo_good = verdict.value(f"good_{case}"), verdict.value(f"fifo_good_{case}")
         assert good >= fifo_good or verdict.value(f"noise_{case}") <= 0.03 * fifo_good, verdict.figures
         assert verdict.value(f"busy_{case}") >= 0.8, verdict.figures
-        # rule 9 of `policy.pool`: resends held, not refused at once, so the storm's round trips stay
+        # rule 10 of `policy.pool`: resends held, not refused at once, so the storm's round trips stay
         # near FIFO's (refused at once, the controller took 130x FIFO's, and on shared cores their
         # CPU cost it half of FIFO's good work)
         assert verdict.value(f"sent_{case}") <= 1.5 * verdict.value(f"fifo_sent_{case}"), verdict.figures

@@ -276,7 +276,7 @@ class Gateway:
                                                 batch.max_attempts, batch.claim_idle_s, batch.sweep_interval_s,
                                                 server.request_timeout_s, batch.retention_sweep_interval_s,
                                                 batch.consumer_idle_s, self._background_share_inputs(batch),
-                                                batch.share_memory_s)
+                                                batch.share_memory_s, preemptible=batch.preemptible)
         all_replicas = [replica for pool in self.pools.values() for replica in pool.replicas]
         # each request in flight holds an upstream connection: their descriptors are kept out of the cap
         open_file_limit = raise_open_file_limit()

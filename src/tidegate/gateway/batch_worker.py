@@ -10,6 +10,13 @@ takes its entries over with XAUTOCLAIM. A run that fails (5xx, timeout) is left 
 so the claim delay is also the retry delay. Each run begun is counted per custom_id; past
 `max_attempts` the entry goes to the dead-letter stream and its error line to the error file. A
 refusal for capacity (429, 503) is no failure: the request waits its Retry-After and goes again.
+
+Preemption (`preemptible`, `policy.pool` rule 9): a request is sent as preemptible background work,
+so an interactive request that finds no free slot may stop it. The request path then runs in a
+task of its own, which the gateway cancels; the worker sees that task cancelled while it was not
+itself, and sends the request again at once (it waits in the gateway's queue for a slot). Its
+entry stays pending with this consumer meanwhile (confirmed as any running one), the run is not
+counted as an attempt, and its result is written once, when a run ends.
 """
 
 from __future__ import annotations
@@ -90,7 +97,8 @@ class BatchWorker:
     def __init__(self, store: BatchStore, handle: Any, tier: str, max_in_flight: int, max_attempts: int,
                  claim_idle_s: float, sweep_interval_s: float, request_timeout_s: float,
                  retention_sweep_interval_s: float = 60.0, consumer_idle_s: float = 300.0,
-                 share_inputs: Callable[[], tuple[int, int]] | None = None, share_memory_s: float = 0.0) -> None:
+                 share_inputs: Callable[[], tuple[int, int]] | None = None, share_memory_s: float = 0.0,
+                 preemptible: bool = False) -> None:
         self.store = store
         self._handle = handle  # Proxy.handle: (conn, request, identity=...) -> None
         self.tier = tier
@@ -115,7 +123,9 @@ class BatchWorker:
         self._tasks: list[asyncio.Task[None]] = []
         self._redis_down_logged = False
         self._claim_cursor = "0-0"
+        self.preemptible = preemptible
         self.runs = 0  # requests sent through the gateway (a test and the bench read it)
+        self.preempted = 0  # runs stopped by preemption and sent again
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -362,7 +372,7 @@ class BatchWorker:
     async def _send(self, batch_id: str, tenant: str, request_id: str, fields: dict[str, str]) -> CapturedAnswer | None:
         """Through the gateway's own path, as the tenant in the batch tier; again after each capacity
         refusal, while the batch is in progress."""
-        identity = Identity(tenant, self.tier)
+        identity = Identity(tenant, self.tier, self.preemptible)
         body = fields["j"].encode()
         path = fields["u"].encode()
         while True:
@@ -371,12 +381,32 @@ class BatchWorker:
             request.request_id = request_id.encode()
             answer = CapturedAnswer()
             self.runs += 1
-            await self._handle(answer, request, identity=identity)
+            if self.preemptible:
+                if not await self._preemptible_run(answer, request, identity):
+                    self.preempted += 1
+                    if await self.store.batch_status(batch_id) != BatchStatus.IN_PROGRESS.value:
+                        return None
+                    continue  # preempted: sent again, to wait for a slot in the gateway's queue
+            else:
+                await self._handle(answer, request, identity=identity)
             if answer.status not in _CAPACITY_STATUSES:
                 return answer
             await asyncio.sleep(min(answer.retry_after_s(), _MAX_CAPACITY_WAIT_S))
             if await self.store.batch_status(batch_id) != BatchStatus.IN_PROGRESS.value:
                 return None
+
+    async def _preemptible_run(self, answer: CapturedAnswer, request: HttpRequest, identity: Identity) -> bool:
+        """One run through the request path in a task of its own, which the gateway cancels to preempt
+        it; False when it did (this task itself was not cancelled: a stop or a drain is raised)."""
+        run = asyncio.ensure_future(self._handle(answer, request, identity=identity))
+        try:
+            await run  # a cancellation of this task cancels `run` too, and is raised here
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if run.cancelled() and current is not None and not current.cancelling():
+                return False
+            raise
+        return True
 
     async def _keep(self, entry_id: str, batch_id: str, custom_id: str, kind: str, line: bytes) -> None:
         """The result, then the XACK (in that order: a crash between them runs the request again, and

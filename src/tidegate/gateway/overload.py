@@ -26,7 +26,7 @@ from tidegate.policy.identity import Identity
 from tidegate.policy.overload import ArrivalOutcome, OverloadControl, RequestFacts, ShedNotice
 from tidegate.policy.pool import REFUSED_NO_REPLICA, PoolController
 from tidegate.policy.prefix import BLOCK_TOKENS, prefix_blocks
-from tidegate.types import Assignment, Refusal
+from tidegate.types import Assignment, Preemption, Refusal
 
 __all__ = [
     "TenantRateLimitError",
@@ -173,6 +173,8 @@ class _PoolBody:
     def pump(self, now_s: float, loads: Mapping[str, Any] = {}) -> None:
         """Asks the controller for what can go now and carries it out."""
         dispatch = self.controller.on_capacity(now_s, loads)
+        if dispatch.preemptions:
+            self._runtime.preempt(dispatch.preemptions, self.pool.name)
         waiting = self.waiting
         for assignment in dispatch.assignments:
             ticket = waiting.pop(str(assignment.request_id))
@@ -242,6 +244,9 @@ class OverloadRuntime:
         self.metrics = metrics
         self.clock = clock
         self.bodies: dict[str, _PoolBody] = {}
+        # preemptible requests admitted and not yet settled: the task running each, cancelled when the
+        # controller preempts it (rule 9 of `policy.pool`), and its tier
+        self._preemptible: dict[str, tuple[asyncio.Task[Any], str]] = {}
         # `gateway.shared_limits.SharedLimits` when the rate limits live in Redis (`shared_state`):
         # the proxy awaits its decision and hands it to `admit`; None: the in-process limiter decides
         self.shared_limits: Any = None
@@ -294,8 +299,10 @@ class OverloadRuntime:
             prompt_tokens, max_tokens = shared.prompt_tokens, shared.max_tokens
         # a prompt shorter than one block has no prefix to route by: not hashed
         prefix = prompt_prefix(body) if self._prefix_affinity and prompt_tokens > BLOCK_TOKENS else ()
+        preemptible = identity.preemptible
         facts = RequestFacts(request_id, identity.tenant, identity.tier, model, prompt_tokens, max_tokens,
-                             timeout_s=timeout_s, streamed=streamed, prefix=prefix, fingerprint=fingerprint)
+                             timeout_s=timeout_s, streamed=streamed, prefix=prefix, fingerprint=fingerprint,
+                             preemptible=preemptible)
         arrival = self.control.arrive(now_s, facts, cached_answer_available=cached_answer_available,
                                       admission=None if shared is None else shared.decision)
         metrics = self.metrics
@@ -319,6 +326,10 @@ class OverloadRuntime:
                 ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, arrival.predicted_wait_s, headers)
                 body.wait(ticket)
             ticket.shared = shared
+            if preemptible:
+                task = asyncio.current_task()
+                assert task is not None
+                self._preemptible[request_id] = (task, tier)
             if arrival.shed:
                 self._answer_shed(now_s, arrival.shed)
             return ticket
@@ -406,6 +417,8 @@ class OverloadRuntime:
         if ticket.settled:
             return
         ticket.settled = True
+        if self._preemptible:
+            self._preemptible.pop(ticket.request_id, None)
         now_s = self.clock()
         body = self.bodies[ticket.pool]
         if body.waiting.pop(ticket.request_id, None) is not None:
@@ -420,6 +433,20 @@ class OverloadRuntime:
             ticket.shared.settle(used_tokens)
         if body.waiting:
             body.pump(now_s)
+
+    def preempt(self, preemptions: tuple[Preemption, ...], pool: str) -> None:
+        """The controller stopped these preemptible requests (their slots are taken already): cancel the
+        tasks running them, which closes their upstream calls; their caller (the batch worker) sees the
+        cancellation and runs them again."""
+        metrics = self.metrics
+        for preemption in preemptions:
+            running = self._preemptible.pop(str(preemption.request_id), None)
+            if running is None:
+                continue
+            task, tier = running
+            metrics.of(metrics.preemptions, pool, tier).inc()
+            metrics.of(metrics.preempted_seconds, pool).inc(preemption.held_s)
+            task.cancel()
 
     # -- refusals of waiting requests
     def answer_refusal(self, ticket: Ticket, refusal: Refusal) -> None:

@@ -56,6 +56,13 @@ class OverloadMetrics:
                                   ["pool", "tier", "reason"], registry=r)
         self.degraded = Counter("tidegate_overload_degraded_responses", "Responses served below the primary "
                                 "rung, by rung", ["pool", "rung"], registry=r)
+        # rule 9 of `policy.pool`: what preempting background work costs it
+        self.preemptions = Counter("tidegate_overload_preemptions", "Preemptible (batch) requests stopped to give "
+                                   "their slot to a better tier's waiting request, by the stopped one's tier",
+                                   ["pool", "tier"], registry=r)
+        self.preempted_seconds = Counter("tidegate_overload_preempted_seconds", "Time preempted requests had "
+                                         "spent at their replica: work thrown away, run again later", ["pool"],
+                                         registry=r)
         self.rejection_latency = Histogram("tidegate_overload_rejection_seconds",
                                            "Arrival to the answer of a request refused at admission",
                                            ["pool"], buckets=_REJECTION_BUCKETS_S, registry=r)

@@ -170,6 +170,10 @@ class Proxy:
             timeout_s = _client_timeout_s(request.request_timeout)
             cache = self.cache
             if cache is not None and model in cache.pools:
+                if identity is not None and identity.preemptible:
+                    # a flight runs in a task of its own and may carry other clients' identical
+                    # requests: it is never cancelled for one of them (`policy.pool` rule 9)
+                    identity = Identity(identity.tenant, identity.tier)
                 status, replica_id = await self._forward_cached(cache, conn, request, pool, endpoint, body, stream,
                                                                 request_id, started, identity, timeout_s)
             else:

@@ -51,6 +51,9 @@ class ApiKeyEntry:
 class Identity:
     tenant: str
     tier: str | None  # None: the default tier
+    # requests the gateway makes itself as re-runnable background work (the batch worker's): the pool
+    # controller may stop them for a better tier's waiting request (`policy.pool`, rule 9)
+    preemptible: bool = False
 
 
 class IdentityOutcome(Enum):

@@ -45,6 +45,7 @@ class RequestFacts(NamedTuple):  # built per request: a NamedTuple is cheap (tid
     streamed: bool = True  # the answer is a stream: its first token is reported
     prefix: tuple[int, ...] = ()  # the prompt's prefix blocks (`policy.prefix`), for prefix-aware routing
     fingerprint: int = 0  # the same for the same request from the same tenant (`policy.resends`); 0: none
+    preemptible: bool = False  # re-runnable background work (`PoolRequest.preemptible`)
 
 
 class ArrivalOutcome(Enum):
@@ -138,7 +139,8 @@ class OverloadControl:
             return Arrival(outcome, tier, None, Rung.PRIMARY, admission, None, None, None, ())
         assert admission.reservation is not None
         request = PoolRequest(facts.request_id, now_s, facts.tenant, tier.name, facts.prompt_tokens, facts.max_tokens,
-                              facts.timeout_s, facts.streamed, facts.prefix, facts.fingerprint)
+                              facts.timeout_s, facts.streamed, facts.prefix, facts.fingerprint,
+                              facts.preemptible)
         self._admitted[facts.request_id] = _Admitted(admission.reservation, request,
                                                      cached_answer=cached_answer_available, external=external)
         decision = policies.controller.on_arrival(now_s, request)

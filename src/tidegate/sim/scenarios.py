@@ -394,7 +394,7 @@ def retry_storm(seeds: Sequence[int] | None = None) -> Verdict:
     from the replicas' cores (the embedded default, where the gateway and its clients share the
     machine). Refused at once on every resend, the controller answered 309,977 refusals in 20 s
     there (seed 61) and completed 93 requests in time against FIFO's 174, as it lost live
-    (bench/retry_storm.py); with rule 9 of `policy.pool` it holds the resends, answers 1,932 and
+    (bench/retry_storm.py); with rule 10 of `policy.pool` it holds the resends, answers 1,932 and
     completes 193."""
     seeds = STORM_SEEDS if seeds is None else seeds
     duration_s = 20.0
