@@ -28,9 +28,12 @@ docs/autoscaling.md:
   (`test_the_predictive_layer_scales_a_cold_start_ahead_of_the_forecast`).
 Scale-in takes the highest desired count of the last `scale_down_window_s` (HPA's stabilisation
 window), one step per stable window (`test_scale_in_waits_its_window_then_goes_a_step_per_stable_window`,
-`test_the_fleet_found_at_start_is_not_cut_before_a_window`); on work demand, the count asked for
-is never below what the work's mean plus `scale_in_sigmas` standard errors needs (off by default),
-so a noisy dip does not scale in (`test_a_noisy_flat_work_demand_never_scales_in`); the body drains a replica before it
+`test_the_fleet_found_at_start_is_not_cut_before_a_window`). On work demand, a noise band of
+`noise_band_sigmas` standard errors around the window's mean: the reactive count goes out only to
+what the lower bound needs and in only to what the upper bound needs, so a need on a replica's
+boundary neither flaps nor holds the replica above it
+(`test_a_need_on_a_boundary_neither_flaps_nor_holds_the_replica_above`,
+`test_a_noisy_flat_work_demand_never_scales_in`). The body drains a replica before it
 stops it: no request is aborted by a scale-in
 (`tests/sim/test_scaling.py::test_the_pool_grows_for_a_surge_and_shrinks_by_draining_after_it`).
 """
@@ -68,11 +71,10 @@ class AutoscaleSettings:
     # request shape, measured (`sim.capacity.saturated_rps` x tokens per request, or a live run);
     # set, demand is the work arriving (`ScaleSignals.arrived_tokens`) rather than requests held
     replica_tokens_per_s: float | None = None
-    # on work demand, a scale-in only to what the work's mean plus this many standard errors needs:
-    # a noisy dip is not a fall (`test_a_noisy_flat_work_demand_never_scales_in`). 0 (off) by
-    # default: at 2, `bench/autoscale_sim.py --only surge` held a replica too many on the plateau
-    # and its utilisation bar failed (72 %), which passes at 0 (83 %) in the same run
-    scale_in_sigmas: float = 0.0
+    # on work demand, the reactive count moves only when the work's mean, give or take this many
+    # standard errors, needs another: out to what the lower bound needs, in to what the upper
+    # bound needs; within the band the fleet holds (`_work_band`). 0: off, the mean decides
+    noise_band_sigmas: float = 0.0
 
     def __post_init__(self) -> None:
         if self.slots_per_replica < 1 or not 1 <= self.min_replicas <= self.max_replicas:
@@ -83,8 +85,8 @@ class AutoscaleSettings:
             raise ValueError("need 0 < panic_window_s <= stable_window_s and forecast_bucket_s > 0")
         if self.replica_tokens_per_s is not None and self.replica_tokens_per_s <= 0:
             raise ValueError("replica_tokens_per_s must be > 0")
-        if self.scale_in_sigmas < 0:
-            raise ValueError("scale_in_sigmas must be >= 0")
+        if self.noise_band_sigmas < 0:
+            raise ValueError("noise_band_sigmas must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,22 +184,33 @@ class Autoscaler:
         assert s.replica_tokens_per_s is not None
         return self._work_rate_since(since_s) / s.replica_tokens_per_s * s.slots_per_replica
 
-    def _work_scale_in_floor(self, since_s: float, fleet: int) -> int:
-        """The replicas the work since then needs at its mean plus `scale_in_sigmas` standard errors
-        (of the per-tick rates' mean); the fleet while fewer than two ticks say how noisy it is.
-        The mean of a window of Poisson-like arrivals wanders by its standard error: a fleet sized
-        on a level just over a replica's boundary reads a dip under it as a fall, scales in and
-        out again a window later (`test_a_noisy_flat_work_demand_never_scales_in`). A real fall clears the band and scales
-        in after the scale-down window (`test_a_real_fall_in_work_scales_in_after_the_window`)."""
+    def _work_band(self, since_s: float, fleet: int) -> tuple[int, int] | None:
+        """The replicas the work since then needs at its mean minus and plus `noise_band_sigmas`
+        standard errors (of the per-tick rates' mean); None when the band is off or demand is
+        requests held; the fleet while fewer than two ticks say how noisy the work is. The mean of a
+        window of Poisson-like arrivals wanders by its standard error, so a need sitting near a
+        replica's boundary crosses it by noise alone. Scaling in only past the upper bound, a
+        fleet on such a level does not read a dip as a fall
+        (`test_a_noisy_flat_work_demand_never_scales_in`); scaling out only past the lower bound, a
+        noisy minute does not add the replica the scale-in band would then hold
+        (`test_a_need_on_a_boundary_neither_flaps_nor_holds_the_replica_above`). A real change
+        clears the band (`test_a_real_fall_in_work_scales_in_after_the_window`,
+        `test_a_real_rise_in_work_clears_the_band_within_a_window`)."""
         s = self.settings
-        assert s.replica_tokens_per_s is not None
-        rates = [n / c for t, n, _, c in self._work if t > since_s and c > 0]
-        if len(rates) < 2:
-            return fleet
+        if s.replica_tokens_per_s is None or s.noise_band_sigmas <= 0:
+            return None
+        ticks = [(n, c) for t, n, _, c in self._work if t > since_s and c > 0]
+        # two or three ticks' spread says little: their band once asked for a 7th replica on a need
+        # of 5.9 two seconds in (`test_a_need_on_a_boundary_neither_flaps_nor_holds_the_replica_above`)
+        if len(ticks) < 2 or sum(c for _, c in ticks) < s.stable_window_s / 2:
+            return fleet, fleet
+        rates = [n / c for n, c in ticks]
         mean = sum(rates) / len(rates)
         variance = sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)
-        upper = self._work_rate_since(since_s) + s.scale_in_sigmas * math.sqrt(variance / len(rates))
-        return self._replicas_for(upper / s.replica_tokens_per_s * s.slots_per_replica)
+        half = s.noise_band_sigmas * math.sqrt(variance / len(rates))
+        rate = self._work_rate_since(since_s)
+        per_slot = s.slots_per_replica / s.replica_tokens_per_s
+        return self._replicas_for(max(0.0, rate - half) * per_slot), self._replicas_for((rate + half) * per_slot)
 
     def _held_demand_since(self, since_s: float) -> float:
         """Mean requests held since then, scaled up by the share of arrivals refused: under early
@@ -235,9 +248,12 @@ class Autoscaler:
         stable_demand = self._demand_since(now_s - s.stable_window_s)
         panic_demand = self._demand_since(now_s - s.panic_window_s)
         stable, panic = self._replicas_for(stable_demand), self._replicas_for(panic_demand)
+        band = self._work_band(now_s - s.stable_window_s, fleet)
+        reactive = stable if band is None else min(max(fleet, band[0]), band[1])
         step_cap = max(fleet + 1, math.ceil(fleet * (1 + s.scale_up_step)))
-        candidates = [(min(stable, step_cap), ScaleLayer.REACTIVE,
-                       f"mean demand {stable_demand:.1f} over {s.stable_window_s:g} s")]
+        candidates = [(min(reactive, step_cap), ScaleLayer.REACTIVE,
+                       f"mean demand {stable_demand:.1f} over {s.stable_window_s:g} s"
+                       + ("" if band is None else f", band {band[0]}..{band[1]} replicas"))]
         if signals.ready and panic >= s.panic_factor * signals.ready:
             self._panic_until_s = now_s + s.stable_window_s
         panicking = now_s < self._panic_until_s
@@ -256,10 +272,9 @@ class Autoscaler:
         desired, layer, reason = max(candidates, key=lambda c: c[0])
         if not self._desired:  # the fleet found at the start counts as asked for: no scale-in before a window
             self._desired.append((now_s, fleet))
-        floor = desired
-        if s.replica_tokens_per_s is not None and s.scale_in_sigmas > 0:  # scale in only past the work's noise
-            floor = max(desired, self._work_scale_in_floor(now_s - s.stable_window_s, fleet))
-        self._desired.append((now_s, floor))
+        # within the scale-down window, never below what the upper bound asked for: a fall must
+        # clear the band for the whole window, not one tick of it
+        self._desired.append((now_s, desired if band is None else max(desired, band[1])))
         while self._desired and self._desired[0][0] <= now_s - s.scale_down_window_s:
             self._desired.popleft()
         if desired < fleet:
