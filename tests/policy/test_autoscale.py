@@ -233,3 +233,21 @@ def test_a_real_rise_in_work_clears_the_band_within_a_window() -> None:
     # the band costs a few seconds (9 here: 19 s against 10 s on the mean), not a window
     assert risen[banded_s].layer is ScaleLayer.REACTIVE and banded_s <= bare_s + 15
     assert risen[-1].desired == 8
+
+
+def test_an_unset_throughput_is_measured_while_saturated_and_puts_the_pool_on_work() -> None:
+    # no replica_tokens_per_s: requests held first; 4 replicas hold all their 10 slots with 5
+    # queued and serve 1,000 tokens/s each: then the pool scales on work, 2,000 tokens/s arriving
+    # needing 4 replicas at the 0.5 target, whatever it holds (60 held would ask for 12)
+    scaler = Autoscaler(SETTINGS)
+    assert scaler.replica_tokens_per_s is None
+    for t in range(120):
+        decision = scaler.on_tick(ScaleSignals(float(t), 4, 0, 40, 20, 10, arrived_tokens=2000, served_tokens=4000))
+    assert scaler.replica_tokens_per_s == pytest.approx(1000.0)
+    assert decision.desired == 4
+    # not measured: the same signals scale on the 60 requests held
+    unmeasured = Autoscaler(replace(SETTINGS, measure_throughput=False))
+    for t in range(120):
+        decision = unmeasured.on_tick(ScaleSignals(float(t), 4, 0, 40, 20, 10, arrived_tokens=2000,
+                                                   served_tokens=4000))
+    assert unmeasured.replica_tokens_per_s is None and decision.desired > 4

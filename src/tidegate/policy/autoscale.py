@@ -47,6 +47,7 @@ from enum import Enum
 from typing import Protocol
 
 from tidegate.policy.forecast import Forecaster
+from tidegate.policy.throughput import PoolSample, SaturatedThroughput
 
 __all__ = ["AutoscaleSettings", "ScaleSignals", "ScaleLayer", "ScaleDecision", "ScalePolicy", "Autoscaler", "HpaRule",
            "FixedFleet"]
@@ -71,6 +72,10 @@ class AutoscaleSettings:
     # request shape, measured (`sim.capacity.saturated_rps` x tokens per request, or a live run);
     # set, demand is the work arriving (`ScaleSignals.arrived_tokens`) rather than requests held
     replica_tokens_per_s: float | None = None
+    # unset, the throughput is measured from the work served while the pool is saturated
+    # (`policy.throughput`; the body must count `ScaleSignals.served_tokens`): the pool scales on
+    # requests held until it has seen enough saturation, then on work
+    measure_throughput: bool = True
     # on work demand, the reactive count moves only when the work's mean, give or take this many
     # standard errors, needs another: out to what the lower bound needs, in to what the upper
     # bound needs; within the band the fleet holds (`_work_band`). 0: off, the mean decides
@@ -100,6 +105,7 @@ class ScaleSignals:
     refused: int = 0  # of them (or of those queued before), refused: demand the fleet did not hold
     ttft_ratio: float | None = None  # recent P99 TTFT / its tier's target, the worst tier; None: unknown
     arrived_tokens: int = 0  # prompt + output tokens of the arrivals since the previous tick (refused ones too)
+    served_tokens: int = 0  # prompt + output tokens of the requests answered since the previous tick
 
 
 class ScaleLayer(Enum):
@@ -149,8 +155,18 @@ class Autoscaler:
         self._last_scale_in_s = -math.inf
         self._bucket_start_s: float | None = None
         self._bucket_arrivals = 0
+        self._measured = SaturatedThroughput(settings.slots_per_replica) if (
+            settings.replica_tokens_per_s is None and settings.measure_throughput) else None
 
     # ---- queries ------------------------------------------------------------------------------
+
+    @property
+    def replica_tokens_per_s(self) -> float | None:
+        """One replica's token throughput at its slot limit: as set, else as measured (None: not
+        known yet, or not measured; demand is then requests held)."""
+        if self.settings.replica_tokens_per_s is not None:
+            return self.settings.replica_tokens_per_s
+        return None if self._measured is None else self._measured.tokens_per_s
 
     def _replicas_for(self, demand: float) -> int:
         s = self.settings
@@ -164,7 +180,7 @@ class Autoscaler:
     def _demand_since(self, since_s: float) -> float:
         """Requests the pool must hold at once, from the work arriving when replica_tokens_per_s is
         set, else from the requests it holds."""
-        if self.settings.replica_tokens_per_s is not None:
+        if self.replica_tokens_per_s is not None:
             return self._work_demand_since(since_s)
         return self._held_demand_since(since_s)
 
@@ -180,9 +196,9 @@ class Autoscaler:
         replicas near saturation (each request then takes longer, so more are held for the same
         work): counted in requests held, the working day's peak asked for 1.3x the oracle's
         replica-hours at 71 % utilisation (`bench/autoscale_sim.py`, docs/autoscaling.md)."""
-        s = self.settings
-        assert s.replica_tokens_per_s is not None
-        return self._work_rate_since(since_s) / s.replica_tokens_per_s * s.slots_per_replica
+        tokens_per_s = self.replica_tokens_per_s
+        assert tokens_per_s is not None
+        return self._work_rate_since(since_s) / tokens_per_s * self.settings.slots_per_replica
 
     def _work_band(self, since_s: float, fleet: int) -> tuple[int, int] | None:
         """The replicas the work since then needs at its mean minus and plus `noise_band_sigmas`
@@ -196,8 +212,8 @@ class Autoscaler:
         (`test_a_need_on_a_boundary_neither_flaps_nor_holds_the_replica_above`). A real change
         clears the band (`test_a_real_fall_in_work_scales_in_after_the_window`,
         `test_a_real_rise_in_work_clears_the_band_within_a_window`)."""
-        s = self.settings
-        if s.replica_tokens_per_s is None or s.noise_band_sigmas <= 0:
+        s, tokens_per_s = self.settings, self.replica_tokens_per_s
+        if tokens_per_s is None or s.noise_band_sigmas <= 0:
             return None
         ticks = [(n, c) for t, n, _, c in self._work if t > since_s and c > 0]
         # two or three ticks' spread says little: their band once asked for a 7th replica on a need
@@ -209,7 +225,7 @@ class Autoscaler:
         variance = sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)
         half = s.noise_band_sigmas * math.sqrt(variance / len(rates))
         rate = self._work_rate_since(since_s)
-        per_slot = s.slots_per_replica / s.replica_tokens_per_s
+        per_slot = s.slots_per_replica / tokens_per_s
         return self._replicas_for(max(0.0, rate - half) * per_slot), self._replicas_for((rate + half) * per_slot)
 
     def _held_demand_since(self, since_s: float) -> float:
@@ -243,6 +259,9 @@ class Autoscaler:
         """Records the signals and decides the pool's size (changes state)."""
         s, now_s = self.settings, signals.now_s
         demand = float(signals.in_flight + signals.queued)
+        if self._measured is not None:
+            self._measured.observe(PoolSample(now_s, signals.ready, signals.in_flight, signals.queued,
+                                              signals.served_tokens))
         self._record(now_s, demand, signals.arrivals, signals.refused, signals.arrived_tokens)
         fleet = signals.ready + signals.starting
         stable_demand = self._demand_since(now_s - s.stable_window_s)
@@ -302,7 +321,7 @@ class Autoscaler:
         if panicking or damped >= fleet:
             return fleet, ScaleLayer.HOLD, ("panicking" if panicking
                                             else f"asked {desired}, {damped} within {s.scale_down_window_s:g} s")
-        if s.replica_tokens_per_s is not None:
+        if self.replica_tokens_per_s is not None:
             return damped, layer, reason
         if now_s - self._last_scale_in_s < s.stable_window_s:
             return fleet, ScaleLayer.HOLD, f"asked {desired}; the last scale-in is under {s.stable_window_s:g} s old"
