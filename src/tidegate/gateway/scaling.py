@@ -235,6 +235,9 @@ class ScaleLoop:
         self.desired = Gauge("tidegate_desired_replicas", "Replicas the pool's autoscaler wants (for the HPA or "
                              "KEDA to follow)", ["pool"], registry=registry)
         self.ready = Gauge("tidegate_replicas_ready", "Replicas taking traffic", ["pool"], registry=registry)
+        self.throughput = Gauge("tidegate_autoscale_replica_tokens_per_s", "One replica's token throughput at its "
+                                "slot limit the autoscaler divides the work by: as set, else as measured while "
+                                "the pool is saturated (absent until known)", ["pool"], registry=registry)
         self.decisions = Counter("tidegate_autoscale_decisions", "Changes of the desired replicas, by the layer "
                                  "that decided (reactive, trigger, panic, predictive, bounds)", ["pool", "layer"],
                                  registry=registry)
@@ -285,6 +288,9 @@ class ScaleLoop:
             scaling.arrived, scaling.refused, scaling.tokens = arrived, refused, tokens.get(name, 0.0)
             scaling.served = served.get(name, 0.0)
             decision = scaling.autoscaler.on_tick(signals)
+            tokens_per_s = scaling.autoscaler.replica_tokens_per_s
+            if tokens_per_s is not None:
+                self.throughput.labels(name).set(tokens_per_s)
             self.ready.labels(name).set(ready)
             self.desired.labels(name).set(decision.desired)
             if decision.desired != scaling.desired:
