@@ -69,6 +69,8 @@ async def test_a_refused_arrival_counts_its_prompt() -> None:
 class _Recording:
     """Stands in for the pool's autoscaler: keeps the signals it is given."""
 
+    replica_tokens_per_s = None  # the throughput it would divide the work by: not known
+
     def __init__(self) -> None:
         self.signals: list[ScaleSignals] = []
 
