@@ -114,3 +114,18 @@ def test_an_unset_throughput_is_measured_only_where_the_work_is_counted() -> Non
     # without overload control no tokens are counted: zero served would read as no throughput
     fifo = ScaleLoop({"m": pool}, {"m": AutoscaleConfig()}, CollectorRegistry(), None)
     assert not fifo._pools["m"].autoscaler.settings.measure_throughput
+
+
+async def test_the_throughput_divided_by_is_exported_once_known() -> None:
+    runtime, pool, registry = _runtime()
+    loop = ScaleLoop({"m": pool}, {"m": AutoscaleConfig()}, registry, runtime, clock=lambda: 0.0)
+    await loop.start()
+    await loop.stop()
+    loop.tick(1.0)
+    gauge = "tidegate_autoscale_replica_tokens_per_s"
+    assert registry.get_sample_value(gauge, {"pool": "m"}) is None  # not measured yet: absent, not 0
+    set_runtime, set_pool, set_registry = _runtime()
+    given = ScaleLoop({"m": set_pool}, {"m": AutoscaleConfig(replica_tokens_per_s=500.0)}, set_registry, set_runtime,
+                      clock=lambda: 0.0)
+    given.tick(1.0)
+    assert set_registry.get_sample_value(gauge, {"pool": "m"}) == 500.0
