@@ -4,8 +4,9 @@ decision out, time passed in; `on_tick` is the only method that changes state.
 The unit is concurrency demand: requests on the replicas plus requests queued for them (Little's
 law: what the pool must hold at once to keep up), scaled up by the share of arrivals refused
 (`test_arrivals_refused_at_once_count_as_demand_the_fleet_did_not_hold`); or, when the replica's
-measured token throughput is given (`replica_tokens_per_s`), the work arriving in slots' worth,
-which does not inflate near saturation as requests held do
+token throughput is known (`replica_tokens_per_s` as set, else measured from the work served while
+the pool is saturated: `policy.throughput`), the work arriving in slots' worth, which does not
+inflate near saturation as requests held do
 (`test_work_demand_does_not_grow_with_the_time_requests_are_held`). A replica holds
 `slots_per_replica` requests at its latency target; the pool aims to run them at
 `target_utilisation`, the headroom absorbing a rise while new capacity starts. Layers (the highest
