@@ -241,7 +241,7 @@ class AutoscaleConfig(_Strict):
     replica_tokens_per_s: float | None = Field(None, gt=0)
     # work demand: the fleet moves only when the work's mean, give or take this many standard
     # errors, needs another count (0: the mean alone; docs/autoscaling.md)
-    noise_band_sigmas: float = Field(0.0, ge=0)
+    noise_band_sigmas: float = Field(2.0, ge=0)
     # embedded pools: workers kept loaded and out of traffic, taken at once by a scale-out (seconds
     # instead of a cold start) and refilled in the background
     standby: int = Field(0, ge=0)
