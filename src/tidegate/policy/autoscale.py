@@ -45,7 +45,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from tidegate.policy.forecast import Forecaster
 from tidegate.policy.throughput import PoolSample, SaturatedThroughput
@@ -143,6 +143,14 @@ class FixedFleet:
         return ScaleDecision(self.replicas, ScaleLayer.HOLD, "fixed")
 
 
+class _Band(NamedTuple):
+    """The noise band on work demand, in replicas."""
+
+    lower: int  # what the window's mean minus k standard errors needs
+    upper: int  # what its mean plus k standard errors needs
+    low_share: float  # the lower bound over the mean (1 while the band is not measured yet)
+
+
 class Autoscaler:
     def __init__(self, settings: AutoscaleSettings, forecaster: Forecaster | None = None) -> None:
         self.settings = settings
@@ -203,13 +211,12 @@ class Autoscaler:
         assert tokens_per_s is not None
         return self._work_rate_since(since_s) / tokens_per_s * self.settings.slots_per_replica
 
-    def _work_band(self, since_s: float, fleet: int) -> tuple[int, int, float] | None:
+    def _work_band(self, since_s: float, fleet: int) -> _Band | None:
         """The replicas the work since then needs at its mean minus and plus `noise_band_sigmas`
-        standard errors (of the per-tick rates' mean), and the lower bound's share of the mean;
-        None when the band is off or demand is requests held; the fleet while under half a window
-        of work says how noisy it is. The mean of a
-        window of Poisson-like arrivals wanders by its standard error, so a need sitting near a
-        replica's boundary crosses it by noise alone. Scaling in only past the upper bound, a
+        standard errors (of the per-tick rates' mean); None when the band is off or demand is
+        requests held; the fleet while under half a window of work says how noisy it is. The mean
+        of a window of Poisson-like arrivals wanders by its standard error, so a need sitting near
+        a replica's boundary crosses it by noise alone. Scaling in only past the upper bound, a
         fleet on such a level does not read a dip as a fall
         (`test_a_noisy_flat_work_demand_never_scales_in`); scaling out only past the lower bound, a
         noisy minute does not add the replica the scale-in band would then hold
@@ -221,9 +228,9 @@ class Autoscaler:
             return None
         ticks = [(n, c) for t, n, _, c in self._work if t > since_s and c > 0]
         # two or three ticks' spread says little: their band once asked for a 7th replica on a need
-        # of 5.9 two seconds in (`test_a_need_on_a_boundary_neither_flaps_nor_holds_the_replica_above`)
+        # of 5.9 two seconds in (`test_the_band_waits_for_half_a_window_of_work`)
         if len(ticks) < 2 or sum(c for _, c in ticks) < s.stable_window_s / 2:
-            return fleet, fleet, 1.0
+            return _Band(fleet, fleet, 1.0)
         rates = [n / c for n, c in ticks]
         mean = sum(rates) / len(rates)
         variance = sum((r - mean) ** 2 for r in rates) / (len(rates) - 1)
@@ -231,8 +238,8 @@ class Autoscaler:
         rate = self._work_rate_since(since_s)
         per_slot = s.slots_per_replica / tokens_per_s
         lower = max(0.0, rate - half)
-        return (self._replicas_for(lower * per_slot), self._replicas_for((rate + half) * per_slot),
-                lower / rate if rate > 0 else 1.0)
+        return _Band(self._replicas_for(lower * per_slot), self._replicas_for((rate + half) * per_slot),
+                     lower / rate if rate > 0 else 1.0)
 
     def _held_demand_since(self, since_s: float) -> float:
         """Mean requests held since then, scaled up by the share of arrivals refused: under early
@@ -278,12 +285,12 @@ class Autoscaler:
         panic_demand = self._demand_since(now_s - s.panic_window_s)
         stable, panic = self._replicas_for(stable_demand), self._replicas_for(panic_demand)
         band = self._work_band(now_s - s.stable_window_s, fleet)
-        reactive = stable if band is None else min(max(fleet, band[0]), band[1])
-        low_share = 1.0 if band is None else band[2]
+        reactive = stable if band is None else min(max(fleet, band.lower), band.upper)
+        low_share = 1.0 if band is None else band.low_share
         step_cap = max(fleet + 1, math.ceil(fleet * (1 + s.scale_up_step)))
         candidates = [(min(reactive, step_cap), ScaleLayer.REACTIVE,
                        f"mean demand {stable_demand:.1f} over {s.stable_window_s:g} s"
-                       + ("" if band is None else f", band {band[0]}..{band[1]} replicas"))]
+                       + ("" if band is None else f", band {band.lower}..{band.upper} replicas"))]
         if signals.ready and panic >= s.panic_factor * signals.ready:
             self._panic_until_s = now_s + s.stable_window_s
         panicking = now_s < self._panic_until_s
@@ -304,7 +311,7 @@ class Autoscaler:
             self._desired.append((now_s, fleet))
         # within the scale-down window, never below what the upper bound asked for: a fall must
         # clear the band for the whole window, not one tick of it
-        self._desired.append((now_s, desired if band is None else max(desired, band[1])))
+        self._desired.append((now_s, desired if band is None else max(desired, band.upper)))
         while self._desired and self._desired[0][0] <= now_s - s.scale_down_window_s:
             self._desired.popleft()
         if desired < fleet:
