@@ -63,6 +63,7 @@ class Sample:
     desired: float
     ready: float
     replicas: list[tuple[str, int]]  # (health, requests held)
+    tokens_per_s: float | None = None  # the autoscaler's replica throughput, as set or measured
 
 
 @dataclass
@@ -133,12 +134,14 @@ async def sample(session: aiohttp.ClientSession, url: str, run: Run, start_s: fl
             async with session.get(f"{url}/metrics") as response:
                 text = await response.text()
             gauges = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                      if line.startswith(("tidegate_desired_replicas{", "tidegate_replicas_ready{"))}
+                      if line.startswith(("tidegate_desired_replicas{", "tidegate_replicas_ready{",
+                                          "tidegate_autoscale_replica_tokens_per_s{"))}
             async with session.get(f"{url}/status.json") as response:
                 status = json.loads(await response.text())
             replicas = [(r["health"], r["outstanding"]) for r in status["pools"][0]["replicas"]]
             run.samples.append(Sample(time.monotonic() - start_s, gauges.get("tidegate_desired_replicas", 0.0),
-                                      gauges.get("tidegate_replicas_ready", 0.0), replicas))
+                                      gauges.get("tidegate_replicas_ready", 0.0), replicas,
+                                      gauges.get("tidegate_autoscale_replica_tokens_per_s")))
         except (aiohttp.ClientError, ValueError, KeyError):
             pass
         await asyncio.sleep(1.0)
@@ -210,6 +213,12 @@ async def main_async(args: argparse.Namespace) -> int:
           f"{_after(second_takes, step_s)} after it (bar <= 60 s: {'PASS' if within else 'FAIL'})")
     print(f"scale-in: a worker drained {_after(drained, drop_s)} after the load dropped; failed requests from 5 s "
           f"before the drop on: {len(failed_after_drop)} (bar 0: {'PASS' if drained and not failed_after_drop else 'FAIL'})")
+    measured = next(((s.t_s, s.tokens_per_s) for s in run.samples if s.tokens_per_s is not None), None)
+    if args.replica_tokens_per_s is None:
+        print("a worker's throughput as the autoscaler measured it (saturated ticks): "
+              + ("never known" if measured is None else f"{run.samples[-1].tokens_per_s:.0f} tokens/s at the end, "
+                 f"known from {measured[0]:.0f} s ({measured[1]:.0f}); the capacity phase: "
+                 f"{one * tokens:.0f} tokens/s"))
     for outcome in failed[:5]:
         print(f"  failed at {outcome.sent_s:.1f} s: {outcome.detail}")
     return 0 if within and drained and not failed_after_drop else 1

@@ -212,6 +212,8 @@ def main() -> int:
     # delays the evening (day: 1.31x the oracle's replica-hours with 300 s, 1.10x with 60 s)
     parser.add_argument("--scale-down-window-s", type=float, default=None,
                         help="tidegate's scale-in window (default: the cold start)")
+    parser.add_argument("--noise-band-sigmas", type=float, default=AutoscaleSettings(1).noise_band_sigmas,
+                        help="tidegate's noise band on work demand, in standard errors of the window's mean")
     parser.add_argument("--standby", type=int, default=0, help="tidegate's warm standbys (`policy.fleet`)")
     parser.add_argument("--only", choices=["day", "surge", "trace"])
     parser.add_argument("--policies", default="tidegate,HPA default,static 2x peak,oracle",
@@ -222,7 +224,7 @@ def main() -> int:
     profile = load_profile(args.profile)
     print(f"profile {args.profile} ({'estimate' if profile.estimate else 'measured'}), {args.slots} slots, cold start "
           f"{args.cold_start_s:g} s, tidegate: target utilisation {args.target_utilisation:g}, scale-in window "
-          f"{args.scale_down_window_s:g} s, {args.standby} standby")
+          f"{args.scale_down_window_s:g} s, noise band {args.noise_band_sigmas:g} standard errors, {args.standby} standby")
     ok = True
     for make in (day, surge, trace):
         if args.only and make.__name__ != args.only:
@@ -250,7 +252,8 @@ def run_scenario(scenario: Scenario, args) -> bool:
     for end_s, rate in scenario.history:
         forecaster.observe(end_s, rate)
     ours = Autoscaler(replace(settings, replica_tokens_per_s=capacity_tps, target_utilisation=args.target_utilisation,
-                              scale_down_window_s=args.scale_down_window_s), forecaster)
+                              scale_down_window_s=args.scale_down_window_s,
+                              noise_band_sigmas=args.noise_band_sigmas), forecaster)
     started = time.process_time()
     schedule = schedule_for(scenario.requests, BUCKET_S, args.cold_start_s, window_runner(args), WindowSlo(),
                             replica_tokens_per_s=capacity_tps, max_replicas=args.max_replicas)

@@ -239,7 +239,9 @@ class AutoscaleConfig(_Strict):
     # `bench/autoscale_live.py` prints it for an embedded worker); set (and overload_control on: it
     # counts the work), the pool scales on the work arriving, not on the requests it holds
     replica_tokens_per_s: float | None = Field(None, gt=0)
-    scale_in_sigmas: float = Field(0.0, ge=0)  # work demand: scale in only past its mean + this many std errors (0: off; docs/autoscaling.md)
+    # work demand: the fleet moves only when the work's mean, give or take this many standard
+    # errors, needs another count (0: the mean alone; docs/autoscaling.md)
+    noise_band_sigmas: float = Field(2.0, ge=0)
     # embedded pools: workers kept loaded and out of traffic, taken at once by a scale-out (seconds
     # instead of a cold start) and refilled in the background
     standby: int = Field(0, ge=0)

@@ -69,6 +69,8 @@ async def test_a_refused_arrival_counts_its_prompt() -> None:
 class _Recording:
     """Stands in for the pool's autoscaler: keeps the signals it is given."""
 
+    replica_tokens_per_s = None  # the throughput it would divide the work by: not known
+
     def __init__(self) -> None:
         self.signals: list[ScaleSignals] = []
 
@@ -91,6 +93,9 @@ async def test_the_autoscaler_is_fed_the_tokens_arrived_since_its_last_tick() ->
     loop.tick(2.0)  # nothing arrived since
     prompt = estimate_prompt_tokens(_BODY)
     assert [s.arrived_tokens for s in recording.signals] == [prompt + 7, 0]
+    # and the work served, from which an unset replica_tokens_per_s is measured (`policy.throughput`)
+    assert [s.served_tokens for s in recording.signals] == [prompt + 7, 0]
+    assert registry.get_sample_value("tidegate_overload_served_tokens_total", {"pool": "m"}) == 2 * prompt + 10
 
 
 def test_replica_tokens_per_s_puts_the_live_policy_on_work_demand() -> None:
@@ -100,3 +105,27 @@ def test_replica_tokens_per_s_puts_the_live_policy_on_work_demand() -> None:
     # without overload control nothing counts the work: requests held, as before
     fifo = ScaleLoop({"m": pool}, {"m": AutoscaleConfig(replica_tokens_per_s=500.0)}, CollectorRegistry(), None)
     assert fifo._pools["m"].autoscaler.settings.replica_tokens_per_s is None
+
+
+def test_an_unset_throughput_is_measured_only_where_the_work_is_counted() -> None:
+    runtime, pool, registry = _runtime()
+    measured = ScaleLoop({"m": pool}, {"m": AutoscaleConfig()}, registry, runtime)
+    assert measured._pools["m"].autoscaler.settings.measure_throughput
+    # without overload control no tokens are counted: zero served would read as no throughput
+    fifo = ScaleLoop({"m": pool}, {"m": AutoscaleConfig()}, CollectorRegistry(), None)
+    assert not fifo._pools["m"].autoscaler.settings.measure_throughput
+
+
+async def test_the_throughput_divided_by_is_exported_once_known() -> None:
+    runtime, pool, registry = _runtime()
+    loop = ScaleLoop({"m": pool}, {"m": AutoscaleConfig()}, registry, runtime, clock=lambda: 0.0)
+    await loop.start()
+    await loop.stop()
+    loop.tick(1.0)
+    gauge = "tidegate_autoscale_replica_tokens_per_s"
+    assert registry.get_sample_value(gauge, {"pool": "m"}) is None  # not measured yet: absent, not 0
+    set_runtime, set_pool, set_registry = _runtime()
+    given = ScaleLoop({"m": set_pool}, {"m": AutoscaleConfig(replica_tokens_per_s=500.0)}, set_registry, set_runtime,
+                      clock=lambda: 0.0)
+    given.tick(1.0)
+    assert set_registry.get_sample_value(gauge, {"pool": "m"}) == 500.0

@@ -8,7 +8,8 @@ from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, FixedFleet
 from tidegate.policy.tiers import default_tiers
 from tidegate.sim.harness import Harness
 from tidegate.sim.scaling import ScalingLoop, oscillations
-from tidegate.sim.scenarios import CEILING, capacity_rps, controller, mixed, replica_spec
+from tidegate.sim.capacity import saturated_rps
+from tidegate.sim.scenarios import CEILING, HEADROOM, capacity_rps, controller, mixed, replica_spec
 
 COLD_START_S = 20.0
 
@@ -85,3 +86,21 @@ def test_a_standby_is_paid_for_all_along() -> None:
     harness.run(requests)
     assert abs(loop.replica_hours - 2 * loop.events[-1].t_s / 3600) < 1e-9  # one serving + one standby
     assert all(e.ready == 1 and e.standby == 1 for e in loop.events)
+
+
+def test_the_simulated_pool_measures_a_replicas_throughput_while_saturated() -> None:
+    # no replica_tokens_per_s: two replicas at most, the step to 3 replicas' worth saturates them for
+    # two minutes, and what they serve meanwhile is what they can: between one replica's capacity
+    # measured apart at the slot limit and at the engine's whole batch (the controller grants slots
+    # in between: 4,292 tokens/s against 3,751 and 4,870)
+    requests = _step_load()
+    settings = AutoscaleSettings(CEILING, min_replicas=1, max_replicas=2, cold_start_s=COLD_START_S,
+                                 scale_down_window_s=120.0)
+    scaler = Autoscaler(settings)
+    _run(scaler, requests, initial=1)
+    prompt = round(sum(r.prompt_tokens for r in requests) / len(requests))
+    output = round(sum(r.output_tokens for r in requests) / len(requests))
+    at_slots, at_batch = (saturated_rps(replica_spec("r0"), prompt, output, slots) * (prompt + output)
+                          for slots in (CEILING, CEILING + HEADROOM))
+    assert scaler.replica_tokens_per_s is not None
+    assert 0.95 * at_slots <= scaler.replica_tokens_per_s <= 1.05 * at_batch

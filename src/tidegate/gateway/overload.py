@@ -427,7 +427,7 @@ class OverloadRuntime:
             body.ended(now_s, ticket, completion_tokens)
         used_tokens = ticket.prompt_tokens + completion_tokens
         if completion_tokens > 0:
-            self.metrics.work_tokens.add(ticket.pool, 0, completion_tokens)
+            self.metrics.work_tokens.add_served(ticket.pool, ticket.prompt_tokens, completion_tokens)
         self.control.finish(now_s, ticket.request_id, used_tokens=used_tokens)
         if ticket.shared is not None:
             ticket.shared.settle(used_tokens)

@@ -43,8 +43,9 @@ HISTORY = 20  # decisions kept per pool for the status page
 
 
 def autoscale_settings(config: AutoscaleConfig, pool: ModelPool, work_counted: bool = True) -> AutoscaleSettings:
-    """The policy's settings; on work demand when `replica_tokens_per_s` is set and the gateway
-    counts the work arriving (`work_counted`: overload control on)."""
+    """The policy's settings; on work demand when the gateway counts the work arriving and served
+    (`work_counted`: overload control on), with `replica_tokens_per_s` as set, else as measured
+    while the pool is saturated (`policy.throughput`)."""
     slots = config.slots_per_replica or max(replica.slot_limit for replica in pool.replicas)
     work = config.replica_tokens_per_s if work_counted else None
     ahead = {} if config.forecast is None else {"cold_start_s": config.forecast.cold_start_s,
@@ -54,7 +55,7 @@ def autoscale_settings(config: AutoscaleConfig, pool: ModelPool, work_counted: b
                              panic_window_s=config.panic_window_s, scale_up_step=config.scale_up_step,
                              scale_down_window_s=config.scale_down_window_s, queue_trigger=config.queue_trigger,
                              latency_trigger=config.latency_trigger, replica_tokens_per_s=work,
-                             scale_in_sigmas=config.scale_in_sigmas, **ahead)
+                             noise_band_sigmas=config.noise_band_sigmas, measure_throughput=work_counted, **ahead)
 
 
 def forecaster_for(config: AutoscaleConfig) -> Forecaster | None:
@@ -211,6 +212,7 @@ class _PoolScaling:
         self.arrived = 0.0  # the gateway's counters at the previous tick
         self.refused = 0.0
         self.tokens = 0.0
+        self.served = 0.0
         self.ttft: dict[str, Buckets] = {}  # tier -> cumulative buckets at the previous tick
         self.history: deque[ScaleRecord] = deque(maxlen=HISTORY)
 
@@ -233,6 +235,9 @@ class ScaleLoop:
         self.desired = Gauge("tidegate_desired_replicas", "Replicas the pool's autoscaler wants (for the HPA or "
                              "KEDA to follow)", ["pool"], registry=registry)
         self.ready = Gauge("tidegate_replicas_ready", "Replicas taking traffic", ["pool"], registry=registry)
+        self.throughput = Gauge("tidegate_autoscale_replica_tokens_per_s", "One replica's token throughput at its "
+                                "slot limit the autoscaler divides the work by: as set, else as measured while "
+                                "the pool is saturated (absent until known)", ["pool"], registry=registry)
         self.decisions = Counter("tidegate_autoscale_decisions", "Changes of the desired replicas, by the layer "
                                  "that decided (reactive, trigger, panic, predictive, bounds)", ["pool", "layer"],
                                  registry=registry)
@@ -244,10 +249,10 @@ class ScaleLoop:
 
     async def start(self) -> None:
         now_s = self._clock()
-        arrivals, refusals, tokens = self._totals()
+        arrivals, refusals, tokens, served = self._totals()
         for name, scaling in self._pools.items():  # counters from now: what came before is not this tick's
             scaling.arrived, scaling.refused = arrivals.get(name, 0.0), refusals.get(name, 0.0)
-            scaling.tokens = tokens.get(name, 0.0)
+            scaling.tokens, scaling.served = tokens.get(name, 0.0), served.get(name, 0.0)
             self.ready.labels(name).set(self._ready(scaling.pool, now_s))
         self._task = asyncio.get_running_loop().create_task(self._run())
 
@@ -267,7 +272,7 @@ class ScaleLoop:
 
     def tick(self, now_s: float) -> None:
         """Decides every pool's size once (changes the autoscalers' state and the gauges)."""
-        arrivals, refusals, tokens = self._totals()
+        arrivals, refusals, tokens, served = self._totals()
         for name, scaling in self._pools.items():
             pool = scaling.pool
             ready = self._ready(pool, now_s)
@@ -278,9 +283,14 @@ class ScaleLoop:
                                    in_flight=sum(replica.outstanding for replica in pool.replicas),
                                    queued=self._queued(name, pool), arrivals=int(arrived - scaling.arrived),
                                    refused=int(refused - scaling.refused), ttft_ratio=self._take_ttft_ratio(name, scaling),
-                                   arrived_tokens=int(tokens.get(name, 0.0) - scaling.tokens))
+                                   arrived_tokens=int(tokens.get(name, 0.0) - scaling.tokens),
+                                   served_tokens=int(served.get(name, 0.0) - scaling.served))
             scaling.arrived, scaling.refused, scaling.tokens = arrived, refused, tokens.get(name, 0.0)
+            scaling.served = served.get(name, 0.0)
             decision = scaling.autoscaler.on_tick(signals)
+            tokens_per_s = scaling.autoscaler.replica_tokens_per_s
+            if tokens_per_s is not None:
+                self.throughput.labels(name).set(tokens_per_s)
             self.ready.labels(name).set(ready)
             self.desired.labels(name).set(decision.desired)
             if decision.desired != scaling.desired:
@@ -305,15 +315,15 @@ class ScaleLoop:
             return self._overload.bodies[name].controller.queued
         return len(pool.queue)
 
-    def _totals(self) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
-        """Arrivals, refusals and work tokens (prompt + output) so far by pool, from the gateway's
-        counters (FIFO's refusals: its 429 and 503 answers; FIFO counts no work)."""
+    def _totals(self) -> tuple[dict[str, float], dict[str, float], dict[str, float], dict[str, float]]:
+        """Arrivals, refusals, work tokens arrived (prompt + output) and served so far by pool,
+        from the gateway's counters (FIFO's refusals: its 429 and 503 answers; FIFO counts no work)."""
         if self._overload is not None:
+            work = self._overload.metrics.work_tokens  # plain numbers: no collection
             return (self._sample_sums("tidegate_overload_admissions_total"),
-                    self._sample_sums("tidegate_overload_rejections_total"),
-                    self._overload.metrics.work_tokens.totals())  # plain numbers: no collection
+                    self._sample_sums("tidegate_overload_rejections_total"), work.totals(), work.served_totals())
         return (self._sample_sums("tidegate_requests_total"),
-                self._sample_sums("tidegate_requests_total", refused_only=True), {})
+                self._sample_sums("tidegate_requests_total", refused_only=True), {}, {})
 
     def _sample_sums(self, sample_name: str, refused_only: bool = False) -> dict[str, float]:
         """A counter's value summed by pool."""

@@ -206,6 +206,7 @@ class Harness:
         self.arrived = 0  # requests arrived so far
         self.arrived_tokens = 0  # their prompt + output tokens: the work asked for (`policy.autoscale`)
         self.refused = 0  # requests refused by the dispatcher so far
+        self.served_tokens = 0  # prompt + output tokens of the requests answered so far (`policy.throughput`)
         self.starting: set[str] = set()  # replicas requested and not ready yet
         self.draining: set[str] = set()  # replicas taking no new request, stopped once empty
         self.warming: set[str] = set()  # replicas loading to be standbys
@@ -289,6 +290,8 @@ class Harness:
 
     def on_finish(self, now_s: float, replica_id: str, request_id: int) -> None:
         self._update(request_id, finish_s=now_s)
+        request = self._requests[request_id]
+        self.served_tokens += request.prompt_tokens + request.output_tokens
         if replica_id in self.draining:  # after the replica's step is done with its callbacks
             self.loop.call_later(0.0, self._stop_if_drained, replica_id)
         self.dispatcher.on_finish(now_s, request_id)

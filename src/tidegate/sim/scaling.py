@@ -49,6 +49,7 @@ class ScalingLoop:
         self._arrived = 0
         self._arrived_tokens = 0
         self._refused = 0
+        self._served_tokens = 0
         self._order = list(harness.replicas)  # started in this order, drained in the reverse
 
     def install(self, until_s: float, initial: int) -> None:
@@ -90,8 +91,10 @@ class ScalingLoop:
                         for i in self._order if h.replicas[i].alive)
         signals = ScaleSignals(now_s, ready=len(up), starting=len(h.starting), in_flight=in_flight, queued=h.queued,
                                arrivals=h.arrived - self._arrived, refused=h.refused - self._refused,
-                               arrived_tokens=h.arrived_tokens - self._arrived_tokens)
+                               arrived_tokens=h.arrived_tokens - self._arrived_tokens,
+                               served_tokens=h.served_tokens - self._served_tokens)
         self._arrived, self._refused, self._arrived_tokens = h.arrived, h.refused, h.arrived_tokens
+        self._served_tokens = h.served_tokens
         decision = self.autoscaler.on_tick(signals)
         # a draining replica kept as a standby counts as warming (it will be one): not refilled twice
         actions = fleet_actions(decision.desired, FleetCounts(len(up), len(h.starting), len(h.standby),
