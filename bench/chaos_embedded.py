@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
-from chaos_kit import BenchOptions, Processes, bar, free_port, outcome_line
+from chaos_kit import BenchOptions, Processes, bar, free_port, outcome_line, points
 
 from tidegate.chaos.experiment import parse_experiment
 from tidegate.chaos.report import build_report
@@ -77,6 +77,18 @@ def _measure_capacity_rps(base: str, seconds: float = 4.0) -> float:
     return done[0] / (time.monotonic() - started)
 
 
+def _p50_by_window(result: ChaosResult, edges_s: tuple[float, ...]) -> str:
+    """Median end-to-end time of the requests sent in each window between `edges_s` (where the
+    time goes: before the kill, while the pool is short, after)."""
+    parts = []
+    for start, end in zip(edges_s, edges_s[1:]):
+        times = sorted(record.e2e_s for sent, _end, record in points(result)
+                       if start <= sent < end and record.ok and record.e2e_s is not None)
+        median = f"{times[len(times) // 2]:.3f} s" if times else "-"
+        parts.append(f"{start:g}-{end:g} s: {median} ({len(times)} ok)")
+    return "e2e p50 by send time: " + "; ".join(parts)
+
+
 def _time_short_s(result: ChaosResult, kill_t_s: float) -> float:
     """Seconds after the kill with fewer than SERVING replicas taking traffic (the gateway's gauge)."""
     by_time: dict[float, int] = {}
@@ -121,6 +133,7 @@ async def scenario_embedded(options: BenchOptions, procs: Processes, log_dir: Pa
                   f"(70 %); killed {victim} at {kill.t_s:.2f} s ({kill.outcome.value}); fewer than {SERVING} "
                   f"workers taking traffic for {short_s:.2f} s after the kill")
             print(f"  spare {spare}: {outcome_line(summary)}")
+            print(f"  spare {spare}: {_p50_by_window(result, (0.0, kill.t_s, kill.t_s + 5, kill.t_s + 10, DURATION_S + 1))}")
         finally:
             procs.stop(gateway)
     no_spare, spare = outcomes[0], outcomes[1]
