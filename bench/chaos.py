@@ -14,7 +14,8 @@ open loop (Poisson), streaming chat, on loopback only.
    Streams that were running on the killed replica are counted apart: the gateway continues them on
    another replica (mid-stream failover, `gateway/failover.py`); its `tidegate_stream_failovers_total`
    says how many were failed over (resumed) and how many failed, the load how many the clients saw fail.
-2. outliers: load at 70 % (35/s); from 5 s one replica (behind a fault proxy) answers 500 to 30 % of
+2. outliers: load at 70 % of what the pool can serve once the outliers are known (21.6/s of 30.9/s:
+   three healthy replicas and the slow one; 43 % of the five's 50/s); from 5 s one replica (behind a fault proxy) answers 500 to 30 % of
    API requests and another (behind a second proxy) gets 2 s added before each API request, both to the
    end. Bars: success >= 99.5 %; each outlier's share of the requests the replicas received from 10 s
    after the faults began to the end < 5 % (mocks' `mock_api_requests_total`, plus the errors the proxy
