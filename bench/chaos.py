@@ -26,8 +26,8 @@ open loop (Poisson), streaming chat, on loopback only.
    Bars: 0 requests failed or refused from the second gateway's start to the end; every request in
    flight at SIGTERM finished.
 
-4. embedded (gateway/spares.py): two `tidegate engine` workers serving at 70 % of their measured capacity,
-   one SIGKILLed at 5 s; run without a spare and with `spare: 1`. Bars: with the spare, less time with
+4. embedded (gateway/spares.py): two `tidegate engine` workers serving at 70 % of their measured capacity
+   (measured in the first run; the same load in both), one SIGKILLed at 5 s; run without a spare and with `spare: 1`. Bars: with the spare, less time with
    fewer than two workers taking traffic, and a lower median end-to-end time, than without (same run).
 
 5. embedded-kill20 (bench/chaos_embedded_kill.py): five `tidegate engine` workers, no spare, streaming load
