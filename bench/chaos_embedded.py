@@ -15,7 +15,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
-from chaos_kit import BenchOptions, Processes, bar, free_port, outcome_line, points
+from chaos_kit import BenchOptions, Processes, bar, free_port, outcome_line, outstanding_by_replica, points
 
 from tidegate.chaos.experiment import parse_experiment
 from tidegate.chaos.report import build_report
@@ -139,6 +139,9 @@ async def scenario_embedded(options: BenchOptions, procs: Processes, log_dir: Pa
                   f"workers taking traffic for {short_s:.2f} s after the kill")
             print(f"  spare {spare}: {outcome_line(summary)}")
             print(f"  spare {spare}: {_p50_by_window(result, (0.0, kill.t_s, kill.t_s + 5, kill.t_s + 10, DURATION_S + 1))}")
+            held = outstanding_by_replica(result, kill.t_s, kill.t_s + 10)
+            print(f"  spare {spare}: mean requests held by each replica in the 10 s after the kill (of {WORKER_SLOTS}): "
+                  + ", ".join(f"{address} {value:.2f}" for address, value in sorted(held.items())))
         finally:
             procs.stop(gateway)
     no_spare, spare = outcomes[0], outcomes[1]
