@@ -1,9 +1,10 @@
 """The embedded scenario of `bench/chaos.py`: a pool of two serving `tidegate engine` workers under
 load at 70 % of what they were measured to serve (measured in the first run, the same load in both);
-one is SIGKILLed at 5 s and its supervisor restarts it. Run twice in one session: without a spare (`spare: 0`, two workers) and with one
-(`spare: 1`, a third worker loaded out of traffic). Prints the time the pool had fewer than two
-workers taking traffic after the kill, the median end-to-end time, the success % and what was
-served, and the capacity the load was sized from. Bars: less time under two workers and a lower
+one is SIGKILLed at 5 s and its supervisor restarts it. Run twice in one session: without a spare
+(`spare: 0`, two workers) and with one (`spare: 1`, a third worker loaded out of traffic). Prints
+the time the pool had fewer than two workers taking traffic after the kill, the median end-to-end
+time (and by send window), the success % and what was served, and the capacity the load was sized
+from. Bars: less time under two workers and a lower
 median end-to-end time with the spare than without."""
 
 from __future__ import annotations
@@ -135,12 +136,15 @@ async def scenario_embedded(options: BenchOptions, procs: Processes, log_dir: Pa
             outcomes[spare] = {"short_s": short_s, "success_pct": summary["success_pct"],
                                "failed": summary["requests"] - summary["ok"], "e2e_p50_s": summary["e2e_p50_s"] or 0.0}
             print(f"  spare {spare}: measured capacity {capacity_rps:.1f}/s with {SERVING} workers, load {rate:.1f}/s "
-                  f"(70 % of the first run's); killed {victim} at {kill.t_s:.2f} s ({kill.outcome.value}); fewer than {SERVING} "
+                  f"(70 % of the first run's); killed {victim} at {kill.t_s:.2f} s ({kill.outcome.value}); "
+                  f"fewer than {SERVING} "
                   f"workers taking traffic for {short_s:.2f} s after the kill")
             print(f"  spare {spare}: {outcome_line(summary)}")
-            print(f"  spare {spare}: {_p50_by_window(result, (0.0, kill.t_s, kill.t_s + 5, kill.t_s + 10, DURATION_S + 1))}")
+            windows = (0.0, kill.t_s, kill.t_s + 5, kill.t_s + 10, DURATION_S + 1)
+            print(f"  spare {spare}: {_p50_by_window(result, windows)}")
             held = outstanding_by_replica(result, kill.t_s, kill.t_s + 10)
-            print(f"  spare {spare}: mean requests held by each replica in the 10 s after the kill (of {WORKER_SLOTS}): "
+            print(f"  spare {spare}: mean requests held by each replica in the 10 s after the kill "
+                  f"(of {WORKER_SLOTS}): "
                   + ", ".join(f"{address} {value:.2f}" for address, value in sorted(held.items())))
         finally:
             procs.stop(gateway)

@@ -66,10 +66,10 @@ without it; a rule no scenario needs does not belong here):
    other replica while it waits, the queue taking only what no waiting retry may use. A replica
    that probably holds the request's prompt prefix in its engine's cache (`policy.prefix`) is
    charged only the rest of the prompt, so affinity and load are weighed in one unit; the
-   tenants of `bench/prefix_cache.py` keep to their replicas. The prediction counts prefill only, so decodes could pile onto the
-   replica that looks fastest (its last prompts were cached) or holds a hot prefix: for a request
-   with a prompt prefix, a replica holding over `LOAD_IMBALANCE` x the least busy one's requests
-   (+1) is chosen only when no other can take it
+   tenants of `bench/prefix_cache.py` keep to their replicas. The prediction counts prefill
+   only, so decodes could pile onto the replica that looks fastest (its last prompts were
+   cached) or holds a hot prefix: for a request with a prompt prefix, a replica holding over
+   `LOAD_IMBALANCE` x the least busy one's requests (+1) is chosen only when no other can take it
    (`test_requests_sharing_a_prefix_go_where_it_is_cached`,
    `test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_saves`).
    (`test_a_retry_goes_first_and_never_to_the_replica_that_failed_it`,
