@@ -18,8 +18,9 @@ open loop (Poisson), streaming chat, on loopback only.
    three healthy replicas and the slow one; 43 % of the five's 50/s); from 5 s one replica (behind a
    fault proxy) answers 500 to 30 % of API requests and another (behind a second proxy) gets 2 s
    added before each API request, both to the end. Bars: success >= 99.5 %; each outlier's share of
-   the requests the replicas received from 10 s after the faults began to the end < 5 % (mocks' `mock_api_requests_total`, plus the errors the proxy
-   injected for the 500 replica, which never reach its mock); retries <= 10 % of requests
+   the requests the replicas received from 10 s after the faults began to the end < 5 % (mocks'
+   `mock_api_requests_total`, plus the errors the proxy injected for the 500 replica, which never
+   reach its mock); retries <= 10 % of requests
    (`tidegate_upstream_retries_total`).
 3. restart: a gateway with `server: {reuse_port: true, shutdown_delay_s: 1}` under 70 % load (35/s);
    at 6 s a second gateway starts on the same port, once its /ready answers 200 the first gets SIGTERM.
