@@ -14,20 +14,23 @@ open loop (Poisson), streaming chat, on loopback only.
    Streams that were running on the killed replica are counted apart: the gateway continues them on
    another replica (mid-stream failover, `gateway/failover.py`); its `tidegate_stream_failovers_total`
    says how many were failed over (resumed) and how many failed, the load how many the clients saw fail.
-2. outliers: load at 70 % (35/s); from 5 s one replica (behind a fault proxy) answers 500 to 30 % of
-   API requests and another (behind a second proxy) gets 2 s added before each API request, both to the
-   end. Bars: success >= 99.5 %; each outlier's share of the requests the replicas received from 10 s
-   after the faults began to the end < 5 % (mocks' `mock_api_requests_total`, plus the errors the proxy
-   injected for the 500 replica, which never reach its mock); retries <= 10 % of requests
+2. outliers: load at 70 % of what the pool can serve once the outliers are known (21.6/s of 30.9/s:
+   three healthy replicas and the slow one; 43 % of the five's 50/s); from 5 s one replica (behind a
+   fault proxy) answers 500 to 30 % of API requests and another (behind a second proxy) gets 2 s
+   added before each API request, both to the end. Bars: success >= 99.5 %; each outlier's share of
+   the requests the replicas received from 10 s after the faults began to the end < 5 % (mocks'
+   `mock_api_requests_total`, plus the errors the proxy injected for the 500 replica, which never
+   reach its mock); retries <= 10 % of requests
    (`tidegate_upstream_retries_total`).
 3. restart: a gateway with `server: {reuse_port: true, shutdown_delay_s: 1}` under 70 % load (35/s);
    at 6 s a second gateway starts on the same port, once its /ready answers 200 the first gets SIGTERM.
    Bars: 0 requests failed or refused from the second gateway's start to the end; every request in
    flight at SIGTERM finished.
 
-4. embedded (gateway/spares.py): two `tidegate engine` workers serving at 70 % of their measured capacity,
-   one SIGKILLed at 5 s; run without a spare and with `spare: 1`. Bars: with the spare, less time with
-   fewer than two workers taking traffic, and a lower median end-to-end time, than without (same run).
+4. embedded (gateway/spares.py): two `tidegate engine` workers serving at 70 % of their measured capacity
+   (measured in the first run; the same load in both), one SIGKILLed at 5 s; run without a spare and
+   with `spare: 1`. Bars: with the spare, less time with fewer than two workers taking traffic, and a
+   lower median end-to-end time, than without (same run).
 
 5. embedded-kill20 (bench/chaos_embedded_kill.py): five `tidegate engine` workers, no spare, streaming load
    at 70 % of their measured capacity; one (20 %) SIGKILLed at 4 s. Bar: success >= 99.5 %.

@@ -89,11 +89,21 @@ async def scenario_kill(options: BenchOptions, procs: Processes, mocks: list[int
 
 
 # -- 2. a replica answering 500 to 30 % and another 2 s slow
+# what the pool can serve once the outliers are known: three healthy replicas, the slow one at
+# SERVICE_S + 2 s per answer, the failing one ejected
+HEALTHY_RPS = (REPLICAS - 2) * SLOT_LIMIT / SERVICE_S
+OUTLIER_CAPACITY_RPS = HEALTHY_RPS + SLOT_LIMIT / (SERVICE_S + 2.0)
+
+
 async def scenario_outliers(options: BenchOptions, procs: Processes, mocks: list[int], log_dir: Path) -> None:
-    rate = 0.7 * CAPACITY_RPS
+    # 70 % of what is left once the outliers are known, not of the five replicas: 70 % of those
+    # (35/s) was 113 % of the 30.9/s left, a queue that grew for 35 s with the healthy replicas' slots
+    # 99 % busy, which overload control rightly refused past the tier's wait (15-29 refused)
+    rate = round(0.7 * OUTLIER_CAPACITY_RPS, 1)
     print(f"\n[2] outliers: from 5 s, replica {mocks[0]} (behind a fault proxy) answers 500 to 30 % of API "
           f"requests, replica {mocks[1]} (behind another) gets +2 s per API request, until the end (40 s); "
-          f"load {rate:g}/s Poisson streaming (70 % of {CAPACITY_RPS:g}/s)")
+          f"load {rate:g}/s Poisson streaming (70 % of the {OUTLIER_CAPACITY_RPS:.1f}/s left with the outliers, "
+          f"{100 * rate / CAPACITY_RPS:.0f} % of the {CAPACITY_RPS:g}/s of five)")
     proxies = {}
     for name, mock in (("err500", mocks[0]), ("slow2s", mocks[1])):
         listen, admin = free_port(), free_port()
@@ -165,10 +175,7 @@ async def scenario_outliers(options: BenchOptions, procs: Processes, mocks: list
     ejections = {name.split("{", 1)[1].rstrip("}"): value for name, value in metrics.items()
                  if name.startswith("tidegate_replica_ejections_total{")}
     print("  ejections: " + ("; ".join(f"{labels}: {value:.0f}" for labels, value in ejections.items()) or "none"))
-    # what the pool can serve once the outliers are known: three healthy replicas, the slow one at
-    # SERVICE_S + 2 s per answer, the failing one ejected
-    healthy_rps = (REPLICAS - 2) * SLOT_LIMIT / SERVICE_S
-    outlier_capacity_rps = healthy_rps + SLOT_LIMIT / (SERVICE_S + 2.0)
+    healthy_rps, outlier_capacity_rps = HEALTHY_RPS, OUTLIER_CAPACITY_RPS
     healthy_busy = [mean_out.get(f"127.0.0.1:{p}", 0.0) / SLOT_LIMIT for p in mocks[2:]]
     print(f"  capacity with the outliers: {outlier_capacity_rps:.1f}/s (3 healthy replicas {healthy_rps:g}/s, the "
           f"slow one {SLOT_LIMIT / (SERVICE_S + 2.0):.1f}/s, the failing one ejected); offered {rate:g}/s = "

@@ -288,3 +288,33 @@ def test_a_whole_answers_predicted_prefill_ends_before_the_next_arrival_is_assig
     assert ctl.on_arrival(0.0, whole(1, prompt_tokens=2400)).verdict is ArrivalVerdict.ASSIGNED
     # at 2.5 s its prefill (2.45 s) is over: 2,400 tokens ahead would not fit standard's 2.5 s budget
     assert ctl.on_arrival(2.5, whole(2, prompt_tokens=500, now_s=2.5)).verdict is ArrivalVerdict.ASSIGNED
+
+
+def test_a_waiting_retry_leaves_the_replica_that_failed_it_to_the_queue() -> None:
+    # two replicas of one slot, both busy, one request queued: the request on r0 fails and is to be
+    # retried; it may not return to r0 and r1 is full, so it waits, but r0's free slot is the
+    # queue's (before, the retry held the queue head back until r1 freed a slot)
+    ctl = controller(PoolReplica("r0", max_requests=1), PoolReplica("r1", max_requests=1))
+    arrive_all(ctl, request(1), request(2), request(3))
+    assert sorted((a.request_id, a.replica_id) for a in capacity(ctl, 0.0).assignments) == [(1, "r0"), (2, "r1")]
+    ctl.on_failure(0.1, 1, "connect", retry=True)
+    assert [(a.request_id, a.replica_id) for a in capacity(ctl, 0.1).assignments] == [(3, "r0")]
+    assert ctl.snapshot(0.1).retries_waiting == 1
+    ctl.on_finish(0.2, 2)  # r1 frees a slot: the retry's, ahead of anything queued since
+    arrive_all(ctl, request(4, now_s=0.2), now_s=0.2)
+    assert [(a.request_id, a.replica_id) for a in capacity(ctl, 0.2).assignments] == [(1, "r1")]
+
+
+def test_a_waiting_retry_does_not_hold_back_a_later_one_that_can_go() -> None:
+    ctl = controller(PoolReplica("r0", max_requests=1), PoolReplica("r1", max_requests=1),
+                     PoolReplica("r2", max_requests=1))
+    arrive_all(ctl, request(1), request(2), request(3))
+    assert sorted((a.request_id, a.replica_id) for a in capacity(ctl, 0.0).assignments) == [
+        (1, "r0"), (2, "r1"), (3, "r2")]
+    ctl.on_failure(0.1, 1, "connect", retry=True)
+    assert capacity(ctl, 0.1).assignments == ()  # only r0 is free, the replica that failed it
+    ctl.on_failure(0.2, 2, "connect", retry=True)
+    ctl.on_replica_health(0.2, "r1", ReplicaHealth.UNHEALTHY)
+    # the retry of 1 still has nowhere to go; the retry of 2 may take r0
+    assert [(a.request_id, a.replica_id) for a in capacity(ctl, 0.2).assignments] == [(2, "r0")]
+    assert ctl.snapshot(0.2).retries_waiting == 1

@@ -62,16 +62,18 @@ without it; a rule no scenario needs does not belong here):
    the queue for such requests while they wait (`FairPriorityQueue.shed_hopeless`) refused ones
    that a burst's end let through: 20 fewer served in time than FIFO in `critical_burst`; removed.
 7. Routing among replicas that fit: the least predicted engine TTFT; routable (health, breaker);
-   a retried request never returns to the replica that failed it. A replica that probably holds
-   the request's prompt prefix in its engine's cache (`policy.prefix`) is charged only the rest of
-   the prompt, so affinity and load are weighed in one unit; the tenants of `bench/prefix_cache.py`
-   keep to their replicas. The prediction counts prefill only, so decodes could pile onto the
-   replica that looks fastest (its last prompts were cached) or holds a hot prefix: for a request
-   with a prompt prefix, a replica holding over `LOAD_IMBALANCE` x the least busy one's requests
-   (+1) is chosen only when no other can take it
+   a retried request never returns to the replica that failed it, and keeps first claim on every
+   other replica while it waits, the queue taking only what no waiting retry may use. A replica
+   that probably holds the request's prompt prefix in its engine's cache (`policy.prefix`) is
+   charged only the rest of the prompt, so affinity and load are weighed in one unit; the
+   tenants of `bench/prefix_cache.py` keep to their replicas. The prediction counts prefill
+   only, so decodes could pile onto the replica that looks fastest (its last prompts were
+   cached) or holds a hot prefix: for a request with a prompt prefix, a replica holding over
+   `LOAD_IMBALANCE` x the least busy one's requests (+1) is chosen only when no other can take it
    (`test_requests_sharing_a_prefix_go_where_it_is_cached`,
    `test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_saves`).
    (`test_a_retry_goes_first_and_never_to_the_replica_that_failed_it`,
+   `test_a_waiting_retry_leaves_the_replica_that_failed_it_to_the_queue`,
    `test_every_replica_down_refuses_every_waiting_request`; `replica_killed`: its breaker opens on
    the failures of the requests it held, and only a probe each cool-down goes to it after)
 8. Shared replicas: with several gateways in front of the same replicas, rule 5's batch is this
@@ -432,13 +434,15 @@ class PoolController:
         if self.queued and not any(self._routable(r, now_s) for r in self._order):
             self._refuse_all(now_s)
         assignments: list[Assignment] = []
-        while self._retries and (assignment := self._try_assign(now_s, *self._retries[0])) is not None:
-            self._retries.popleft()
-            assignments.append(assignment)
         preemptions: list[Preemption] | None = None  # rarely any: not built unless needed
+        queue_exclude: frozenset[str] = frozenset()
+        if self._retries:
+            queue_exclude = self._dispatch_retries(now_s, assignments)
+            if len(queue_exclude) == len(self._order):
+                return self._dispatch(now_s, assignments, preemptions)
         skip: frozenset[str] = frozenset()
-        while not self._retries and (head := self._queue.peek(skip)) is not None:
-            assignment = self._try_assign(now_s, head, frozenset(), dequeue_skip=skip)
+        while (head := self._queue.peek(skip)) is not None:
+            assignment = self._try_assign(now_s, head, queue_exclude, dequeue_skip=skip)
             if assignment is not None:
                 assignments.append(assignment)
                 continue
@@ -457,9 +461,33 @@ class PoolController:
             skip = flooding
         if self._held.count and not self._queue and not self._retries:
             assignments += self._assign_held(now_s)
+        return self._dispatch(now_s, assignments, preemptions)
+
+    def _dispatch(self, now_s: float, assignments: list[Assignment],
+                  preemptions: list[Preemption] | None) -> Dispatch:
         refusals, self._refusals = tuple(self._refusals), []
         return Dispatch(tuple(assignments), refusals, self._wake_at_s(now_s),
                         tuple(preemptions) if preemptions else ())
+
+    def _dispatch_retries(self, now_s: float, assignments: list[Assignment]) -> frozenset[str]:
+        """Rule 7's retries, first and in order; one that no replica takes now stays first in line
+        without holding back a later one that can go. Returns the replicas the queue may not take:
+        every one a waiting retry may still be sent to, so the queue takes only slots that no
+        waiting retry can use, the replicas that failed them (before, a retry that only the replica
+        that failed it had room for held the whole queue until another replica freed a slot:
+        `test_a_waiting_retry_leaves_the_replica_that_failed_it_to_the_queue`,
+        `test_a_waiting_retry_does_not_hold_back_a_later_one_that_can_go`)."""
+        waiting: deque[tuple[QueuedRequest, frozenset[str]]] = deque()
+        claimed: set[str] = set()
+        for request, exclude in self._retries:
+            assignment = self._try_assign(now_s, request, exclude)
+            if assignment is None:
+                waiting.append((request, exclude))
+                claimed.update(r.config.replica_id for r in self._order if r.config.replica_id not in exclude)
+            else:
+                assignments.append(assignment)
+        self._retries = waiting
+        return frozenset(claimed)
 
     def on_first_token(self, now_s: float, request_id: int | str) -> None:
         sent = self._sent.get(request_id)

@@ -2,8 +2,9 @@
 
 One queue in arrival order, whatever the tier; a static slot limit per replica; routing by the
 pure router (`policy.routing.pick_replica`) and passive ejection by its breakers
-(`policy.health.Breaker`). A queued request still waiting `max_queue_wait_s` (its tier's) after
-arrival is refused; an arrival beyond its tier's `queue_bound` is refused at once. No retries.
+(`policy.health.Breaker`, weighed against the pool's failure ratio as the live FIFO gateway
+does). A queued request still waiting `max_queue_wait_s` (its tier's) after arrival is refused;
+an arrival beyond its tier's `queue_bound` is refused at once. No retries.
 
 Pure: time and replica loads come in as arguments; nothing here reads a clock.
 """
@@ -14,7 +15,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState
+from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, median
 from tidegate.policy.routing import pick_replica
 from tidegate.policy.tiers import TierTable
 from tidegate.types import (QUEUED, ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, Refusal,
@@ -116,8 +117,12 @@ class FifoDispatcher:
         sent = self._sent.pop(request_id)
         view = self._by_id[sent.replica_id]
         view.outstanding -= 1
+        # the pool's failure ratio, as the live FIFO gateway passes it (`gateway/dispatch.py`): in a
+        # fleet failing alike a run of failures is no outlier
+        # (`test_a_fleet_failing_alike_keeps_its_replicas`)
+        pool_ratio = median([other.breaker.failure_ratio for other in self._views if other is not view])
         view.breaker = view.breaker.on_failure(now_s, sent.sent_s, self.breaker_policy,
-                                               may_eject=self._may_eject(now_s))
+                                               may_eject=self._may_eject(now_s), pool_failure_ratio=pool_ratio)
 
     def on_replica_health(self, now_s: float, replica_id: str, health: ReplicaHealth) -> None:
         self._by_id[replica_id].health = health
