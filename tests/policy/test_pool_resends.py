@@ -152,3 +152,10 @@ def test_early_resends_remember_at_most_their_capacity_and_until_the_retry_after
     assert not early.is_early(0.5, 1) and early.is_early(0.5, 2) and early.is_early(0.5, 3)
     assert not early.is_early(5.0, 2)
     assert len(early) <= 2
+
+
+def test_a_refusal_with_no_wait_is_remembered_without_error() -> None:
+    early = EarlyResends(capacity=4)
+    early.remember(1.0, 1, 0.0)  # runs out at once: forgotten, and nothing else is left
+    early.remember(1.0, 2, 0.0)
+    assert not early.is_early(1.0, 2) and len(early) == 0

@@ -53,8 +53,8 @@ class EarlyResends:
             del remembered[next(iter(remembered))]
         # the oldest remembered have mostly run out: forget those at the front (bounded work)
         for _ in range(2):
-            oldest = next(iter(remembered))
-            if remembered[oldest] > now_s:
+            oldest = next(iter(remembered), None)
+            if oldest is None or remembered[oldest] > now_s:
                 break
             del remembered[oldest]
 
