@@ -6,7 +6,7 @@ engine in this process (tiny-random-llama, the scheduler and runner `tidegate en
 driven step by step from here) serves the same arrivals twice, prefix caching on and off. Prints
 P50/P99 time to first token (arrival to the end of the step that sampled it), the prompt tokens
 the engine computed, the hit rate, and off/on ratios. Under 2 minutes with the defaults. Run:
-    flock /tmp/bench.lock python bench/engine_prefix_cache.py [--requests 24] [--rate 1.0] [--threads 2]
+    flock /tmp/tidegate-bench.lock python bench/engine_prefix_cache.py [--requests 24] [--rate 1.0] [--threads 2]
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ wall time, from `tidegate_engine_busy_seconds`) and generated tokens/s.
 Bars: tidegate's completed-within-target >= FIFO's (never less good work than FIFO), its completed
 >= 0.8x FIFO's (no collapse), and its replicas >= 80 % busy.
 
-Run: flock /tmp/bench.lock python bench/retry_storm.py [--clients 64,512] [--storm-s 40]
+Run: flock /tmp/tidegate-bench.lock python bench/retry_storm.py [--clients 64,512] [--storm-s 40]
 """
 
 from __future__ import annotations
