@@ -64,10 +64,7 @@ class HeldResends:
 
     def __init__(self) -> None:
         self._by_tier: dict[str, deque[tuple[QueuedRequest, int]]] = {}  # (request, fingerprint), arrival order
-        self.count = 0  # held now (an attribute: the pool controller reads it on every dispatch)
-
-    def __len__(self) -> int:
-        return self.count
+        self.count = 0  # held now (an attribute, not __len__: the pool controller reads it on every dispatch)
 
     def tiers(self) -> Iterator[str]:
         """Tiers with a held request."""
