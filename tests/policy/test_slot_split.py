@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tidegate.policy.slot_split import fair_shares, fallback_slots, grant
+from tidegate.policy.slot_split import OutsideLoad, fair_shares, fallback_slots, grant
 
 
 def test_equal_demands_past_the_slots_split_them_equally() -> None:
@@ -86,3 +86,30 @@ def test_the_fallback_is_an_equal_part_rounded_down_but_never_none() -> None:
     assert fallback_slots(9, 3) == 3
     assert fallback_slots(4, 3) == 1
     assert fallback_slots(2, 3) == 1
+
+
+def test_outside_load_is_what_the_engine_runs_past_the_gateways_held_requests() -> None:
+    outside = OutsideLoad(samples=2)
+    outside.observe(engine_sequences=10, gateways_held=6)
+    assert outside.sequences == 0  # one reading is not enough
+    outside.observe(engine_sequences=9, gateways_held=6)
+    assert outside.sequences == 3
+    outside.observe(engine_sequences=4, gateways_held=6)  # requests sent, not yet at the engine
+    assert outside.sequences == 0
+
+
+def test_a_passing_excess_of_the_engines_count_is_not_outside_load() -> None:
+    # a gateway sent three since its last heartbeat: the engine shows them once, then the figures agree
+    outside = OutsideLoad(samples=2)
+    for engine, held in ((8, 8), (11, 8), (11, 11), (12, 11), (12, 11)):
+        outside.observe(engine, held)
+    assert outside.sequences == 1
+    outside.forget()
+    assert outside.sequences == 0
+
+
+def test_outside_load_leaves_fewer_slots_to_grant() -> None:
+    assert grant(wanted=6, slot_limit=16, others=[(5, 5), (5, 5)], outside=3) == 3
+    assert grant(wanted=6, slot_limit=16, others=[(5, 5), (5, 5)], outside=20) == 0
+    with pytest.raises(ValueError):
+        OutsideLoad(samples=0)

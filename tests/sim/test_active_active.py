@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tidegate.sim.active_active import GatewayFleet, active_active, run_fleet
+from tidegate.sim.active_active import GatewayFleet, active_active, outside_load, run_fleet
 from tidegate.policy.tiers import default_tiers
 from tidegate.types import PoolRequest
 
@@ -35,3 +35,11 @@ def test_split_gateways_never_hold_more_than_a_replica_at_a_heartbeat() -> None:
         if request_id % 5 == 0 and sent:  # the oldest ends, so demands and grants move
             fleet.on_finish(now_s, sent.pop(0))
     assert len(fleet.sent_beyond) > 30 and max(fleet.sent_beyond) == 0
+
+
+def test_load_sent_past_the_gateways_is_subtracted_from_the_slots_they_split() -> None:
+    verdict = outside_load(seeds=(191,))
+    assert verdict.passed, "\n".join(verdict.figures)
+    # unsubtracted, the engines queue what the outside clients take; the gateways' goodput falls
+    assert verdict.value("outside_unsubtracted_waiting") > 4 * verdict.value("outside_subtracted_waiting")
+    assert verdict.value("outside_subtracted_goodput") > verdict.value("outside_unsubtracted_goodput")

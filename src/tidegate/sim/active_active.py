@@ -14,6 +14,12 @@ split with a 6:3:1 load balancer, in two shapes: chat (answers of 32-256 tokens,
 short answers (16 tokens, shorter than a heartbeat: every grant is used and given back many times
 between two heartbeats). It prints goodput beside the batch's use and the engines' queues, and is
 `tests/sim/test_active_active.py`'s bar.
+
+`outside_load` is the scenario for load from outside the gateways: besides the three split gateways,
+clients send `OUTSIDE_SHARE` of the requests straight to the engines (round-robin, no gateway sees
+them). Each gateway reads each engine's running + waiting every `SCRAPE_S` (its health checks) and
+subtracts what the gateways hold there (`policy.slot_split.OutsideLoad`); the gateways split only
+the slots that leaves. Without the subtraction the engines queue what the outside clients take.
 """
 
 from __future__ import annotations
@@ -27,33 +33,37 @@ import numpy as np
 from tidegate.engine.scheduler import SchedulerConfig
 from tidegate.policy.pool import PoolController, PoolReplica
 from tidegate.policy.shares import TenantShares
-from tidegate.policy.slot_split import fair_shares, grant
+from tidegate.policy.slot_split import OutsideLoad, fair_shares, grant
 from tidegate.policy.tiers import TierTable, default_tiers
 from tidegate.sim.capacity import saturated_rps
 from tidegate.loadgen.arrivals import Poisson
 from tidegate.loadgen.mix import LengthDistribution
 from tidegate.sim.harness import Harness, TrafficClass, make_requests
 from tidegate.sim.scenarios import CHAT_OUTPUT, CHAT_PROMPT, DURATION_S, ScenarioRun, Verdict, replica_spec
-from tidegate.types import ArrivalDecision, Dispatch, PoolRequest, ReplicaHealth, ReplicaLoad
+from tidegate.types import ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, ReplicaHealth, ReplicaLoad
 
-__all__ = ["GatewayFleet", "FleetRun", "run_fleet", "active_active"]
+__all__ = ["GatewayFleet", "FleetRun", "run_fleet", "active_active", "outside_load"]
+
+OUTSIDE_TENANT = "direct"  # requests of this tenant go straight to an engine, past every gateway
 
 
 @dataclass(slots=True)
 class _Entry:
-    """One gateway's published entry at one replica (the Lua script's five numbers)."""
+    """One gateway's published entry at one replica (the Lua script's numbers)."""
 
     held: int = 0
     demand: int = 0
     wanted: int = 0
     granted: int = 0
+    outside: int = 0  # its estimate of the replica's load from outside the gateways
 
 
 class GatewayFleet:
     """N gateways' controllers as one dispatcher; arrivals spread by `weights`."""
 
     def __init__(self, replica_ids: Sequence[str], tiers: TierTable, slot_limit: int, weights: Sequence[float],
-                 *, split: bool, heartbeat_s: float = 0.25, seed: int = 0) -> None:
+                 *, split: bool, heartbeat_s: float = 0.25, seed: int = 0, subtract_outside: bool = True,
+                 scrape_s: float = 2.0) -> None:
         self._ids = list(replica_ids)
         self._slot_limit = slot_limit
         self.gateways = [PoolController([PoolReplica(r, slot_limit) for r in replica_ids], tiers,
@@ -70,6 +80,12 @@ class GatewayFleet:
         heapq.heapify(self._beats)
         self._entries = [{r: _Entry(wanted=slot_limit) for r in replica_ids} for _ in self.gateways]
         self._granted_once = [False] * count
+        # the engines' gauges, read by each gateway's health checks at its own phase (`gateway.shared_dispatch`)
+        self.subtract_outside = subtract_outside
+        self.scrape_s = scrape_s
+        self._outside = [{r: OutsideLoad() for r in replica_ids} for _ in self.gateways]
+        self._next_scrape_s = [index * scrape_s / count for index in range(count)]
+        self._direct = 0  # round-robin over the replicas for requests sent past the gateways
         self.sent_beyond: list[int] = []  # at each beat: requests held at a replica past its slot_limit, all gateways
 
     # -- the heartbeat, as gateway/shared_dispatch.py and its Lua script do it
@@ -79,14 +95,19 @@ class GatewayFleet:
             entry = entries[rid]
             entry.held = controller.held(rid)
             entry.demand = entry.held + controller.queued
+            entry.outside = self._outside[index][rid].sequences if self.subtract_outside else 0
+            others = [k for k in range(len(self.gateways)) if k != index and self._granted_once[k]]
+            outside = max([entry.outside] + [self._entries[k][rid].outside for k in others])
             entry.granted = grant(entry.wanted, self._slot_limit,
-                                  [(other[rid].held, other[rid].granted) for k, other in enumerate(self._entries)
-                                   if k != index and self._granted_once[k]])
+                                  [(self._entries[k][rid].held, self._entries[k][rid].granted) for k in others],
+                                  outside)
             controller.on_slot_grant(now_s, rid, entry.granted)
         self._granted_once[index] = True
         live = [k for k in range(len(self.gateways)) if self._granted_once[k]]
         for rid in self._ids:
-            shares = fair_shares(self._slot_limit, {str(k): self._entries[k][rid].demand for k in live})
+            outside = max(self._entries[k][rid].outside for k in live)
+            shares = fair_shares(max(0, self._slot_limit - outside),
+                                 {str(k): self._entries[k][rid].demand for k in live})
             entries[rid].wanted = shares[str(index)]
         self.sent_beyond.append(sum(max(0, sum(g.held(rid) for g in self.gateways) - self._slot_limit)
                                     for rid in self._ids))
@@ -108,15 +129,37 @@ class GatewayFleet:
             next_s = at_s + step if at_s + step > skip_to else at_s + step * max(1, int((skip_to - at_s) / step))
             heapq.heappush(beats, (next_s, index))
 
+    def _scrape(self, now_s: float, loads: Mapping[str, ReplicaLoad]) -> None:
+        """The gateways whose health checks are due read the engines' gauges (as `shared_dispatch`
+        does at each scrape: its own held requests now, the others' as their last heartbeat said)."""
+        if not self.split or not loads:
+            return
+        for index, controller in enumerate(self.gateways):
+            if now_s < self._next_scrape_s[index]:
+                continue
+            self._next_scrape_s[index] += self.scrape_s * max(1, int((now_s - self._next_scrape_s[index])
+                                                                      / self.scrape_s) + 1)
+            for rid, load in loads.items():
+                others = sum(self._entries[k][rid].held for k in range(len(self.gateways))
+                             if k != index and self._granted_once[k])
+                self._outside[index][rid].observe(load.running_sequences + load.waiting_sequences,
+                                                  controller.held(rid) + others)
+
     # -- the dispatcher seam
     def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision:
         self._catch_up(now_s)
+        if request.tenant == OUTSIDE_TENANT:  # a client of the engines themselves: no gateway sees it
+            replica_id = self._ids[self._direct % len(self._ids)]
+            self._direct += 1
+            self._owner[request.request_id] = -1
+            return ArrivalDecision(ArrivalVerdict.ASSIGNED, assignment=Assignment(request.request_id, replica_id))
         index = int(np.searchsorted(self._cumulative, self._rng.random(), side="right"))
         index = min(index, len(self.gateways) - 1)
         self._owner[request.request_id] = index
         return self.gateways[index].on_arrival(now_s, request)
 
     def on_capacity(self, now_s: float, loads: Mapping[str, ReplicaLoad] = {}) -> Dispatch:
+        self._scrape(now_s, loads)
         self._catch_up(now_s)
         assignments, refusals, wakes = [], [], []
         for controller in self.gateways:
@@ -132,13 +175,19 @@ class GatewayFleet:
         return Dispatch(tuple(assignments), tuple(refusals), min(later) if later else None)
 
     def on_first_token(self, now_s: float, request_id: int) -> None:
-        self.gateways[self._owner[request_id]].on_first_token(now_s, request_id)
+        index = self._owner[request_id]
+        if index >= 0:
+            self.gateways[index].on_first_token(now_s, request_id)
 
     def on_finish(self, now_s: float, request_id: int) -> None:
-        self.gateways[self._owner.pop(request_id)].on_finish(now_s, request_id)
+        index = self._owner.pop(request_id)
+        if index >= 0:
+            self.gateways[index].on_finish(now_s, request_id)
 
     def on_failure(self, now_s: float, request_id: int, reason: str) -> None:
-        self.gateways[self._owner.pop(request_id)].on_failure(now_s, request_id, reason)
+        index = self._owner.pop(request_id)
+        if index >= 0:
+            self.gateways[index].on_failure(now_s, request_id, reason)
 
     def on_replica_health(self, now_s: float, replica_id: str, health: ReplicaHealth) -> None:
         for controller in self.gateways:
@@ -167,22 +216,25 @@ class FleetRun:
     waiting_peak: int
     batch_use: float  # running sequences / the engines' batch, time-mean
 
-    def goodput(self) -> float:
-        window = self.run.records(start_s=WINDOW[0], end_s=WINDOW[1])
+    def goodput(self, tenant: str | None = None) -> float:
+        window = self.run.records(start_s=WINDOW[0], end_s=WINDOW[1], tenant=tenant)
         return self.run.good(window) / (WINDOW[1] - WINDOW[0])
 
 
 def run_fleet(arm: str, weights: Sequence[float], split: bool, seed: int, shape: str = "chat",
-              tiers: TierTable | None = None) -> FleetRun:
+              tiers: TierTable | None = None, outside: float = 0.0, subtract_outside: bool = True) -> FleetRun:
+    """One arm; `outside`: requests sent straight to the engines, as a share of their capacity."""
     tiers = tiers or default_tiers()
     ids = [f"r{i}" for i in range(REPLICAS)]
     specs = [replace(replica_spec(i), scheduler=SchedulerConfig(max_num_seqs=BATCH, max_batch_tokens=512))
              for i in ids]
     prompt, output, mean_prompt, mean_output = SHAPES[shape]
     capacity = REPLICAS * saturated_rps(specs[0], mean_prompt, mean_output, BATCH)
-    requests = make_requests(Poisson(LOAD * capacity), DURATION_S, [TrafficClass("a", "standard", 1.0, prompt, output)],
-                             seed)
-    fleet = GatewayFleet(ids, tiers, BATCH, weights, split=split, seed=seed)
+    classes = [TrafficClass("a", "standard", LOAD, prompt, output)]
+    if outside > 0:
+        classes.append(TrafficClass(OUTSIDE_TENANT, "standard", outside, prompt, output))
+    requests = make_requests(Poisson((LOAD + outside) * capacity), DURATION_S, classes, seed)
+    fleet = GatewayFleet(ids, tiers, BATCH, weights, split=split, seed=seed, subtract_outside=subtract_outside)
     probes = [float(t) for t in np.arange(WINDOW[0], WINDOW[1] + 1e-9, PROBE_EVERY_S)]
     result = Harness(specs, fleet).run(requests, probes_s=probes)
     waiting = [sum(max(0, s - BATCH) for s in probe.sequences) for probe in result.probes]
@@ -215,3 +267,38 @@ def active_active(seeds: Sequence[int] = SEEDS, shapes: Sequence[str] = tuple(SH
                  for shape in shapes for k in ("3_split", "3_split_631"))
     return Verdict("active_active", "3 gateways over 2 replicas at 2x capacity, slots split: goodput >= 0.9x one "
                    "gateway's, engines' waiting mean <= 1", passed, tuple(lines), tuple(values))
+
+
+OUTSIDE = 0.25  # requests sent past the gateways, as a share of the engines' capacity
+OUTSIDE_ARMS: tuple[tuple[str, float, bool], ...] = (
+    ("3 split, none outside", 0.0, True), ("3 split, outside unsubtracted", OUTSIDE, False),
+    ("3 split, outside subtracted", OUTSIDE, True))
+
+
+def outside_load(seeds: Sequence[int] = SEEDS, shape: str = "chat") -> Verdict:
+    """Three split gateways at 2x capacity with clients sending a quarter of the engines' capacity
+    straight to them: subtracting what the engines' gauges show past the gateways' requests keeps
+    the engines' queues near zero, and the gateways' goodput within 10 % of theirs without it."""
+    lines: list[str] = []
+    values: list[tuple[str, float]] = []
+    for name, outside, subtract in OUTSIDE_ARMS:
+        runs = [run_fleet(name, (1.0, 1.0, 1.0), True, seed, shape, outside=outside, subtract_outside=subtract)
+                for seed in seeds]
+        through = float(np.mean([r.goodput("a") for r in runs]))
+        direct = float(np.mean([r.goodput(OUTSIDE_TENANT) for r in runs]))
+        waiting = float(np.mean([r.waiting_mean for r in runs]))
+        batch_use = float(np.mean([r.batch_use for r in runs]))
+        served = sum(r.run.served(r.run.records(start_s=WINDOW[0], end_s=WINDOW[1])) for r in runs)
+        lines.append(f"{name:<32} goodput through the gateways {through:6.2f}/s, direct {direct:5.2f}/s  "
+                     f"batch in use {batch_use:6.1%}  served {served:5d}  engines' waiting mean {waiting:5.1f} "
+                     f"peak {max(r.waiting_peak for r in runs):3d}")
+        key = name.split(", ")[1].replace(" ", "_")
+        values += [(f"{key}_goodput", through), (f"{key}_direct_goodput", direct), (f"{key}_waiting", waiting),
+                   (f"{key}_batch_use", batch_use)]
+    figures = dict(values)
+    passed = (figures["outside_subtracted_waiting"] <= 0.25 * figures["outside_unsubtracted_waiting"]
+              and figures["outside_subtracted_batch_use"] >= 0.95
+              and figures["outside_subtracted_goodput"] >= figures["outside_unsubtracted_goodput"])
+    return Verdict("outside_load", "3 split gateways at 2x capacity, a quarter of the engines' capacity sent past "
+                   "them: subtracted, the engines' waiting mean <= 0.25x unsubtracted's, the batch >= 95 % in use, "
+                   "the gateways' goodput no lower", passed, tuple(lines), tuple(values))
