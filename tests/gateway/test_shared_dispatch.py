@@ -19,7 +19,7 @@ from support import start_redis  # noqa: E402
 from tidegate.gateway.shared_dispatch import SharedDispatch, SharedDispatchSettings  # noqa: E402
 from tidegate.policy.pool import PoolController, PoolReplica  # noqa: E402
 from tidegate.policy.tiers import default_tiers  # noqa: E402
-from tidegate.types import PoolRequest  # noqa: E402
+from tidegate.types import PoolRequest, ReplicaLoad  # noqa: E402
 
 SLOTS = 8
 
@@ -37,6 +37,7 @@ class _Replica:
     def __init__(self, replica_id: str, slot_limit: int) -> None:
         self.replica_id = replica_id
         self.slot_limit = slot_limit
+        self.load = ReplicaLoad()
 
 
 class _Pool:
@@ -204,3 +205,42 @@ def test_the_config_splits_by_default_and_checks_the_member_ttl() -> None:
     assert parse_config(base + "  dispatch: per_gateway\n", environ={}).shared_state.dispatch == "per_gateway"
     with pytest.raises(ConfigError, match="member_ttl_s"):
         parse_config(base + "  heartbeat_s: 2\n  member_ttl_s: 1\n", environ={})
+
+
+def test_load_from_outside_the_gateways_leaves_fewer_slots_to_split(redis_server: tuple[object, str]) -> None:
+    async def scenario() -> None:
+        prefix = fresh_prefix()
+        (a, body_a), (b, body_b) = gateway(redis_server[1], "a", prefix), gateway(redis_server[1], "b", prefix)
+        await rounds(a, b)
+        body_a.queue(30)
+        body_b.queue(30)
+        await rounds(a, b)
+        assert grants(body_a) == grants(body_b) == (SLOTS // 2, SLOTS // 2)
+        # r0's engine runs 3 sequences past the gateways' 8 (a client of the engine itself), two scrapes running
+        for _ in range(2):
+            for dispatch, body in ((a, body_a), (b, body_b)):
+                replica = body.pool.replicas[0]
+                replica.load = ReplicaLoad(running_sequences=SLOTS, waiting_sequences=3)
+                dispatch.observe_engine(replica)
+        assert a.outside("m", "r0") == b.outside("m", "r0") == 3
+        assert a.outside("m", "r1") == 0
+        await rounds(a, b, count=2)
+        # each is granted what the outside load and the other's held requests leave, until those end
+        assert grants(body_a)[0] == grants(body_b)[0] == SLOTS - 3 - SLOTS // 2
+        for body in (body_a, body_b):
+            for request_id in [f"q{n}" for n in range(200)]:
+                if body.controller.held("r0") > body.controller.slot_grant("r0"):
+                    body.controller.on_finish(0.1, request_id)
+        await rounds(a, b, count=3)
+        assert grants(body_a)[0] + grants(body_b)[0] == SLOTS - 3 and grants(body_a)[1] == SLOTS // 2
+        # the outside client leaves: the engine runs what the gateways hold, and the slots return
+        for dispatch, body in ((a, body_a), (b, body_b)):
+            replica = body.pool.replicas[0]
+            replica.load = ReplicaLoad(running_sequences=body_a.controller.held("r0") + body_b.controller.held("r0"))
+            dispatch.observe_engine(replica)
+        await rounds(a, b, count=4)
+        assert grants(body_a)[0] + grants(body_b)[0] == SLOTS
+        await a.close()
+        await b.close()
+
+    asyncio.run(scenario())

@@ -70,11 +70,13 @@ _ACTUATED = (ReplicaHealth.DRAINING, ReplicaHealth.STOPPED, ReplicaHealth.STANDB
 
 class HealthChecker:
     def __init__(self, replicas: list[CheckedReplica], interval_s: float, timeout_s: float,
-                 on_change: Callable[[], None]) -> None:
+                 on_change: Callable[[], None], on_load: Callable[[CheckedReplica], None] | None = None) -> None:
         self._replicas = [r for r in replicas if r.health_url]
         self._interval_s = interval_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._on_change = on_change  # called when a replica's health changed (wake queued requests)
+        # called with a replica whose engine gauges were just read (outside load, `policy.slot_split`)
+        self._on_load = on_load
         self._session: aiohttp.ClientSession | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -102,6 +104,8 @@ class HealthChecker:
                 async with self._session.get(replica.scrape_url) as response:
                     if response.status == 200:
                         replica.load = parse_engine_load(await response.text())
+                        if self._on_load is not None:
+                            self._on_load(replica)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
             pass
         new_health = ReplicaHealth.HEALTHY if healthy else ReplicaHealth.UNHEALTHY

@@ -285,7 +285,8 @@ class Gateway:
         self.connections = ConnectionRegistry(
             ConnectionLimits(server.keepalive_timeout_s, server.head_timeout_s, server.body_timeout_s,
                              max_connections), self.metrics)
-        self.health_checker = HealthChecker(all_replicas, health.interval_s, health.timeout_s, self._wake_pools)
+        self.health_checker = HealthChecker(all_replicas, health.interval_s, health.timeout_s, self._wake_pools,
+                                            self._engine_load_read(shared_state))
         # how long `serve` waits for every pool to turn ready before it warns
         self.startup_timeout_s = max((b.startup_timeout_s for p in config.pools for b in p.backends
                                       if isinstance(b, EmbeddedBackend)), default=60.0)
@@ -306,6 +307,17 @@ class Gateway:
         retry or failover finds it (`tests/gateway/test_spare_worker.py`)."""
         if self.supervisor.exited(replica.replica_id):
             self._worker_exited(replica.replica_id)
+
+    def _engine_load_read(self, shared_state: Any) -> Callable[[Replica], None] | None:
+        """What reads outside load off the engines' gauges at each scrape: the slot split among the
+        gateways, or this gateway's controller when it is alone; nothing where each gateway fills
+        every replica as if alone (`dispatch: per_gateway`, where the others' requests would read
+        as outside load) or without overload control."""
+        if self.shared_dispatch is not None:
+            return self.shared_dispatch.observe_engine
+        if self.overload is None or (shared_state.backend == "redis" and shared_state.dispatch == "per_gateway"):
+            return None
+        return self.overload.observe_engine
 
     def _wake_pools(self) -> None:
         now_s = time.monotonic()

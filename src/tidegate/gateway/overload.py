@@ -26,6 +26,7 @@ from tidegate.policy.identity import Identity
 from tidegate.policy.overload import ArrivalOutcome, OverloadControl, RequestFacts, ShedNotice
 from tidegate.policy.pool import REFUSED_NO_REPLICA, PoolController
 from tidegate.policy.prefix import BLOCK_TOKENS, prefix_blocks
+from tidegate.policy.slot_split import OutsideLoad
 from tidegate.types import Assignment, Preemption, Refusal
 
 __all__ = [
@@ -155,6 +156,7 @@ class _PoolBody:
         self.waiting: dict[str, Ticket] = {}  # queued in the controller, future pending
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at_s: float | None = None
+        self._outside: dict[str, OutsideLoad] = {}  # replica -> load from outside this gateway, from its gauges
         pool.controlled = self.wake
         self.sync_health(runtime.clock())
 
@@ -169,6 +171,22 @@ class _PoolBody:
         """A replica's health or load changed: hand out what may go now, with fresh loads."""
         self.sync_health(now_s)
         self.pump(now_s, {replica.replica_id: replica.load for replica in self.pool.replicas})
+
+    def observe_engine(self, now_s: float, replica: Replica) -> None:
+        """A gateway alone in front of the replica read its engine's gauges: what the engine runs and
+        queues past this gateway's requests is outside load, and rule 8's slots are the configured
+        less it (at least one, so that an estimate gone wrong never leaves a replica unused)."""
+        rid = replica.replica_id
+        estimate = self._outside.get(rid)
+        if estimate is None:
+            estimate = self._outside[rid] = OutsideLoad()
+        load = replica.load
+        estimate.observe(load.running_sequences + load.waiting_sequences, self.controller.held(rid))
+        outside = estimate.sequences
+        before = self.controller.slot_grant(rid)
+        self.controller.on_slot_grant(now_s, rid, None if outside == 0 else max(1, replica.slot_limit - outside))
+        if self.controller.slot_grant(rid) > before:  # more room: what waits may go now
+            self.wake(now_s)
 
     def pump(self, now_s: float, loads: Mapping[str, Any] = {}) -> None:
         """Asks the controller for what can go now and carries it out."""
@@ -254,9 +272,11 @@ class OverloadRuntime:
         self._prefix_affinity = self.config.limits.prefix_cache_tokens > 0
         for tier_name, target_s in self._ttft_targets_s.items():
             metrics.ttft_target.labels(tier_name).set(target_s)
+        self._body_of: dict[str, _PoolBody] = {}  # replica id -> its pool's body
         for name, pool in pools.items():
             controller = self.control.pools[name].controller
             self.bodies[name] = _PoolBody(self, pool, controller)
+            self._body_of.update((replica.replica_id, self.bodies[name]) for replica in pool.replicas)
             for tier in self.control.tiers:
                 metrics.watch_queue(name, tier.name, lambda c=controller, t=tier.name: c.queue_depth(t),
                                     lambda c=controller, t=tier.name: c.oldest_wait_s(self.clock(), t),
@@ -265,6 +285,12 @@ class OverloadRuntime:
                 rid = replica.replica_id
                 metrics.watch_work_budget(name, rid, lambda c=controller, r=rid: c.budget_tokens(self.clock(), r),
                                           lambda c=controller, r=rid: c.ttft_fit(r))
+
+    def observe_engine(self, replica: Replica) -> None:
+        """The health checks read the replica's engine gauges (a gateway alone in front of it)."""
+        body = self._body_of.get(replica.replica_id)
+        if body is not None:
+            body.observe_engine(self.clock(), replica)
 
     # -- 0. identity
     def authenticate(self, authorization: bytes | None) -> Identity:

@@ -17,6 +17,13 @@ others have given them back and the requests they held past their grants have en
 gateways together never hold more than a replica's `slot_limit`, and shares follow demand within
 a heartbeat or two.
 
+Load from outside the gateways (clients that reach an engine directly, requests of a gateway that
+restarted) is read off the engine's own gauges: at each scrape of a replica (`observe_engine`,
+called by the health checks) a gateway compares the engine's running + waiting sequences with the
+requests the gateways hold there (its own now, the others' as their last heartbeat said), keeps
+the estimate (`policy.slot_split.OutsideLoad`) and publishes it; the split and the grants are of
+the slots the largest published estimate leaves.
+
 The trade-off, chosen: the slots are partitioned, not taken one by one from a shared counter. A
 counter in Redis would be exact, but every dispatch would wait for a round trip and the gateway's
 CPU per request would grow; a partition costs one script per gateway per heartbeat, whatever the
@@ -45,7 +52,7 @@ import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from tidegate.gateway.resp import RespConnection, RespError, encode_command, register_script
-from tidegate.policy.slot_split import fair_shares, fallback_slots
+from tidegate.policy.slot_split import OutsideLoad, fair_shares, fallback_slots
 
 __all__ = ["HEARTBEAT_SCRIPT", "SharedDispatchSettings", "SharedDispatch", "Member", "parse_members"]
 
@@ -53,11 +60,12 @@ log = logging.getLogger("tidegate.shared_dispatch")
 
 # KEYS[1]: the hash of members (gateway id -> "<redis time s> <json>"). ARGV[1]: this gateway's id,
 # ARGV[2]: member ttl in seconds, ARGV[3]: its entry, {pool: {replica: [held, demand, slot_limit,
-# wanted]}}. The script forgets the members not heard from for the ttl, grants this gateway, at each
-# replica, what it wants up to what the others do not claim (a member claims the larger of what it
-# holds and what it was granted), stores the entry with the grant as its fifth number, and returns
-# every live member's field and value. Run atomically, so the claims never add up past a replica's
-# slot_limit: a grant grows only into room the others have given back.
+# wanted, 0, outside]}}. The script forgets the members not heard from for the ttl, grants this
+# gateway, at each replica, what it wants up to what outside load (the largest member's estimate)
+# and the others' claims leave (a member claims the larger of what it holds and what it was
+# granted), stores the entry with the grant as its fifth number, and returns every live member's
+# field and value. Run atomically, so the claims never add up past a replica's slot_limit: a grant
+# grows only into room the others have given back.
 HEARTBEAT_SCRIPT = """
 local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
@@ -77,11 +85,15 @@ end
 for pool, replicas in pairs(mine) do
   for rid, v in pairs(replicas) do
     local claimed = 0
+    local outside = v[6] or 0
     for _, other in ipairs(others) do
       local o = other[pool] and other[pool][rid]
-      if o then claimed = claimed + math.max(o[1], o[5] or 0) end
+      if o then
+        claimed = claimed + math.max(o[1], o[5] or 0)
+        outside = math.max(outside, o[6] or 0)
+      end
     end
-    v[5] = math.max(0, math.min(v[4], v[3] - claimed))
+    v[5] = math.max(0, math.min(v[4], v[3] - outside - claimed))
   end
 end
 redis.call('HSET', KEYS[1], ARGV[1], string.format('%.6f', now) .. ' ' .. cjson.encode(mine))
@@ -113,7 +125,8 @@ class SharedDispatchSettings:
 
 
 class Member:
-    """One gateway's entry: per pool, per replica, (held, demand, slot_limit, wanted, granted)."""
+    """One gateway's entry: per pool, per replica, (held, demand, slot_limit, wanted, granted,
+    outside load); an entry of a gateway that publishes no outside load reads 0 there."""
 
     __slots__ = ("gateway_id", "replicas")
 
@@ -134,7 +147,7 @@ def parse_members(reply: Any) -> list[Member]:
         _, _, body = value.partition(b" ")
         try:
             data = orjson.loads(body)
-            replicas = {pool: {rid: tuple(int(x) for x in v[:5]) for rid, v in reps.items()}
+            replicas = {pool: {rid: tuple(int(x) for x in (list(v[:6]) + [0])[:6]) for rid, v in reps.items()}
                         for pool, reps in data.items()}
         except (orjson.JSONDecodeError, AttributeError, TypeError, ValueError, IndexError):
             continue
@@ -170,6 +183,10 @@ class SharedDispatch:
         self.members = 1
         self.grants: dict[tuple[str, str], int] = {}  # (pool, replica) -> slots, as last applied
         self._wanted: dict[tuple[str, str], int] = {}  # (pool, replica) -> its share of the last split
+        # (pool, replica) -> outside load, as this gateway estimates it from the engine's gauges
+        self._outside: dict[tuple[str, str], OutsideLoad] = {}
+        self._others_held: dict[tuple[str, str], int] = {}  # the other gateways' held, at the last heartbeat
+        self._pool_of = {replica.replica_id: name for name, body in bodies.items() for replica in body.pool.replicas}
 
     async def start(self) -> None:
         await self.heartbeat()  # before serving: a gateway joining full pools takes its share, not all
@@ -192,10 +209,27 @@ class SharedDispatch:
                 self.metrics.heartbeat_errors.inc()
                 log.exception("shared dispatch: heartbeat failed")
 
-    def entry(self) -> dict[str, dict[str, tuple[int, int, int, int]]]:
+    def observe_engine(self, replica: Any) -> None:
+        """The health checks read the replica's engine gauges: what runs there past the gateways'
+        requests is outside load (its own held now, the others' as their last heartbeat said)."""
+        name = self._pool_of.get(replica.replica_id)
+        if name is None:
+            return
+        key = (name, replica.replica_id)
+        load = replica.load
+        held = self._bodies[name].controller.held(replica.replica_id) + self._others_held.get(key, 0)
+        self._outside.setdefault(key, OutsideLoad()).observe(load.running_sequences + load.waiting_sequences, held)
+
+    def outside(self, name: str, replica_id: str) -> int:
+        """This gateway's estimate of the load at the replica from outside the gateways."""
+        estimate = self._outside.get((name, replica_id))
+        return 0 if estimate is None else estimate.sequences
+
+    def entry(self) -> dict[str, dict[str, tuple[int, int, int, int, int, int]]]:
         """What this gateway holds and wants at each replica: (held, held + queued, slot_limit,
-        the slots it wants: its share of the last split; all of them before its first)."""
-        entry: dict[str, dict[str, tuple[int, int, int, int]]] = {}
+        the slots it wants: its share of the last split, all of them before its first; 0, the
+        script's place for the grant; its estimate of outside load)."""
+        entry: dict[str, dict[str, tuple[int, int, int, int, int, int]]] = {}
         for name, body in self._bodies.items():
             controller = body.controller
             queued = controller.queued
@@ -204,7 +238,7 @@ class SharedDispatch:
                 rid = replica.replica_id
                 held = controller.held(rid)
                 replicas[rid] = (held, held + queued, replica.slot_limit,
-                                 self._wanted.get((name, rid), replica.slot_limit))
+                                 self._wanted.get((name, rid), replica.slot_limit), 0, self.outside(name, rid))
         return entry
 
     async def heartbeat(self) -> None:
@@ -239,13 +273,15 @@ class SharedDispatch:
         self._wanted = self._split(members)
 
     def _split(self, members: list[Member]) -> dict[tuple[str, str], int]:
-        """This gateway's share of each replica in the max-min fair split of everyone's demand."""
+        """This gateway's share of each replica in the max-min fair split of everyone's demand over
+        the slots outside load leaves (the largest member's estimate); notes the others' held."""
         shares: dict[tuple[str, str], int] = {}
         own = self.settings.gateway_id
         for name, body in self._bodies.items():
             for replica in body.pool.replicas:
                 rid = replica.replica_id
                 demands: dict[str, int] = {}
+                outside = others_held = 0
                 for member in members:
                     values = member.replicas.get(name, {}).get(rid)
                     if values is None:
@@ -256,7 +292,12 @@ class SharedDispatch:
                         log.warning("shared dispatch: gateway %s has slot_limit %d for %s, this one %d; "
                                     "this one splits its own", member.gateway_id, limit, rid, replica.slot_limit)
                     demands[member.gateway_id] = max(held, demand)
-                shares[(name, rid)] = fair_shares(replica.slot_limit, demands).get(own, replica.slot_limit)
+                    outside = max(outside, values[5])
+                    if member.gateway_id != own:
+                        others_held += held
+                self._others_held[(name, rid)] = others_held
+                slots = max(0, replica.slot_limit - outside)
+                shares[(name, rid)] = fair_shares(slots, demands).get(own, slots)
         return shares
 
     def _silent(self, now_s: float, error: BaseException) -> None:
@@ -276,7 +317,8 @@ class SharedDispatch:
         count = self.settings.gateway_count
         self.members = count
         self.metrics.gateways.set(count)
-        self._apply(now_s, {(name, r.replica_id): fallback_slots(r.slot_limit, count)
+        self._apply(now_s, {(name, r.replica_id): fallback_slots(max(0, r.slot_limit - self.outside(name, r.replica_id)),
+                                                                 count)
                             for name, body in self._bodies.items() for r in body.pool.replicas})
 
     def _apply(self, now_s: float, grants: Mapping[tuple[str, str], int]) -> None:
