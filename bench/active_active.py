@@ -19,6 +19,12 @@ summed over the two engines: requests the gateways sent beyond the batch). Bar: 
 goodput >= 0.9 x one gateway's, and their engines' mean waiting <= 1 request (near zero: a request
 arriving mid-step waits for the step's end even in an engine with room).
 
+`--outside K`: K clients at each engine send straight to it (past every gateway) through each arm's
+window, a closed loop: a notebook or another service using the engines. The gateways read it off
+the engines' gauges and split only the slots it leaves (`policy.slot_split.OutsideLoad`); the
+outside clients' completions per second and TTFT P50 are printed beside the arms (1 gateway and 3
+split only). Run it on this code and on code without the subtraction to see what it changes.
+
 `--sim` prints the same arms simulated instead (`tidegate.sim.active_active`, the policy the
 gateways run, on modelled engines; chat answers and answers shorter than a heartbeat).
 
@@ -117,6 +123,8 @@ class ArmResult:
     waiting_mean: float
     waiting_peak: float
     running_peak: float
+    outside_completed: float = 0.0  # requests/s the outside clients completed
+    outside_ttft_p50_s: float = float("nan")
 
 
 async def arm(name: str, processes: Processes, redis_url: str, upstream_ports: list[int], args: argparse.Namespace,
@@ -133,10 +141,26 @@ async def arm(name: str, processes: Processes, redis_url: str, upstream_ports: l
     await drained(upstream_ports)
     for port in upstream_ports:
         reset_peaks(port)
-    before = [engine_gauges(port) for port in upstream_ports]
-    began = time.perf_counter()
-    results = await open_loop(bases, weights, args.load * capacity, args.seconds, args.tokens, args.seed)
-    window_s = time.perf_counter() - began
+    outside: list[tuple[bool, float]] = []
+    stop_outside = asyncio.Event()
+
+    async def outside_client(session: aiohttp.ClientSession, port: int) -> None:
+        while not stop_outside.is_set():
+            outside.append(await streamed(session, f"http://127.0.0.1:{port}", args.tokens))
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as outside_session:
+        clients = [asyncio.create_task(outside_client(outside_session, port))
+                   for port in upstream_ports for _ in range(args.outside)]
+        if clients:
+            await asyncio.sleep(6.0)  # three health checks: the gateways have read the outside load
+            outside.clear()
+        before = [engine_gauges(port) for port in upstream_ports]
+        began = time.perf_counter()
+        results = await open_loop(bases, weights, args.load * capacity, args.seconds, args.tokens, args.seed)
+        window_s = time.perf_counter() - began
+        outside_done = list(outside)
+        stop_outside.set()
+        await asyncio.gather(*clients)
     after = [engine_gauges(port) for port in upstream_ports]
     for process in started:
         process.terminate()
@@ -147,11 +171,14 @@ async def arm(name: str, processes: Processes, redis_url: str, upstream_ports: l
     good = sum(1 for ok, ttft in results if ok and ttft <= TTFT_TARGET_S)
     running_s = sum(a["knee_running_seconds_total"] - b["knee_running_seconds_total"] for a, b in zip(after, before))
     waiting_s = sum(a["knee_waiting_seconds_total"] - b["knee_waiting_seconds_total"] for a, b in zip(after, before))
+    outside_ttfts = [ttft for ok, ttft in outside_done if ok]
     return ArmResult(name, good / window_s, len(ttfts) / window_s, (len(results) - len(ttfts)) / window_s,
                      float(np.percentile(ttfts, 50)) if ttfts else float("nan"),
                      float(np.percentile(ttfts, 99)) if ttfts else float("nan"),
                      running_s / (window_s * REPLICAS * args.knee), waiting_s / window_s,
-                     sum(a["knee_waiting_peak"] for a in after), max(a["knee_running_peak"] for a in after))
+                     sum(a["knee_waiting_peak"] for a in after), max(a["knee_running_peak"] for a in after),
+                     len(outside_ttfts) / window_s,
+                     float(np.percentile(outside_ttfts, 50)) if outside_ttfts else float("nan"))
 
 
 async def run(args: argparse.Namespace, processes: Processes) -> int:
@@ -174,17 +201,22 @@ async def run(args: argparse.Namespace, processes: Processes) -> int:
             ("3 per_gateway", 3, "per_gateway", [1.0, 1.0, 1.0]),
             ("3 split", 3, "split", [1.0, 1.0, 1.0]),
             ("3 split 6:3:1", 3, "split", [6.0, 3.0, 1.0])]
+    if args.outside:
+        print(f"outside: {args.outside} clients at each engine, straight to it, through every arm")
+        arms = [arms[0], arms[2]]
     results = [await arm(name, processes, redis.url, upstream_ports, args, gateways, dispatch, weights, capacity)
                for name, gateways, dispatch, weights in arms]
     base = results[0]
     print(f"\n{'arm':<16}{'goodput/s':>10}{'ratio':>7}{'done/s':>8}{'refused/s':>10}{'P50 TTFT':>9}{'P99 TTFT':>9}"
-          f"{'util':>6}{'waiting mean':>13}{'peak':>6}{'running peak':>13}")
+          f"{'util':>6}{'waiting mean':>13}{'peak':>6}{'running peak':>13}"
+          + (f"{'outside done/s':>15}{'P50 TTFT':>9}" if args.outside else ""))
     for r in results:
         print(f"{r.name:<16}{r.goodput:>10.2f}{r.goodput / base.goodput:>6.2f}x{r.completed:>8.2f}{r.refused:>10.2f}"
               f"{r.ttft_p50_s:>8.2f}s{r.ttft_p99_s:>8.2f}s{r.utilisation:>6.2f}{r.waiting_mean:>13.2f}"
-              f"{r.waiting_peak:>6.0f}{r.running_peak:>13.0f}")
+              f"{r.waiting_peak:>6.0f}{r.running_peak:>13.0f}"
+              + (f"{r.outside_completed:>15.2f}{r.outside_ttft_p50_s:>8.2f}s" if args.outside else ""))
     ok = True
-    for r in results[2:]:
+    for r in results[1:] if args.outside else results[2:]:
         passed = r.goodput >= MIN_GOODPUT_RATIO * base.goodput and r.waiting_mean <= MAX_MEAN_WAITING
         ok &= passed
         print(f"{r.name}: goodput {r.goodput / base.goodput:.2f}x one gateway's (bar >= {MIN_GOODPUT_RATIO}), engines' "
@@ -203,6 +235,7 @@ def main() -> int:
     parser.add_argument("--step-ms", type=float, default=25.0)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=19)
+    parser.add_argument("--outside", type=int, default=0, help="clients at each engine sending past the gateways")
     parser.add_argument("--sim", action="store_true", help="the simulated arms instead (3 seeds), no processes")
     args = parser.parse_args()
     if args.sim:

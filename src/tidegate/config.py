@@ -165,8 +165,9 @@ class UpstreamBackend(_Strict):
     api_key: SecretStr | None = None  # sent as Bearer; never echoed
     health_path: str | None = "/health"  # on the URL's host; null: passive ejection only
     # on the URL's host, read with each health check: the engine's running and waiting requests and
-    # KV-cache use (vLLM, SGLang, `tidegate engine` gauges) for routing and the adaptive slot limit,
-    # which stops growing while the engine queues; null, or a page without them: none known
+    # KV-cache use (vLLM, SGLang, `tidegate engine` gauges) for routing and for the load from outside
+    # the gateways, which leaves them fewer slots (docs/scale-out.md); null, or a page without them:
+    # none known
     metrics_path: str | None = "/metrics"
     slot_limit: int = Field(256, ge=1)
     # send 2 x the request's tier rank (0 = best), +1 while its tenant floods the tier, as its
