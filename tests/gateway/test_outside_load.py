@@ -65,6 +65,8 @@ async def test_requests_sent_straight_to_the_engine_leave_the_gateway_fewer_slot
 
             outside = [asyncio.create_task(direct()) for _ in range(OUTSIDE)]
             assert await _until(lambda: controller.slot_grant(rid) == SLOTS - OUTSIDE, 1.8)
+            async with session.get(f"http://127.0.0.1:{gateway.port}/metrics") as response:
+                assert f'tidegate_replica_slots{{pool="m",replica="{rid}"}} {float(SLOTS - OUTSIDE)}' in await response.text()
             # the gateway still serves, within the slots left
             async with session.post(f"http://127.0.0.1:{gateway.port}/v1/chat/completions", json=_CHAT) as response:
                 assert response.status == 200

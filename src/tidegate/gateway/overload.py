@@ -283,8 +283,8 @@ class OverloadRuntime:
                                     lambda c=controller, t=tier.name: len(c.over_share(self.clock(), t)))
             for replica in pool.replicas:
                 rid = replica.replica_id
-                metrics.watch_work_budget(name, rid, lambda c=controller, r=rid: c.budget_tokens(self.clock(), r),
-                                          lambda c=controller, r=rid: c.ttft_fit(r))
+                metrics.watch_replica(name, rid, lambda c=controller, r=rid: c.budget_tokens(self.clock(), r),
+                                      lambda c=controller, r=rid: c.ttft_fit(r), lambda c=controller, r=rid: c.slot_grant(r))
 
     def observe_engine(self, replica: Replica) -> None:
         """The health checks read the replica's engine gauges (a gateway alone in front of it)."""

@@ -77,6 +77,9 @@ class OverloadMetrics:
                                  "hold ahead of a best-tier request: its fitted TTFT line at the engine's share of "
                                  "the target (NaN before its first token is measured)", ["pool", "replica"],
                                  registry=r)
+        self.slots = Gauge("tidegate_replica_slots", "Requests this gateway may hold at the replica now: its "
+                           "slot_limit, less the load from outside the gateways read off its engine's gauges, or "
+                           "this gateway's share of it when gateways split it", ["pool", "replica"], registry=r)
         self.ttft_fit = Gauge("tidegate_replica_ttft_fit_seconds", "The replica's fitted engine time to first "
                               "token: `fixed` seconds plus `per_token` seconds for each prefill token ahead (NaN "
                               "before its first token)", ["pool", "replica", "coefficient"], registry=r)
@@ -96,8 +99,8 @@ class OverloadMetrics:
         if over_share is not None:
             self.over_share.labels(pool, tier).set_function(over_share)
 
-    def watch_work_budget(self, pool: str, replica: str, budget_tokens: Callable[[], float | None],
-                          fit: Callable[[], TtftFit | None]) -> None:
+    def watch_replica(self, pool: str, replica: str, budget_tokens: Callable[[], float | None],
+                      fit: Callable[[], TtftFit | None], slots: Callable[[], float]) -> None:
         def read() -> float:
             tokens = budget_tokens()
             return math.nan if tokens is None else tokens
@@ -106,6 +109,7 @@ class OverloadMetrics:
             return lambda: math.nan if (line := fit()) is None else getattr(line, name)
 
         self.work_budget.labels(pool, replica).set_function(read)
+        self.slots.labels(pool, replica).set_function(slots)
         self.ttft_fit.labels(pool, replica, "fixed").set_function(coefficient("fixed_s"))
         self.ttft_fit.labels(pool, replica, "per_token").set_function(coefficient("s_per_token"))
 
