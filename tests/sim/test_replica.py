@@ -7,6 +7,7 @@ import pytest
 from tests.sim.support import run_fifo
 from tidegate.engine.scheduler import SchedulerConfig
 from tidegate.policy.tiers import default_tiers
+from tidegate.sim import scenarios
 from tidegate.sim.fifo import FifoDispatcher
 from tidegate.sim.harness import Harness, KillReplica, SlowReplica
 from tidegate.sim.replica import FAILURE_KILLED, FAILURE_TOO_LONG, ReplicaSpec, StepCostModel
@@ -131,3 +132,28 @@ def test_the_step_observer_sees_every_step_and_their_times_add_up_to_the_busy_ti
     # come faster than a step)
     assert all(a + d <= b + 1e-12 for (a, d, _), (b, _, _) in zip(seen, seen[1:]))
     assert sum(d for _, d, _ in seen) == pytest.approx(result.replicas[0].busy_s)
+
+
+def test_a_critical_prompt_sent_at_once_still_waits_for_the_worse_step_in_flight() -> None:
+    """Why `critical_burst` and `noisy_tenant` miss their P99 bars with the gateway queue at zero
+    (`bench/protection_anatomy.py`): the controller sends a critical prompt the moment it arrives,
+    and the engine takes it first at the next step, but the step in flight, a full sheddable
+    prefill chunk, is not interrupted. What the burst adds to its TTFT is the rest of that step."""
+    arrival_s = 0.010  # during the sheddable prompt's first step
+    sheddable = SimRequest(0, 0.0, "bulk", "sheddable", 2000, 8)
+    critical = SimRequest(1, arrival_s, "vip", "critical", 500, 8)
+
+    def critical_record(requests: list[SimRequest]):
+        controller = scenarios.controller(["r0"], default_tiers())
+        result = Harness([scenarios.replica_spec("r0")], controller).run(requests)
+        return next(r for r in result.records if r.tier == "critical")
+
+    alone, beside = critical_record([critical]), critical_record([sheddable, critical])
+    assert alone.ttft_s is not None and beside.ttft_s is not None and beside.first_token_s is not None
+    assert beside.dispatch_s == beside.arrival_s  # no wait at the gateway
+    spec = scenarios.replica_spec("r0")
+    step_in_flight_s = spec.cost.step_s(spec.scheduler.max_batch_tokens, 0, spec.scheduler.max_batch_tokens)
+    # its own chunk comes first in the next step (priority), so the rest of the step in flight is
+    # what it lost, plus the sheddable tokens that fill what its 500 leave of the step's budget
+    added_s = beside.ttft_s - alone.ttft_s
+    assert step_in_flight_s - arrival_s <= added_s <= step_in_flight_s - arrival_s + 0.005

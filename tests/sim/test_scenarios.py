@@ -2,10 +2,11 @@
 
 Each asserts what the controller holds today. Bars of the one-brain issue not met yet are asserted
 at what is met, so that a regression shows: the critical P99 in a 3x sheddable burst (bar 1.2x
-unloaded on each seed; 1.17x-1.41x over ten, mean 1.32x: the step in flight when a critical
-prompt arrives is a full batch's), the others' P99 beside a noisy tenant (bar 1.1x on each of five
-seeds; 1.05x-1.26x), and the noisy tenant's work over whole runs (3.6 % under FIFO's, which
-serves the flood's backlog after the flood by making the others wait).
+unloaded on each seed; 1.14x-1.41x over ten, mean 1.29x: the step in flight when a critical
+prompt arrives is a full batch's, and even a routing that knew every engine's step phase would
+read up to 1.25x: `bench/protection_anatomy.py`), the others' P99 beside a noisy tenant (bar 1.1x
+on each of five seeds; 1.05x-1.24x), and the noisy tenant's work over whole runs (3.3 % under
+FIFO's, which serves the flood's backlog after the flood by making the others wait).
 `bench/overload_scenarios.py` prints the verdicts.
 """
 
