@@ -262,3 +262,57 @@ def test_a_forecast_on_a_boundary_is_held_to_the_band_too() -> None:
         banded = _noisy_work(scaler, 0, 3600, 2950, ready=6, seed=seed, rate=100, follow=True)
         assert _changes(banded) <= 2
         assert sum(d.desired >= 7 for d in banded) <= 0.1 * len(banded)
+
+
+# the surge of bench/autoscale_sim.py, at its rates: 30 requests/s of the chat mix (prompt 64-1,024
+# and output 32-256 tokens, 688 on average), then 0.1 more a second (30 -> 120 in 15 minutes), on
+# replicas of 23.9 requests/s at the 0.85 target; the fleet found at the start, 2, holds 40.6
+SURGE_TOKENS_PER_REQUEST = (64 + 1024) / 2 + (32 + 256) / 2
+SURGE = replace(AutoscaleSettings(64, 1, 20, target_utilisation=0.85, scale_down_window_s=60.0),
+                replica_tokens_per_s=23.9 * SURGE_TOKENS_PER_REQUEST)
+RAMP_START_S = 120.0
+
+
+def _surge_rate(t_s: float) -> float:
+    return 30.0 + 0.1 * min(900.0, max(0.0, t_s - RAMP_START_S))
+
+
+class ExactFuture:
+    """A forecaster handed the ramp itself: each bucket's true mean rate."""
+
+    def observe(self, t_s: float, value: float) -> None:
+        pass
+
+    def forecast(self, t_s: float) -> float:
+        return float(np.mean([_surge_rate(t + 0.5) for t in np.arange(t_s - 60.0, t_s)]))
+
+
+def _first_out_on_the_ramp(scaler, seed: int) -> tuple[float, ScaleLayer]:
+    """Seconds from the ramp's start to the first decision over the 2 replicas, and its layer."""
+    rng = np.random.default_rng(seed)
+    for t in range(int(RAMP_START_S) + 400):
+        arrivals = int(rng.poisson(_surge_rate(t)))
+        tokens = int(rng.integers(64, 1025, arrivals).sum() + rng.integers(32, 257, arrivals).sum())
+        decision = scaler.on_tick(ScaleSignals(float(t), 2, 0, 0, 0, arrivals, arrived_tokens=tokens))
+        assert decision.layer is not ScaleLayer.PANIC  # 0.3 % more in a panic window: no sudden surge
+        if t >= RAMP_START_S and decision.desired > 2:
+            return t - RAMP_START_S, decision.layer
+    raise AssertionError("no scale-out on the ramp")
+
+
+def test_a_slow_ramp_scales_out_as_the_fleets_room_runs_out_and_not_sooner_even_knowing_the_future() -> None:
+    # the need passes the 2 replicas' 40.6 requests/s 107 s into the ramp. Reading arrivals, the
+    # stable window's mean is the rate of half a window ago (30 s), and the band waits until the
+    # rise clears the mean's noise: the first scale-out 137-142 s in on the mean, 154-161 s with
+    # the band (seeds 1-3; the bench's simulated surge: 136 s); the panic layer rightly stays out of a ramp
+    for seed in (1, 2, 3):
+        banded_s, layer = _first_out_on_the_ramp(Autoscaler(SURGE), seed)
+        bare_s, _ = _first_out_on_the_ramp(Autoscaler(replace(SURGE, noise_band_sigmas=0.0)), seed)
+        assert layer is ScaleLayer.REACTIVE and 107 <= bare_s <= banded_s <= 107 + SURGE.stable_window_s
+        # handed the exact future, the predictive layer asks for the third replica when the bucket
+        # one cold start ahead needs it: 12-15 s in on the mean, 33-38 s with the band's share.
+        # Neither is within 10 s of the start: a scale-out decided sooner on this ramp buys
+        # capacity the fleet does not need for another 107 s, whatever the policy knows
+        exact_s, layer = _first_out_on_the_ramp(Autoscaler(replace(SURGE, noise_band_sigmas=0.0), ExactFuture()), seed)
+        exact_banded_s, _ = _first_out_on_the_ramp(Autoscaler(SURGE, ExactFuture()), seed)
+        assert layer is ScaleLayer.PREDICTIVE and 10 < exact_s <= exact_banded_s <= 45
