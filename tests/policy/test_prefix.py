@@ -129,3 +129,27 @@ def test_decodes_do_not_pile_onto_the_replica_that_looks_fastest() -> None:
         ctl.on_first_token(now_s + 0.01, i)
         held[home] += 1
     assert max(held.values()) <= 1.5 * min(held.values()) + 1, held
+
+
+def test_tenants_keep_to_their_replica_while_no_one_prefix_unbalances_the_pool() -> None:
+    """Two tenants homed on one replica, one request of each decoding there, the other replica idle:
+    a third request of one of them stays where its prefix is cached. Its prefix alone does not
+    unbalance the pool; the other replica would compute the whole prompt again and, with a KV cache
+    that holds only some tenants' prompts, evict another tenant's for it. (Counted by all requests
+    held, as for a prompt that nobody caches, it went to the idle replica: every tenant then ended on
+    both replicas, and bench/prefix_cache.py's caches, sized for half the tenants, held none.)"""
+    ctl = _controller()
+    _measure_both(ctl)
+    systems = (SYSTEM_A, SYSTEM_B, SYSTEM_A[::-1])  # three prefixes, one at a time: two share a replica
+    homes = []
+    for request_id, system in enumerate(systems):
+        now_s = 100.0 + request_id
+        homes.append(_send(ctl, _request(request_id, system, "first"), now_s))
+        ctl.on_first_token(now_s + 0.5, request_id)
+        ctl.on_finish(now_s + 0.6, request_id)
+    first, second = next((i, j) for i in range(3) for j in range(i + 1, 3) if homes[i] == homes[j])
+    home = homes[first]
+    for request_id, system in ((10, systems[first]), (11, systems[second])):  # both decoding there
+        assert _send(ctl, _request(request_id, system, "held"), 110.0) == home
+        ctl.on_first_token(110.5, request_id)
+    assert _send(ctl, _request(12, systems[first], "third"), 111.0) == home
