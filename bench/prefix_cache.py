@@ -209,7 +209,7 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--setups", default=",".join(SETUPS), help="which set-ups, comma-separated")
+    parser.add_argument("--setups", default=";".join(SETUPS), help="which set-ups, separated by ';'")
     parser.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_CACHE_TOKENS,
                         help="each worker's KV cache (the engine's own default: 32768)")
     args = parser.parse_args()
@@ -217,7 +217,7 @@ async def main() -> None:
           f"~{len(system_prompt(0)) + 60} tokens)")
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: await run_setup(Path(tmp), name, args.requests, args.clients, args.kv_cache_tokens)
-                   for name in args.setups.split(",")}
+                   for name in args.setups.split(";")}
     if not {"off", "cache", "cache + affinity"} <= results.keys():
         return
     both, off, cache = results["cache + affinity"]["p50"], results["off"]["p50"], results["cache"]["p50"]
