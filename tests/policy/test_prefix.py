@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
-from tidegate.policy.prefix import BLOCK_CHARS, PrefixHomes, PrefixIndex, prefix_blocks
+from tidegate.policy.prefix import BLOCK_CHARS, PrefixIndex, prefix_blocks
 from tidegate.policy.tiers import default_tiers
 from tidegate.types import PoolRequest
 
@@ -37,17 +37,6 @@ def test_the_index_matches_from_the_first_block_and_forgets_tails_first() -> Non
     assert index.matched((1, 2, 3)) == 2 and index.matched((7, 8)) == 2
     with pytest.raises(ValueError):
         PrefixIndex(0)
-
-
-def test_homes_are_placed_once_and_forgotten_least_recently_used_first() -> None:
-    homes = PrefixHomes(capacity=2)
-    homes.place(1, "r0")
-    homes.place(2, "r1")
-    homes.used(1)  # 2 is now the least recently used
-    homes.place(3, "r0")
-    assert (homes.get(1), homes.get(2), homes.get(3)) == ("r0", None, "r0") and len(homes) == 2
-    with pytest.raises(ValueError):
-        PrefixHomes(0)
 
 
 def _request(request_id: int, system: str, question: str, tokens: int = 600, tenant: str = "t") -> PoolRequest:
@@ -140,26 +129,3 @@ def test_decodes_do_not_pile_onto_the_replica_that_looks_fastest() -> None:
         ctl.on_first_token(now_s + 0.01, i)
         held[home] += 1
     assert max(held.values()) <= 1.5 * min(held.values()) + 1, held
-
-
-def test_a_prefix_that_overflowed_returns_to_its_home() -> None:
-    """A request sent away from its prefix's replica by the load cap caches the prefix on the other
-    replica too; later requests go back to the first one, its home, while it is within the cap.
-    (Without a home the prefix was held by both and went to whichever held fewer requests: each
-    overflow left one more tenant on both replicas, and bench/prefix_cache.py's caches, sized for half
-    the tenants, kept few prompts.)"""
-    ctl = _controller()
-    _measure_both(ctl)
-    home = _send(ctl, _request(1, SYSTEM_A, "first"), 100.0)
-    ctl.on_first_token(100.5, 1)
-    ctl.on_finish(100.6, 1)
-    for request_id in (2, 3):  # decoding at home
-        assert _send(ctl, _request(request_id, SYSTEM_A, "held"), 101.0) == home
-        ctl.on_first_token(101.5, request_id)
-    overflow = _send(ctl, _request(4, SYSTEM_A, "over the cap"), 102.0)
-    assert overflow != home  # 2 held there, 0 on the other: over 1.5 x 0 + 1
-    ctl.on_first_token(102.5, 4)
-    for request_id in (3, 4):
-        ctl.on_finish(103.0, request_id)
-    # request 2 still decodes at home, the other replica is idle: both hold the prefix
-    assert _send(ctl, _request(5, SYSTEM_A, "after"), 104.0) == home

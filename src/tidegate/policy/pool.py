@@ -69,14 +69,9 @@ without it; a rule no scenario needs does not belong here):
    tenants of `bench/prefix_cache.py` keep to their replicas. The prediction counts prefill
    only, so decodes could pile onto the replica that looks fastest (its last prompts were
    cached) or holds a hot prefix: for a request with a prompt prefix, a replica holding over
-   `LOAD_IMBALANCE` x the least busy one's requests (+1) is chosen only when no other can take it.
-   Within that cap and rule 3, a prefix goes first to its home, the replica it was first sent to
-   (`PrefixHomes`), while that replica still probably holds it: a request the cap sent elsewhere
-   cached the prefix there too, and, ranked by predicted time alone among replicas that both hold
-   it, the prefix then stayed on both, one more tenant per overflow, until caches sized for half
-   the tenants held few prompts (`test_requests_sharing_a_prefix_go_where_it_is_cached`,
-   `test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_saves`,
-   `test_a_prefix_that_overflowed_returns_to_its_home`).
+   `LOAD_IMBALANCE` x the least busy one's requests (+1) is chosen only when no other can take it
+   (`test_requests_sharing_a_prefix_go_where_it_is_cached`,
+   `test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_saves`).
    (`test_a_retry_goes_first_and_never_to_the_replica_that_failed_it`,
    `test_a_waiting_retry_leaves_the_replica_that_failed_it_to_the_queue`,
    `test_every_replica_down_refuses_every_waiting_request`; `replica_killed`: its breaker opens on
@@ -119,7 +114,7 @@ from enum import Enum
 
 from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, is_routable, median
 from tidegate.policy.prediction import WaitPredictor, WorkUnit
-from tidegate.policy.prefix import BLOCK_TOKENS, PrefixHomes, PrefixIndex
+from tidegate.policy.prefix import BLOCK_TOKENS, PrefixIndex
 from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReason
 from tidegate.policy.resends import EarlyResends, HeldResends
 from tidegate.policy.shares import TenantShares
@@ -288,8 +283,6 @@ class PoolController:
                                                  prefixes=PrefixIndex(prefix_blocks) if prefix_blocks else None)
                           for r in replicas}
         self._prefixes: dict[int | str, tuple[int, ...]] = {}  # queued requests' prefix blocks
-        # rule 7: each prefix's home replica (a prefix takes at least a block of an index)
-        self._homes = PrefixHomes(prefix_blocks * len(replicas)) if prefix_blocks and replicas else None
         self._order = list(self._replicas.values())
         self._queue = FairPriorityQueue(tiers, max_queued=settings.max_queued, tenant_weights=tenant_weights)
         self._predictor = WaitPredictor(WorkUnit.TOKENS)
@@ -638,7 +631,6 @@ class PoolController:
         if prefix:
             self._prefixes.pop(request.request_id, None)
             if replica.prefixes is not None:
-                self._keep_home(now_s, prefix, replica.config.replica_id)
                 replica.prefixes.record(prefix)
         if dequeue_skip is not None:
             taken = self._queue.dequeue(now_s, dequeue_skip).request
@@ -675,19 +667,16 @@ class PoolController:
         less the prefix that replica probably holds: `policy.prefix`)."""
         better_active = self._better_level_active(now_s, level)
         best: _Replica | None = None
-        best_key: tuple[bool, bool, float, int, int, float] | None = None
+        best_key: tuple[bool, float, int, int, float] | None = None
         best_tokens = tokens
         order, cursor = self._order, self._cursor
         count = len(order)
         best_index = 0
         # rule 7: the prediction counts prefill, not the decodes a replica already runs
         load_cap = math.inf
-        home: str | None = None
         if prefix:
             least = min((r.requests for r in order if is_routable(r.health, r.breaker, now_s)), default=0)
             load_cap = LOAD_IMBALANCE * least + 1
-            if self._homes is not None:
-                home = self._homes.get(prefix[0])
         for offset in range(count):
             index = (cursor + offset) % count
             replica = order[index]
@@ -697,12 +686,9 @@ class PoolController:
             if not replica.has_slot(level, better_active):
                 continue  # rule 5
             own = tokens
-            at_home = False
             if prefix and replica.prefixes is not None:
-                matched = replica.prefixes.matched(prefix)
                 # rule 7: a cached prefix is prefill the engine skips; at least the last token is computed
-                own = max(1, tokens - tokens * matched // len(prefix)) if tokens else 0
-                at_home = matched > 0 and replica.config.replica_id == home
+                own = max(1, tokens - tokens * replica.prefixes.matched(prefix) // len(prefix)) if tokens else 0
             ahead = replica.ahead(level)
             fit = replica.fit
             # rule 4: an empty prefill queue takes anything. Before its first token is measured a
@@ -716,30 +702,13 @@ class PoolController:
             # a replica not yet measured predicts in tokens (an idle one, 0, is tried first); a
             # cached prefix also breaks ties there
             predicted_s = fit.predict_s(ahead + own) if fit is not None else float(ahead)
-            key = (replica.requests > load_cap, not at_home, predicted_s, own, replica.requests,
-                   replica.load.kv_cache_usage)
+            key = (replica.requests > load_cap, predicted_s, own, replica.requests, replica.load.kv_cache_usage)
             if best_key is None or key < best_key:
                 best, best_key, best_index, best_tokens = replica, key, index, own
         if best is None:
             return None
         self._cursor = (best_index + 1) % count
         return best, best_tokens
-
-    def _keep_home(self, now_s: float, prefix: tuple[int, ...], replica_id: str) -> None:
-        """Rule 7: the prefix, sent to `replica_id`, keeps its home while the home can still hold it
-        (routable, its index remembers the prefix's first block); else `replica_id` is its home now."""
-        homes = self._homes
-        if homes is None:
-            return
-        head = prefix[0]
-        home = homes.get(head)
-        if home is not None and home != replica_id:
-            kept = self._replicas.get(home)
-            if kept is not None and kept.prefixes is not None and kept.prefixes.matched(prefix[:1]) \
-                    and is_routable(kept.health, kept.breaker, now_s):
-                homes.used(head)
-                return
-        homes.place(head, replica_id)
 
     def _preempt_for(self, now_s: float, request: QueuedRequest) -> Preemption | None:
         """Rule 9: `request` found no slot; stop the youngest preemptible request of a worse tier whose

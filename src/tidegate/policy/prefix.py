@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 
-__all__ = ["BLOCK_CHARS", "BLOCK_TOKENS", "MAX_BLOCKS", "prefix_blocks", "PrefixIndex", "PrefixHomes"]
+__all__ = ["BLOCK_CHARS", "BLOCK_TOKENS", "MAX_BLOCKS", "prefix_blocks", "PrefixIndex"]
 
 # ~16 tokens at ~4 characters a token: the engines' KV block (vLLM's and ours hold 16 tokens)
 BLOCK_CHARS = 64
@@ -74,33 +74,3 @@ class PrefixIndex:
                 held[block] = None
         while len(held) > self.capacity_blocks:
             held.popitem(last=False)
-
-
-class PrefixHomes:
-    """The replica each prompt prefix (named by its first block) was placed on, least recently used
-    forgotten past `capacity`. A request that overflows to another replica caches its prefix there
-    too; the home stays, so that the prefix returns to one replica rather than living on every
-    replica it ever overflowed to."""
-
-    def __init__(self, capacity: int) -> None:
-        if capacity < 1:
-            raise ValueError("capacity must be >= 1")
-        self.capacity = capacity
-        self._homes: OrderedDict[int, str] = OrderedDict()
-
-    def __len__(self) -> int:
-        return len(self._homes)
-
-    def get(self, head: int) -> str | None:
-        return self._homes.get(head)
-
-    def place(self, head: int, replica_id: str) -> None:
-        homes = self._homes
-        homes[head] = replica_id
-        homes.move_to_end(head)
-        if len(homes) > self.capacity:
-            homes.popitem(last=False)
-
-    def used(self, head: int) -> None:
-        if head in self._homes:
-            self._homes.move_to_end(head)
