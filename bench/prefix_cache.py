@@ -4,30 +4,39 @@
 
 Each of 8 tenants has its own ~1,000-token system prompt; every request is that prompt plus a short,
 distinct user turn (16 tokens out, streamed). The same closed-loop load runs against `tidegate
-serve` with two `tiny-random-llama` workers (one thread each) in three set-ups, each started fresh:
+serve` with two `tiny-random-llama` workers (one thread each) in four set-ups, each started fresh:
 - off: engines without prefix caching (`--no-prefix-caching`), least-loaded routing (fewest requests
   outstanding: `overload_control: false`);
 - cache: prefix caching on, least-loaded routing;
 - cache + affinity: both on, the defaults (the pool controller with prefix-aware routing);
 - and, for reference, cache + the controller without affinity (`limits.prefix_cache_tokens: 0`).
-`--kv-cache-tokens N` sizes each worker's KV cache (default: the engine's, 32,768 tokens, which holds
-every tenant's prompt on every worker; 8,192 holds about five beside the running sequences: the
-regime of a GPU whose cache cannot keep every tenant's prefix, where routing decides what stays).
-Prints per set-up P50/P99 TTFT, requests per worker (from each worker's own /metrics), the
-workers' prefix-cache hit rate and busy fraction, and the bars: P50 TTFT with both on <= 0.3x
-both off and <= 0.6x cache alone; load imbalance between workers <= 1.5x.
+Each worker's KV cache is sized to hold about half the tenants' prompts beside its running
+sequences (`--kv-cache-tokens`, default 5,120: four ~1,060-token prompts, the model's tokens being
+bytes, and the running requests' own blocks). In production a replica's KV cache cannot hold every
+tenant's prefix either, and that is what prefix-aware routing is for: it decides which prefixes stay
+cached where. With the engine's default, 32,768 tokens, every worker holds all eight prompts, so
+least-loaded routing hits as often as affinity and the two differ only in the tail. The affinity
+set-up sizes the gateway's prefix index like the engine's cache (`limits.prefix_cache_tokens`, in the
+gateway's estimate of 4 characters a token: a quarter of the engine's byte tokens).
+Prints the KV cache size and, per set-up, P50/P99 TTFT, requests served per worker (from each
+worker's own /metrics), the workers' busy fraction and prefix-cache hit rate (hit tokens of looked-up
+prompt tokens), how many tenants were served by both workers (from the gateway's access log), and
+the bars: P50 TTFT with both on <= 0.3x both off and <= 0.6x cache alone; load imbalance between
+workers <= 1.5x.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import aiohttp
@@ -37,13 +46,17 @@ from gateway_overhead import free_port, wait_ok  # bench/ is the script's direct
 WORDS = ("policy shipping refund warranty account invoice delivery order parcel courier address payment card "
          "return exchange size colour stock store opening hours contact email phone support ticket priority "
          "premium member discount coupon voucher gift wrap express standard tracking number label customs").split()
-# engine flags, limits.prefix_cache_tokens (None: overload control off, least-loaded routing)
-SETUPS: dict[str, tuple[list[str], int | None]] = {
+# engine flags, and whether the controller routes by prefix affinity (None: overload control off,
+# least-loaded routing)
+SETUPS: dict[str, tuple[list[str], bool | None]] = {
     "off": (["--no-prefix-caching"], None),
     "cache": ([], None),
-    "cache + affinity": ([], 32768),
-    "cache, no affinity": ([], 0),
+    "cache + affinity": ([], True),
+    "cache, no affinity": ([], False),
 }
+DEFAULT_KV_CACHE_TOKENS = 5120
+# the gateway counts ~4 characters a token (`policy.prefix`); this model's tokenizer is byte-level
+CHARS_PER_ENGINE_TOKEN = 1
 
 
 def system_prompt(tenant: int, words: int = 130) -> str:  # ~1,000 tokens of tiny-random-llama
@@ -51,24 +64,40 @@ def system_prompt(tenant: int, words: int = 130) -> str:  # ~1,000 tokens of tin
     return f"You are the assistant of shop number {tenant}. Rules: " + " ".join(rng.choice(WORDS) for _ in range(words))
 
 
-def start_gateway(workdir: Path, engine_args: list[str], prefix_cache_tokens: int | None,
-                  kv_cache_tokens: int | None) -> tuple[subprocess.Popen, int]:
+def start_gateway(workdir: Path, engine_args: list[str], affinity: bool | None,
+                  kv_cache_tokens: int) -> tuple[subprocess.Popen, int, Path]:
     port = free_port()
     config = workdir / f"gateway-{port}.yaml"
-    if kv_cache_tokens is not None:
-        engine_args = [*engine_args, "--kv-cache-tokens", str(kv_cache_tokens)]
+    engine_args = [*engine_args, "--kv-cache-tokens", str(kv_cache_tokens)]
+    # the prefix index remembers what one engine's cache holds, in the gateway's tokens
+    prefix_cache_tokens = kv_cache_tokens * CHARS_PER_ENGINE_TOKEN // 4 if affinity else 0
     args = "[" + ", ".join(f"'{a}'" for a in engine_args) + "]"
-    routing = "overload_control: false\n" if prefix_cache_tokens is None else \
+    routing = "overload_control: false\n" if affinity is None else \
         f"limits: {{prefix_cache_tokens: {prefix_cache_tokens}}}\n"
     config.write_text(
-        f"server: {{port: {port}, access_log: false}}\n"
+        f"server: {{port: {port}, access_log: true}}\n"  # which replica served each request
         f"{routing}"
         "pools:\n  - name: m\n    backends:\n"
         f"      - {{type: embedded, model: tiny-random-llama, count: 2, threads: 1, engine_args: {args}}}\n")
+    log = workdir / f"gateway-{port}.log"
     process = subprocess.Popen([sys.executable, "-m", "tidegate", "serve", "--config", str(config)],
-                               stdout=subprocess.DEVNULL, stderr=open(workdir / f"gateway-{port}.log", "w"))
+                               stdout=subprocess.DEVNULL, stderr=open(log, "w"))
     wait_ok(f"http://127.0.0.1:{port}/ready", 300)
-    return process, port
+    return process, port, log
+
+
+def tenant_replicas(log: Path, tag: str) -> dict[int, Counter[str]]:
+    """Per tenant, how many of its requests (request ids `{tag}-t{tenant}-{index}`) each replica served,
+    from the gateway's access log."""
+    served: dict[int, Counter[str]] = defaultdict(Counter)
+    for line in log.read_text().splitlines():
+        if '"type":"access"' not in line:
+            continue
+        entry = json.loads(line)
+        found = re.fullmatch(rf"{tag}-t(\d+)-\d+", entry.get("request_id", ""))
+        if found and entry.get("replica"):
+            served[int(found.group(1))][entry["replica"]] += 1
+    return served
 
 
 async def worker_ports(session: aiohttp.ClientSession, port: int) -> list[int]:
@@ -94,7 +123,8 @@ async def worker_counts(session: aiohttp.ClientSession, ports: list[int]) -> lis
     return counts
 
 
-async def load(port: int, requests: int, clients: int) -> list[float]:
+async def load(port: int, requests: int, clients: int, tag: str) -> tuple[list[float], int]:
+    """TTFTs of the answered requests, and how many the gateway refused (503: overload control)."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     prompts = [system_prompt(tenant) for tenant in range(8)]
     # tenants in a random (seeded) order, as independent users arrive: a fixed rotation would let
@@ -102,9 +132,11 @@ async def load(port: int, requests: int, clients: int) -> list[float]:
     order = random.Random(requests).choices(range(8), k=requests)
     work = iter(range(requests))
     ttfts: list[float] = []
+    refused = 0
     deadline = time.monotonic() + 600
 
     async def client(session: aiohttp.ClientSession) -> None:
+        nonlocal refused
         for index in work:
             if time.monotonic() > deadline:
                 return
@@ -114,7 +146,11 @@ async def load(port: int, requests: int, clients: int) -> list[float]:
                                  {"role": "user", "content": f"Question {index}: where is order {index * 7919}?"}]}
             started = time.perf_counter()
             first = None
-            async with session.post(url, json=body) as response:
+            async with session.post(url, json=body, headers={"x-request-id": f"{tag}-t{tenant}-{index}"}) as response:
+                if response.status == 503:
+                    refused += 1
+                    await response.read()
+                    continue
                 assert response.status == 200, await response.text()
                 async for line in response.content:
                     if first is None and b'"content"' in line:
@@ -123,7 +159,7 @@ async def load(port: int, requests: int, clients: int) -> list[float]:
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as session:
         await asyncio.gather(*(client(session) for _ in range(clients)))
-    return ttfts
+    return ttfts, refused
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -131,24 +167,25 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def run_setup(workdir: Path, name: str, requests: int, clients: int, kv_cache_tokens: int | None
+async def run_setup(workdir: Path, name: str, requests: int, clients: int, kv_cache_tokens: int
                     ) -> dict[str, float]:
-    engine_args, prefix_tokens = SETUPS[name]
-    process, port = start_gateway(workdir, engine_args, prefix_tokens, kv_cache_tokens)
+    engine_args, affinity = SETUPS[name]
+    process, port, log = start_gateway(workdir, engine_args, affinity, kv_cache_tokens)
     try:
         async with aiohttp.ClientSession() as session:
             ports = await worker_ports(session, port)
-        await load(port, 16, 2)  # warm-up (each engine's first steps are slow)
+        await load(port, 16, 2, "warm")  # warm-up (each engine's first steps are slow)
         async with aiohttp.ClientSession() as session:
             before = await worker_counts(session, ports)
         started = time.monotonic()
-        ttfts = await load(port, requests, clients)
+        ttfts, refused = await load(port, requests, clients, "run")
         seconds = time.monotonic() - started
         async with aiohttp.ClientSession() as session:
             after = await worker_counts(session, ports)
     finally:
         process.terminate()
         process.wait(timeout=60)
+    spread = tenant_replicas(log, "run")
     served = [a["requests"] - b["requests"] for a, b in zip(after, before)]
     busy = [(a["busy"] - b["busy"]) / seconds for a, b in zip(after, before)]
     queried = sum(a["queried"] - b["queried"] for a, b in zip(after, before))
@@ -156,9 +193,15 @@ async def run_setup(workdir: Path, name: str, requests: int, clients: int, kv_ca
     imbalance = max(served) / max(1.0, min(served))
     result = {"p50": percentile(ttfts, 0.5), "p99": percentile(ttfts, 0.99), "imbalance": imbalance}
     print(f"{name:>17}: TTFT p50 {result['p50'] * 1e3:7.0f} ms  p99 {result['p99'] * 1e3:7.0f} ms | "
-          f"{len(ttfts)} served in {seconds:5.1f} s | per worker {[int(s) for s in served]} "
+          f"{len(ttfts)} served, {refused} refused, in {seconds:5.1f} s | per worker {[int(s) for s in served]} "
           f"(imbalance {imbalance:.2f}x) | busy {[f'{b:.0%}' for b in busy]} | "
           f"prefix hits {hits / queried if queried else 0:.0%} of {int(queried)} prompt tokens")
+    # stickiness: a tenant whose requests all went to one worker finds its prompt there
+    majority = sum(max(c.values()) for c in spread.values()) / max(1, sum(sum(c.values()) for c in spread.values()))
+    homes = {tenant: sorted(c.items(), key=lambda item: -item[1]) for tenant, c in sorted(spread.items())}
+    print(f"{'':>17}  tenants served by both workers: {sum(1 for c in spread.values() if len(c) > 1)} of "
+          f"{len(spread)}; requests on their tenant's main worker: {majority:.0%}; per tenant, requests per "
+          f"worker: {[[n for _, n in sorted(spread[t].items())] for t in homes]}")
     return result
 
 
@@ -166,12 +209,17 @@ async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--clients", type=int, default=4)
-    parser.add_argument("--kv-cache-tokens", type=int, default=None)
+    parser.add_argument("--setups", default=";".join(SETUPS), help="which set-ups, separated by ';'")
+    parser.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_CACHE_TOKENS,
+                        help="each worker's KV cache (the engine's own default: 32768)")
     args = parser.parse_args()
-    print(f"KV cache per worker: {args.kv_cache_tokens or 'the engine default'} tokens")
+    print(f"KV cache per worker: {args.kv_cache_tokens} tokens (one tenant's prompt: "
+          f"~{len(system_prompt(0)) + 60} tokens)")
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: await run_setup(Path(tmp), name, args.requests, args.clients, args.kv_cache_tokens)
-                   for name in SETUPS}
+                   for name in args.setups.split(";")}
+    if not {"off", "cache", "cache + affinity"} <= results.keys():
+        return
     both, off, cache = results["cache + affinity"]["p50"], results["off"]["p50"], results["cache"]["p50"]
     verdict = lambda ok: "PASS" if ok else "FAIL"  # noqa: E731
     print(f"P50 TTFT, both on / both off = {both / off:.2f}x (bar <= 0.3x: {verdict(both <= 0.3 * off)})")
