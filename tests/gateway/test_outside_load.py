@@ -8,7 +8,6 @@ gauge; requests sent straight to the mock stand for a notebook or another servic
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import aiohttp
 import pytest
@@ -16,20 +15,14 @@ import pytest
 from tidegate.config import parse_config
 from tidegate.gateway.app import Gateway
 
-from support import free_port, start_process, tidegate_argv
-
 SLOTS = 4
 OUTSIDE = 3
 _CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 @pytest.fixture(scope="module")
-def mock_url() -> Iterator[str]:
-    port = free_port()
-    process = start_process(tidegate_argv("mock-upstream", "--port", str(port), "--tokens", "4"),
-                            ready_url=f"http://127.0.0.1:{port}/health", timeout_s=30)
-    yield f"http://127.0.0.1:{port}/v1"
-    process.stop()
+def mock_url(start_mock) -> str:
+    return start_mock(tokens=4).url
 
 
 def _config(mock_url: str) -> str:

@@ -89,6 +89,17 @@ async def rounds(*gateways: SharedDispatch, count: int = 3) -> None:
             await one.heartbeat()
 
 
+async def two_busy_gateways(url: str) -> tuple[tuple[SharedDispatch, _Body], tuple[SharedDispatch, _Body]]:
+    """Two gateways that joined, then each got 30 requests to send: settled after a few rounds."""
+    prefix = fresh_prefix()
+    (a, body_a), (b, body_b) = gateway(url, "a", prefix), gateway(url, "b", prefix)
+    await rounds(a, b)
+    body_a.queue(30)
+    body_b.queue(30)
+    await rounds(a, b)
+    return (a, body_a), (b, body_b)
+
+
 def grants(body: _Body) -> tuple[int, int]:
     return body.controller.slot_grant("r0"), body.controller.slot_grant("r1")
 
@@ -209,12 +220,7 @@ def test_the_config_splits_by_default_and_checks_the_member_ttl() -> None:
 
 def test_load_from_outside_the_gateways_leaves_fewer_slots_to_split(redis_server: tuple[object, str]) -> None:
     async def scenario() -> None:
-        prefix = fresh_prefix()
-        (a, body_a), (b, body_b) = gateway(redis_server[1], "a", prefix), gateway(redis_server[1], "b", prefix)
-        await rounds(a, b)
-        body_a.queue(30)
-        body_b.queue(30)
-        await rounds(a, b)
+        (a, body_a), (b, body_b) = await two_busy_gateways(redis_server[1])
         assert grants(body_a) == grants(body_b) == (SLOTS // 2, SLOTS // 2)
         # r0's engine runs 3 sequences past the gateways' 8 (a client of the engine itself), two scrapes running
         for _ in range(2):
