@@ -80,7 +80,11 @@ without it; a rule no scenario needs does not belong here):
    gateway's grant of it (`on_slot_grant`; the split is `policy.slot_split`'s), so that N gateways
    do not send N batches. (`tidegate.sim.active_active`: unsplit, three gateways at 2x capacity
    left the engines' queues deep and served fewer requests within target than one gateway;
-   `test_a_gateway_holds_no_more_than_its_grant_of_a_replica`)
+   `test_a_gateway_holds_no_more_than_its_grant_of_a_replica`). The same grant carries the load
+   from outside the gateways that the engines' gauges show (`policy.slot_split.OutsideLoad`): the
+   slots it leaves are what is split, or, for a gateway alone, what it may hold
+   (`sim.active_active.outside_load`, `test_load_sent_past_the_gateways_is_subtracted_from_the_slots_they_split`,
+   `test_requests_sent_straight_to_the_engine_leave_the_gateway_fewer_slots`)
 9. Preemption of background work: a request sent `preemptible` (re-runnable: a Batch API request,
    whose result is kept only when it ends) of a tier worse than a waiting request's is stopped
    when that request finds no slot it may take and would find one on the replica the stopped

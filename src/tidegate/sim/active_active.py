@@ -40,7 +40,8 @@ from tidegate.loadgen.arrivals import Poisson
 from tidegate.loadgen.mix import LengthDistribution
 from tidegate.sim.harness import Harness, TrafficClass, make_requests
 from tidegate.sim.scenarios import CHAT_OUTPUT, CHAT_PROMPT, DURATION_S, ScenarioRun, Verdict, replica_spec
-from tidegate.types import ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, ReplicaHealth, ReplicaLoad
+from tidegate.types import (ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, ReplicaHealth,
+                            ReplicaLoad)
 
 __all__ = ["GatewayFleet", "FleetRun", "run_fleet", "active_active", "outside_load"]
 
@@ -137,8 +138,9 @@ class GatewayFleet:
         for index, controller in enumerate(self.gateways):
             if now_s < self._next_scrape_s[index]:
                 continue
-            self._next_scrape_s[index] += self.scrape_s * max(1, int((now_s - self._next_scrape_s[index])
-                                                                      / self.scrape_s) + 1)
+            # the next reading after now, at this gateway's phase
+            missed = int((now_s - self._next_scrape_s[index]) / self.scrape_s)
+            self._next_scrape_s[index] += self.scrape_s * (missed + 1)
             for rid, load in loads.items():
                 others = sum(self._entries[k][rid].held for k in range(len(self.gateways))
                              if k != index and self._granted_once[k])
