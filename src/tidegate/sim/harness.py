@@ -49,6 +49,10 @@ class ClosedLoopClients:
     resend_s: float = 0.02  # a refusal's round trip: the resend cannot come sooner
     think_s: float = 0.0
     seed: int = 0
+    # each request opens with one of `prefixes` shared prompts of `prefix_tokens` (a tenant's system
+    # prompt, drawn uniformly), before its own `traffic.prompt_tokens`; 0: nothing shared
+    prefixes: int = 0
+    prefix_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,10 +261,17 @@ class Harness:
         if again is None:
             rng = self._client_rngs[client]
             prompt, output = int(traffic.prompt_tokens.sample(rng, 1)[0]), int(traffic.output_tokens.sample(rng, 1)[0])
+            shared = int(rng.integers(clients.prefixes)) if clients.prefixes else None
+            if shared is not None:
+                prompt += clients.prefix_tokens
             fingerprint = self._next_id + 1  # its resends keep it
         else:
             prompt, output, fingerprint = again.prompt_tokens, again.output_tokens, again.fingerprint
-        request = SimRequest(self._next_id, now_s, traffic.tenant, traffic.tier, prompt, output, fingerprint=fingerprint)
+            shared = again.shared_prefix
+        request = SimRequest(self._next_id, now_s, traffic.tenant,
+                             traffic.tier, prompt, output, shared_prefix=shared,
+                             shared_prefix_tokens=clients.prefix_tokens if shared is not None else 0,
+                             fingerprint=fingerprint)
         self._next_id += 1
         self._client_of[request.request_id] = client
         self._schedule(request)
