@@ -108,6 +108,20 @@ def test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_sav
     assert max(held.values()) <= 1.5 * min(held.values()) + 1
 
 
+def test_a_replica_with_few_requests_keeps_the_prefixes_it_holds() -> None:
+    """Three requests of a prefix decode where it is cached and the other replica is idle: the
+    fourth still goes where its prefix is (the cap spares a replica under a quarter of its slots);
+    a whole prompt elsewhere would cost more than three decodes."""
+    ctl = _controller()
+    _measure_both(ctl)
+    home = _send(ctl, _request(0, SYSTEM_A, "warm up"), 100.0)
+    ctl.on_first_token(100.7, 0)
+    ctl.on_finish(101.0, 0)
+    for i in range(1, 5):
+        assert _send(ctl, _request(i, SYSTEM_A, f"question {i}"), 101.0 + i) == home
+        ctl.on_first_token(101.05 + i, i)  # decoding from here on, held until the end
+
+
 def test_decodes_do_not_pile_onto_the_replica_that_looks_fastest() -> None:
     """r0's first tokens came fast (its prompts were cached), r1's slowly: r0 predicts the shorter
     time to first token whenever its prefill queue is empty, and nothing in the prediction counts

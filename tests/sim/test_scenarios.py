@@ -88,9 +88,15 @@ def test_a_killed_replica_costs_what_it_held_and_a_few_probes_with_the_others_bu
 
 
 def test_prefix_aware_routing_keeps_more_prompts_cached_without_piling_onto_one_replica() -> None:
-    # the scenario's bar (P50 <= 0.6x as a mean over six seeds) is not met: 0.62x; what holds on every
-    # seed is the mechanism: a shorter median, and the load spread within 1.5x
-    for seed in scenarios.PREFIX_SEEDS[:2]:
-        verdict = scenarios.prefix_affinity((seed,))
-        assert verdict.value("p50_ratio") < 0.9, verdict.figures
-        assert verdict.value("imbalance") <= 1.5, verdict.figures
+    # the bar is a mean over six seeds (0.57x); on every seed the median is shorter and the load
+    # spread within 1.5x
+    verdict = scenarios.prefix_affinity()
+    assert verdict.passed, verdict.figures
+
+
+def test_a_few_requests_where_their_prompts_are_cached_do_not_send_the_next_away_to_miss() -> None:
+    # bench/prefix_cache.py's closed loop on the embedded engine's profile; with the cap at the least
+    # busy replica's count + 1 alone (`PILE_UP_SLOT_SHARE` 0) 67 % of prompt tokens were cached
+    verdict = scenarios.prefix_clients(scenarios.PREFIX_CLIENT_SEEDS[:1])
+    assert verdict.passed, verdict.figures
+    assert verdict.value("hit") >= 0.85 and verdict.value("served_ratio") >= 1.2, verdict.figures
