@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
-from tidegate.policy.prefix import BLOCK_CHARS, PrefixIndex, prefix_blocks
+from tidegate.policy.prefix import BLOCK_CHARS, AffinityLoad, PrefixIndex, prefix_blocks
 from tidegate.policy.tiers import default_tiers
 from tidegate.types import PoolRequest
 
@@ -143,3 +143,57 @@ def test_decodes_do_not_pile_onto_the_replica_that_looks_fastest() -> None:
         ctl.on_first_token(now_s + 0.01, i)
         held[home] += 1
     assert max(held.values()) <= 1.5 * min(held.values()) + 1, held
+
+
+def test_affinity_load_decays_with_its_half_life_and_moves_a_prefix_whole() -> None:
+    load = AffinityLoad(half_life_s=10.0)
+    for _ in range(8):
+        load.record(0.0, "r0", key=7)
+    load.record(0.0, "r1", key=None)
+    assert load.replica_load(0.0, "r0") == 8 and load.prefix_load(0.0, 7) == 8
+    assert load.replica_load(10.0, "r0") == pytest.approx(4.0)  # a half-life later, half
+    load.move(10.0, 7, "r0", "r1")
+    assert load.replica_load(10.0, "r0") == pytest.approx(0.0)
+    assert load.replica_load(10.0, "r1") == pytest.approx(4.5)
+    with pytest.raises(ValueError):
+        AffinityLoad(half_life_s=0.0)
+
+
+def test_a_prefix_moves_only_when_it_evens_loads_out_by_more_than_noise() -> None:
+    load = AffinityLoad(half_life_s=1e9)  # no decay within the test
+    for _ in range(40):
+        load.record(0.0, "busy", key=1)  # the big prefix: moving it only flips the imbalance
+    for _ in range(20):
+        load.record(0.0, "busy", key=2)  # a middling one
+    for _ in range(2):
+        load.record(0.0, "busy", key=3)  # a tiny one: moving it narrows the gap by less than noise
+    for _ in range(20):
+        load.record(0.0, "idle", key=4)
+    # 62 against 20: the difference, 42, is over twice its noise (sqrt(82) ~ 9)
+    assert not load.worth_moving(0.0, 1, "busy", "idle")  # min(40, 2) = 2
+    assert not load.worth_moving(0.0, 3, "busy", "idle")  # min(2, 40) = 2
+    assert load.worth_moving(0.0, 2, "busy", "idle")  # min(20, 22) = 20 > 9
+    load.move(0.0, 2, "busy", "idle")
+    assert not load.worth_moving(0.0, 2, "idle", "busy")  # 42 against 40: no way back
+
+
+def test_a_busier_replica_hands_a_prefix_whole_to_a_quieter_one() -> None:
+    """Two prefixes whose first requests went to one replica, each answered before the next: that
+    replica serves every request (each is cached there) while the other idles, until one prefix
+    moves, whole, and each replica serves one."""
+    ctl = _controller()
+    _measure_both(ctl)
+    homes: dict[str, list[str]] = {"a": [], "b": []}
+    request_id, now_s = 0, 100.0
+    for round_ in range(30):
+        for name, system in (("a", SYSTEM_A), ("b", SYSTEM_B)):
+            homes[name].append(_send(ctl, _request(request_id, system, f"q {round_}"), now_s))
+            ctl.on_first_token(now_s + 0.05, request_id)
+            ctl.on_finish(now_s + 0.1, request_id)
+            request_id, now_s = request_id + 1, now_s + 0.2
+    assert homes["a"][0] == homes["b"][0]  # both started where the fitted line is fastest
+    moved = [name for name in "ab" if len(set(homes[name])) > 1]
+    assert len(moved) == 1, homes  # one prefix moved, once, whole
+    after = homes[moved[0]].index(next(r for r in homes[moved[0]] if r != homes[moved[0]][0]))
+    assert len(set(homes[moved[0]][after:])) == 1 and after < 10, homes
+    assert {homes["a"][-1], homes["b"][-1]} == {"r0", "r1"}

@@ -97,6 +97,13 @@ def test_prefix_aware_routing_keeps_more_prompts_cached_without_piling_onto_one_
 def test_a_few_requests_where_their_prompts_are_cached_do_not_send_the_next_away_to_miss() -> None:
     # bench/prefix_cache.py's closed loop on the embedded engine's profile; with the cap at the least
     # busy replica's count + 1 alone (`PILE_UP_SLOT_SHARE` 0) 67 % of prompt tokens were cached
-    verdict = scenarios.prefix_clients(scenarios.PREFIX_CLIENT_SEEDS[:1])
+    verdict = scenarios.prefix_clients(scenarios.PREFIX_CLIENT_SEEDS[:1], ())
     assert verdict.passed, verdict.figures
     assert verdict.value("hit") >= 0.85 and verdict.value("served_ratio") >= 1.2, verdict.figures
+
+
+def test_tenants_in_a_zipf_mix_are_spread_by_moving_whole_prefixes() -> None:
+    # seed 2 split 354 / 144 (2.46x, one replica 56 % busy) without `AffinityLoad`'s moves
+    verdict = scenarios.prefix_clients((), scenarios.PREFIX_SKEWED_SEEDS[1:2])
+    assert verdict.passed, verdict.figures
+    assert verdict.value("imbalance") <= 1.5, verdict.figures

@@ -115,10 +115,11 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import NamedTuple
 
 from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, is_routable, median
 from tidegate.policy.prediction import WaitPredictor, WorkUnit
-from tidegate.policy.prefix import BLOCK_TOKENS, PrefixIndex
+from tidegate.policy.prefix import BLOCK_TOKENS, AffinityLoad, PrefixIndex
 from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReason
 from tidegate.policy.resends import EarlyResends, HeldResends
 from tidegate.policy.shares import TenantShares
@@ -152,6 +153,8 @@ LOAD_IMBALANCE = 1.5
 # simulated bench/prefix_cache.py (`sim.scenarios.prefix_clients`) hit 67 % of prompt tokens and
 # served 408-423 requests in 120 s; with this floor, 90-92 % and 557-602
 PILE_UP_SLOT_SHARE = 0.25
+# the memory of `AffinityLoad`: how long ago a request still counts half in a replica's recent load
+AFFINITY_HALF_LIFE_S = 30.0
 REFUSED_NO_REPLICA = "no_replica"
 REFUSED_PREDICTED_MISS = "predicted_miss"
 REFUSED_EARLY_RESEND = "early_resend"  # resent before its Retry-After, held to its deadline, not served
@@ -219,6 +222,14 @@ class PoolSnapshot:
     retries_waiting: int
     replicas: tuple[ReplicaSnapshot, ...]
     held_resends: int = 0  # rule 10
+
+
+class _Pick(NamedTuple):
+    replica: _Replica
+    prefill_tokens: int  # its prompt's, less the prefix the replica probably holds
+    prefix_key: int | None  # the last block of the prefix it probably holds there (`AffinityLoad`)
+    moved_from: _Replica | None  # the replica its prefix was held at, moved from (rule 7)
+    moved_blocks: int  # how many of its prefix blocks that replica held
 
 
 @dataclass(slots=True)
@@ -296,6 +307,7 @@ class PoolController:
                                                  prefixes=PrefixIndex(prefix_blocks) if prefix_blocks else None)
                           for r in replicas}
         self._prefixes: dict[int | str, tuple[int, ...]] = {}  # queued requests' prefix blocks
+        self._affinity_load = AffinityLoad(AFFINITY_HALF_LIFE_S) if prefix_blocks else None
         self._order = list(self._replicas.values())
         self._queue = FairPriorityQueue(tiers, max_queued=settings.max_queued, tenant_weights=tenant_weights)
         self._predictor = WaitPredictor(WorkUnit.TOKENS)
@@ -640,11 +652,18 @@ class PoolController:
         picked = self._pick(now_s, tier, level, request.prompt_tokens, exclude, left_s, prefix)
         if picked is None:
             return None
-        replica, prefill_tokens = picked
+        replica, prefill_tokens = picked.replica, picked.prefill_tokens
         if prefix:
             self._prefixes.pop(request.request_id, None)
+            moved_from = picked.moved_from
+            if moved_from is not None and moved_from.prefixes is not None and picked.prefix_key is not None:
+                moved_from.prefixes.forget(prefix[:picked.moved_blocks])
+                self._affinity_load.move(now_s, picked.prefix_key, moved_from.config.replica_id,  # type: ignore[union-attr]
+                                         replica.config.replica_id)
             if replica.prefixes is not None:
                 replica.prefixes.record(prefix)
+        if self._affinity_load is not None:
+            self._affinity_load.record(now_s, replica.config.replica_id, picked.prefix_key)
         if dequeue_skip is not None:
             taken = self._queue.dequeue(now_s, dequeue_skip).request
             assert taken is not None and taken.request_id == request.request_id
@@ -675,9 +694,9 @@ class PoolController:
         return Assignment(request.request_id, rid, level)
 
     def _pick(self, now_s: float, tier: TierSpec, level: int, tokens: int, exclude: frozenset[str],
-              left_s: float, prefix: tuple[int, ...] = ()) -> tuple[_Replica, int] | None:
+              left_s: float, prefix: tuple[int, ...] = ()) -> _Pick | None:
         """The replica to send it to, and the prefill tokens it would cost there (its prompt's,
-        less the prefix that replica probably holds: `policy.prefix`)."""
+        less the prefix that replica probably holds: `policy.prefix`); None: none may take it now."""
         better_active = self._better_level_active(now_s, level)
         best: _Replica | None = None
         best_key: tuple[bool, float, int, int, float] | None = None
@@ -685,6 +704,7 @@ class PoolController:
         order, cursor = self._order, self._cursor
         count = len(order)
         best_index = 0
+        eligible: list[tuple[_Replica, int]] = []  # (replica, its prefill tokens there): all that may take it
         # rule 7: the prediction counts prefill, not the decodes a replica already runs
         load_cap = math.inf
         if prefix:
@@ -715,6 +735,7 @@ class PoolController:
             # a replica not yet measured predicts in tokens (an idle one, 0, is tried first); a
             # cached prefix also breaks ties there
             predicted_s = fit.predict_s(ahead + own) if fit is not None else float(ahead)
+            eligible.append((replica, own))
             piled_up = replica.requests > load_cap and replica.requests > PILE_UP_SLOT_SHARE * replica.slots()
             key = (piled_up, predicted_s, own, replica.requests, replica.load.kv_cache_usage)
             if best_key is None or key < best_key:
@@ -722,7 +743,26 @@ class PoolController:
         if best is None:
             return None
         self._cursor = (best_index + 1) % count
-        return best, best_tokens
+        return self._rebalanced(now_s, prefix, _Pick(best, best_tokens, None, None, 0), eligible)
+
+    def _rebalanced(self, now_s: float, prefix: tuple[int, ...], pick: _Pick,
+                    eligible: list[tuple[_Replica, int]]) -> _Pick:
+        """Rule 7's balance over time: a request whose prefix `pick.replica` holds goes instead to the
+        least loaded replica that may take it, its prefix moved there, when `AffinityLoad` says
+        their recent loads differ by more than noise and than the move shifts (a query)."""
+        source, balance = pick.replica, self._affinity_load
+        if not prefix or source.prefixes is None or balance is None:
+            return pick
+        matched = source.prefixes.matched(prefix)
+        if not matched:
+            return pick
+        key = prefix[matched - 1]
+        others = [(r, own) for r, own in eligible if r is not source]
+        if others:
+            target, own = min(others, key=lambda e: balance.replica_load(now_s, e[0].config.replica_id))
+            if balance.worth_moving(now_s, key, source.config.replica_id, target.config.replica_id):
+                return _Pick(target, own, key, source, matched)
+        return pick._replace(prefix_key=key)
 
     def _preempt_for(self, now_s: float, request: QueuedRequest) -> Preemption | None:
         """Rule 9: `request` found no slot; stop the youngest preemptible request of a worse tier whose

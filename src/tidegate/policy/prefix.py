@@ -15,10 +15,11 @@ prefill it saves (`test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
-__all__ = ["BLOCK_CHARS", "BLOCK_TOKENS", "MAX_BLOCKS", "prefix_blocks", "PrefixIndex"]
+__all__ = ["BLOCK_CHARS", "BLOCK_TOKENS", "MAX_BLOCKS", "prefix_blocks", "PrefixIndex", "AffinityLoad"]
 
 # ~16 tokens at ~4 characters a token: the engines' KV block (vLLM's and ours hold 16 tokens)
 BLOCK_CHARS = 64
@@ -62,6 +63,12 @@ class PrefixIndex:
             count += 1
         return count
 
+    def forget(self, blocks: tuple[int, ...]) -> None:
+        """`blocks` moved to another replica: not to be counted as held here any more (changes state;
+        the engine evicts them in its own time)."""
+        for block in blocks:
+            self._blocks.pop(block, None)
+
     def record(self, blocks: tuple[int, ...]) -> None:
         """`blocks` were just routed here: most recent now; the oldest past capacity forgotten.
         Recorded last block first, so that a prefix is forgotten from its tail, as its head is what
@@ -74,3 +81,63 @@ class PrefixIndex:
                 held[block] = None
         while len(held) > self.capacity_blocks:
             held.popitem(last=False)
+
+
+class AffinityLoad:
+    """Requests recently sent to each replica, and of them each prefix's, decaying with a half-life:
+    the load a replica carries and what moving one prefix elsewhere would shift.
+
+    Affinity keeps a prefix where it is cached, so the split of the pool's load between replicas is
+    the split of its prefixes, fixed when each was first sent. Popular and quiet tenants then land
+    unevenly: with tenants' traffic in a Zipf mix, one of two replicas served 2.5x the other's
+    requests at 56 % busy (`sim.scenarios.prefix_clients`, its skewed case). The controller moves a
+    whole prefix from a busier replica to the least busy one when the difference in recent load is
+    more than noise and more than the move itself shifts (`PoolController`, rule 7). Counted in
+    requests: a prefix's share of them is its tenant's share of the traffic, whatever its lengths."""
+
+    def __init__(self, half_life_s: float, capacity_prefixes: int = 4096) -> None:
+        if half_life_s <= 0 or capacity_prefixes < 1:
+            raise ValueError("half_life_s > 0 and capacity_prefixes >= 1 needed")
+        self.half_life_s = half_life_s
+        self.capacity_prefixes = capacity_prefixes
+        self._replicas: dict[str, tuple[float, float]] = {}  # replica -> (load, at)
+        self._prefixes: OrderedDict[int, tuple[float, float]] = OrderedDict()  # key block -> (load, at)
+
+    def _decayed(self, entry: tuple[float, float] | None, now_s: float) -> float:
+        if entry is None:
+            return 0.0
+        load, at_s = entry
+        return load * 0.5 ** (max(0.0, now_s - at_s) / self.half_life_s)
+
+    def replica_load(self, now_s: float, replica_id: str) -> float:
+        return self._decayed(self._replicas.get(replica_id), now_s)
+
+    def prefix_load(self, now_s: float, key: int) -> float:
+        return self._decayed(self._prefixes.get(key), now_s)
+
+    def record(self, now_s: float, replica_id: str, key: int | None) -> None:
+        """A request was sent to `replica_id`, with the prefix named by its block `key` (None: none)
+        (changes state)."""
+        self._replicas[replica_id] = (self.replica_load(now_s, replica_id) + 1.0, now_s)
+        if key is None:
+            return
+        self._prefixes[key] = (self.prefix_load(now_s, key) + 1.0, now_s)
+        self._prefixes.move_to_end(key)
+        while len(self._prefixes) > self.capacity_prefixes:
+            self._prefixes.popitem(last=False)
+
+    def move(self, now_s: float, key: int, source: str, target: str) -> None:
+        """The prefix `key` now goes to `target`: its recent load counts there (changes state)."""
+        shifted = self.prefix_load(now_s, key)
+        self._replicas[source] = (max(0.0, self.replica_load(now_s, source) - shifted), now_s)
+        self._replicas[target] = (self.replica_load(now_s, target) + shifted, now_s)
+
+    def worth_moving(self, now_s: float, key: int, source: str, target: str) -> bool:
+        """Would moving the prefix `key` from `source` to `target` even out their recent loads by more
+        than noise? The move narrows their difference d by 2 x min(m, d - m), m the prefix's own
+        load; that must be over twice the standard deviation the difference would have were requests
+        sent at random (a split noise alone makes is not corrected, and a move costs a prompt's
+        prefill). A move back then narrows nothing: no prefix moves back and forth."""
+        high, low = self.replica_load(now_s, source), self.replica_load(now_s, target)
+        moved = self.prefix_load(now_s, key)
+        return min(moved, high - low - moved) > math.sqrt(high + low)

@@ -53,6 +53,8 @@ class ClosedLoopClients:
     # prompt, drawn uniformly), before its own `traffic.prompt_tokens`; 0: nothing shared
     prefixes: int = 0
     prefix_tokens: int = 0
+    # how often each prefix is drawn, relative (`prefixes` of them); empty: uniformly
+    prefix_weights: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,7 +263,12 @@ class Harness:
         if again is None:
             rng = self._client_rngs[client]
             prompt, output = int(traffic.prompt_tokens.sample(rng, 1)[0]), int(traffic.output_tokens.sample(rng, 1)[0])
-            shared = int(rng.integers(clients.prefixes)) if clients.prefixes else None
+            shared = None
+            if clients.prefix_weights:
+                weights = np.asarray(clients.prefix_weights, dtype=float)
+                shared = int(rng.choice(len(weights), p=weights / weights.sum()))
+            elif clients.prefixes:
+                shared = int(rng.integers(clients.prefixes))
             if shared is not None:
                 prompt += clients.prefix_tokens
             fingerprint = self._next_id + 1  # its resends keep it
