@@ -69,9 +69,15 @@ without it; a rule no scenario needs does not belong here):
    tenants of `bench/prefix_cache.py` keep to their replicas. The prediction counts prefill
    only, so decodes could pile onto the replica that looks fastest (its last prompts were
    cached) or holds a hot prefix: for a request with a prompt prefix, a replica holding over
-   `LOAD_IMBALANCE` x the least busy one's requests (+1) is chosen only when no other can take it
+   `LOAD_IMBALANCE` x the least busy one's requests (+1), and over `PILE_UP_SLOT_SHARE` of its
+   slots, is chosen only when no other can take it
    (`test_requests_sharing_a_prefix_go_where_it_is_cached`,
-   `test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_saves`).
+   `test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_saves`,
+   `test_a_replica_with_few_requests_keeps_the_prefixes_it_holds`; `sim.scenarios.prefix_clients`).
+   Affinity fixes the split of load between replicas at the split of prefixes, so over time a
+   busier replica hands a whole prefix to the least loaded one when `policy.prefix.AffinityLoad`
+   says that evens their recent loads out by more than noise; the replica it left forgets it
+   (`test_a_busier_replica_hands_a_prefix_whole_to_a_quieter_one`; `prefix_clients`' Zipf mix).
    (`test_a_retry_goes_first_and_never_to_the_replica_that_failed_it`,
    `test_a_waiting_retry_leaves_the_replica_that_failed_it_to_the_queue`,
    `test_every_replica_down_refuses_every_waiting_request`; `replica_killed`: its breaker opens on

@@ -11,6 +11,8 @@ The controller (`policy.pool`) turns a match into the prefill tokens the replica
 routes by predicted time to the first token with that discount: affinity and load are weighed in one
 unit, so a hot prefix spreads to a second replica once the first one's queue costs more than the
 prefill it saves (`test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_saves`).
+Affinity also fixes how the pool's load splits between replicas: `AffinityLoad` keeps the recent
+load of each replica and each prefix, so that a busier replica can hand a whole prefix over.
 """
 
 from __future__ import annotations
