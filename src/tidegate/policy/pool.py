@@ -143,10 +143,11 @@ __all__ = ["ServiceClass", "PoolReplica", "PoolSettings", "ReplicaSnapshot", "Po
 
 REFUSED_UNKNOWN_TIER = "unknown_tier"
 # A request with a prompt prefix prefers a replica only while it holds at most this many times the
-# requests of the least busy one (+1), or `PILE_UP_SLOT_SHARE` of its slots if that is more. The predicted time to first
-# token counts prefill work, not the decodes a replica already runs: with engines caching prefixes, a
-# replica whose fitted speed looks best (its last prompts were cached) or that holds a hot prefix took
-# every request while its prefill queue was empty: 40 of a 40-request burst, 3x imbalance live
+# requests of the least busy one (+1), or `PILE_UP_SLOT_SHARE` of its slots if that is more. The
+# predicted time to first token counts prefill work, not the decodes a replica already runs: with
+# engines caching prefixes, a replica whose fitted speed looks best (its last prompts were cached)
+# or that holds a hot prefix took every request while its prefill queue was empty: 40 of a
+# 40-request burst, 3x imbalance live
 # (`test_decodes_do_not_pile_onto_the_replica_that_looks_fastest`,
 # `test_a_hot_prefix_spreads_once_its_replica_is_busier_than_the_prefill_it_saves`). Requests
 # without a prefix (short prompts, and the scenarios' modelled ones) route as before: on every
@@ -661,11 +662,11 @@ class PoolController:
         replica, prefill_tokens = picked.replica, picked.prefill_tokens
         if prefix:
             self._prefixes.pop(request.request_id, None)
-            moved_from = picked.moved_from
-            if moved_from is not None and moved_from.prefixes is not None and picked.prefix_key is not None:
-                moved_from.prefixes.forget(prefix[:picked.moved_blocks])
-                self._affinity_load.move(now_s, picked.prefix_key, moved_from.config.replica_id,  # type: ignore[union-attr]
-                                         replica.config.replica_id)
+            moved_from, balance = picked.moved_from, self._affinity_load
+            if moved_from is not None and moved_from.prefixes is not None and picked.prefix_key is not None \
+                    and balance is not None:
+                moved_from.prefixes.forget(prefix[:picked.moved_blocks])  # its next requests follow it
+                balance.move(now_s, picked.prefix_key, moved_from.config.replica_id, replica.config.replica_id)
             if replica.prefixes is not None:
                 replica.prefixes.record(prefix)
         if self._affinity_load is not None:
@@ -754,8 +755,8 @@ class PoolController:
     def _rebalanced(self, now_s: float, prefix: tuple[int, ...], pick: _Pick,
                     eligible: list[tuple[_Replica, int]]) -> _Pick:
         """Rule 7's balance over time: a request whose prefix `pick.replica` holds goes instead to the
-        least loaded replica that may take it, its prefix moved there, when `AffinityLoad` says
-        their recent loads differ by more than noise and than the move shifts (a query)."""
+        least loaded replica that may take it, its prefix moved there, when `AffinityLoad` says the
+        move evens their recent loads out by more than noise (a query)."""
         source, balance = pick.replica, self._affinity_load
         if not prefix or source.prefixes is None or balance is None:
             return pick
