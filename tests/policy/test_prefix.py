@@ -170,11 +170,20 @@ def test_a_prefix_moves_only_when_it_evens_loads_out_by_more_than_noise() -> Non
     for _ in range(20):
         load.record(0.0, "idle", key=4)
     # 62 against 20: the difference, 42, is over twice its noise (sqrt(82) ~ 9)
-    assert not load.worth_moving(0.0, 1, "busy", "idle")  # min(40, 2) = 2
-    assert not load.worth_moving(0.0, 3, "busy", "idle")  # min(2, 40) = 2
-    assert load.worth_moving(0.0, 2, "busy", "idle")  # min(20, 22) = 20 > 9
+    assert load.move_target(0.0, 1, "busy", ["idle"]) is None  # min(40, 2) = 2
+    assert load.move_target(0.0, 3, "busy", ["idle"]) is None  # min(2, 40) = 2
+    assert load.move_target(0.0, 2, "busy", ["idle"]) == "idle"  # min(20, 22) = 20 > 9
     load.move(0.0, 2, "busy", "idle")
-    assert not load.worth_moving(0.0, 2, "idle", "busy")  # 42 against 40: no way back
+    assert load.move_target(0.0, 2, "idle", ["busy"]) is None  # 42 against 40: no way back
+    assert load.move_target(0.0, 2, "idle", []) is None
+
+
+def test_affinity_load_keeps_its_loads_across_a_rebase() -> None:
+    load = AffinityLoad(half_life_s=1.0)
+    load.record(0.0, "r0", key=5)
+    load.record(100.0, "r0", key=5)  # past 64 half-lives: the grown loads are rebased first
+    assert load.replica_load(101.0, "r0") == pytest.approx(0.5)
+    assert load.prefix_load(100.0, 5) == pytest.approx(1.0)
 
 
 def test_a_busier_replica_hands_a_prefix_whole_to_a_quieter_one() -> None:

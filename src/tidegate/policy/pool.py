@@ -669,8 +669,8 @@ class PoolController:
                 balance.move(now_s, picked.prefix_key, moved_from.config.replica_id, replica.config.replica_id)
             if replica.prefixes is not None:
                 replica.prefixes.record(prefix)
-        if self._affinity_load is not None:
-            self._affinity_load.record(now_s, replica.config.replica_id, picked.prefix_key)
+            if self._affinity_load is not None:
+                self._affinity_load.record(now_s, replica.config.replica_id, picked.prefix_key)
         if dequeue_skip is not None:
             taken = self._queue.dequeue(now_s, dequeue_skip).request
             assert taken is not None and taken.request_id == request.request_id
@@ -711,7 +711,8 @@ class PoolController:
         order, cursor = self._order, self._cursor
         count = len(order)
         best_index = 0
-        eligible: list[tuple[_Replica, int]] = []  # (replica, its prefill tokens there): all that may take it
+        # (replica, its prefill tokens there): all that may take a request with a prefix (rule 7's moves)
+        eligible: list[tuple[_Replica, int]] | None = [] if prefix and self._affinity_load is not None else None
         # rule 7: the prediction counts prefill, not the decodes a replica already runs
         load_cap = math.inf
         if prefix:
@@ -742,7 +743,8 @@ class PoolController:
             # a replica not yet measured predicts in tokens (an idle one, 0, is tried first); a
             # cached prefix also breaks ties there
             predicted_s = fit.predict_s(ahead + own) if fit is not None else float(ahead)
-            eligible.append((replica, own))
+            if eligible is not None:
+                eligible.append((replica, own))
             piled_up = replica.requests > load_cap and replica.requests > PILE_UP_SLOT_SHARE * replica.slots()
             key = (piled_up, predicted_s, own, replica.requests, replica.load.kv_cache_usage)
             if best_key is None or key < best_key:
@@ -750,7 +752,8 @@ class PoolController:
         if best is None:
             return None
         self._cursor = (best_index + 1) % count
-        return self._rebalanced(now_s, prefix, _Pick(best, best_tokens, None, None, 0), eligible)
+        pick = _Pick(best, best_tokens, None, None, 0)
+        return pick if eligible is None else self._rebalanced(now_s, prefix, pick, eligible)
 
     def _rebalanced(self, now_s: float, prefix: tuple[int, ...], pick: _Pick,
                     eligible: list[tuple[_Replica, int]]) -> _Pick:
@@ -758,18 +761,18 @@ class PoolController:
         least loaded replica that may take it, its prefix moved there, when `AffinityLoad` says the
         move evens their recent loads out by more than noise (a query)."""
         source, balance = pick.replica, self._affinity_load
-        if not prefix or source.prefixes is None or balance is None:
+        if source.prefixes is None or balance is None:
             return pick
         matched = source.prefixes.matched(prefix)
         if not matched:
             return pick
         key = prefix[matched - 1]
-        others = [(r, own) for r, own in eligible if r is not source]
-        if others:
-            target, own = min(others, key=lambda e: balance.replica_load(now_s, e[0].config.replica_id))
-            if balance.worth_moving(now_s, key, source.config.replica_id, target.config.replica_id):
-                return _Pick(target, own, key, source, matched)
-        return pick._replace(prefix_key=key)
+        owns = {r.config.replica_id: (r, own) for r, own in eligible if r is not source}
+        target = balance.move_target(now_s, key, source.config.replica_id, owns)
+        if target is None:
+            return _Pick(source, pick.prefill_tokens, key, None, 0)
+        replica, own = owns[target]
+        return _Pick(replica, own, key, source, matched)
 
     def _preempt_for(self, now_s: float, request: QueuedRequest) -> Preemption | None:
         """Rule 9: `request` found no slot; stop the youngest preemptible request of a worse tier whose

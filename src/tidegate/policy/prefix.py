@@ -93,53 +93,71 @@ class AffinityLoad:
     the split of its prefixes, fixed when each was first sent. Popular and quiet tenants then land
     unevenly: with tenants' traffic in a Zipf mix, one of two replicas served 2.5x the other's
     requests at 56 % busy (`sim.scenarios.prefix_clients`, its skewed case). The controller moves a
-    whole prefix from a busier replica to the least busy one when the difference in recent load is
-    more than noise and more than the move itself shifts (`PoolController`, rule 7). Counted in
-    requests: a prefix's share of them is its tenant's share of the traffic, whatever its lengths."""
+    whole prefix from a busier replica to the least busy one when the move evens their recent loads
+    out by more than noise (`PoolController`, rule 7). Counted in requests with a prefix: a prefix's
+    share of them is its tenant's share of the traffic, whatever its lengths; requests without one
+    go where the load is least at once, and are not counted."""
 
     def __init__(self, half_life_s: float, capacity_prefixes: int = 4096) -> None:
         if half_life_s <= 0 or capacity_prefixes < 1:
             raise ValueError("half_life_s > 0 and capacity_prefixes >= 1 needed")
         self.half_life_s = half_life_s
         self.capacity_prefixes = capacity_prefixes
-        self._replicas: dict[str, tuple[float, float]] = {}  # replica -> (load, at)
-        self._prefixes: OrderedDict[int, tuple[float, float]] = OrderedDict()  # key block -> (load, at)
+        # loads are kept grown by 2^((t - origin) / half-life) at each request's time t, so that one
+        # power at the time asked turns them all into decayed loads (no power per entry)
+        self._origin_s = 0.0
+        self._replicas: dict[str, float] = {}
+        self._prefixes: OrderedDict[int, float] = OrderedDict()  # a prefix's last block -> its load
 
-    def _decayed(self, entry: tuple[float, float] | None, now_s: float) -> float:
-        if entry is None:
-            return 0.0
-        load, at_s = entry
-        return load * 0.5 ** (max(0.0, now_s - at_s) / self.half_life_s)
+    def _growth(self, now_s: float) -> float:
+        return 2.0 ** ((now_s - self._origin_s) / self.half_life_s)
 
     def replica_load(self, now_s: float, replica_id: str) -> float:
-        return self._decayed(self._replicas.get(replica_id), now_s)
+        return self._replicas.get(replica_id, 0.0) / self._growth(now_s)
 
     def prefix_load(self, now_s: float, key: int) -> float:
-        return self._decayed(self._prefixes.get(key), now_s)
+        return self._prefixes.get(key, 0.0) / self._growth(now_s)
 
     def record(self, now_s: float, replica_id: str, key: int | None) -> None:
-        """A request was sent to `replica_id`, with the prefix named by its block `key` (None: none)
-        (changes state)."""
-        self._replicas[replica_id] = (self.replica_load(now_s, replica_id) + 1.0, now_s)
+        """A request with a prefix was sent to `replica_id`; `key` names the prefix it found there
+        by its last block (None: none there yet) (changes state)."""
+        if now_s - self._origin_s > 64 * self.half_life_s:  # keep the grown loads within a float's range
+            self._rebase(now_s)
+        weight = self._growth(now_s)
+        self._replicas[replica_id] = self._replicas.get(replica_id, 0.0) + weight
         if key is None:
             return
-        self._prefixes[key] = (self.prefix_load(now_s, key) + 1.0, now_s)
+        self._prefixes[key] = self._prefixes.get(key, 0.0) + weight
         self._prefixes.move_to_end(key)
-        while len(self._prefixes) > self.capacity_prefixes:
+        if len(self._prefixes) > self.capacity_prefixes:
             self._prefixes.popitem(last=False)
 
     def move(self, now_s: float, key: int, source: str, target: str) -> None:
         """The prefix `key` now goes to `target`: its recent load counts there (changes state)."""
-        shifted = self.prefix_load(now_s, key)
-        self._replicas[source] = (max(0.0, self.replica_load(now_s, source) - shifted), now_s)
-        self._replicas[target] = (self.replica_load(now_s, target) + shifted, now_s)
+        shifted = self._prefixes.get(key, 0.0)
+        self._replicas[source] = max(0.0, self._replicas.get(source, 0.0) - shifted)
+        self._replicas[target] = self._replicas.get(target, 0.0) + shifted
 
-    def worth_moving(self, now_s: float, key: int, source: str, target: str) -> bool:
-        """Would moving the prefix `key` from `source` to `target` even out their recent loads by more
-        than noise? The move narrows their difference d by 2 x min(m, d - m), m the prefix's own
-        load; that must be over twice the standard deviation the difference would have were requests
-        sent at random (a split noise alone makes is not corrected, and a move costs a prompt's
-        prefill). A move back then narrows nothing: no prefix moves back and forth."""
-        high, low = self.replica_load(now_s, source), self.replica_load(now_s, target)
-        moved = self.prefix_load(now_s, key)
-        return min(moved, high - low - moved) > math.sqrt(high + low)
+    def move_target(self, now_s: float, key: int, source: str, candidates: Iterable[str]) -> str | None:
+        """The least loaded of `candidates` if moving the prefix `key` there from `source` evens their
+        recent loads out by more than noise, else None (a query). The move narrows their difference
+        d by 2 x min(m, d - m), m the prefix's own load; that must be over twice the standard
+        deviation the difference would have were requests sent at random (a split noise alone makes
+        is not corrected, and a move costs a prompt's prefill). A move back then narrows nothing: no
+        prefix moves back and forth."""
+        growth = self._growth(now_s)
+        target = min(candidates, key=lambda replica: self._replicas.get(replica, 0.0), default=None)
+        if target is None:
+            return None
+        high = self._replicas.get(source, 0.0) / growth
+        low = self._replicas.get(target, 0.0) / growth
+        moved = self._prefixes.get(key, 0.0) / growth
+        return target if min(moved, high - low - moved) > math.sqrt(high + low) else None
+
+    def _rebase(self, now_s: float) -> None:
+        """Loads grown to `now_s` become the new origin's (changes state; the loads they stand for do not)."""
+        shrink = 1.0 / self._growth(now_s)
+        self._origin_s = now_s
+        for loads in (self._replicas, self._prefixes):
+            for name in loads:
+                loads[name] *= shrink
