@@ -161,16 +161,18 @@ def _latencies(records: list[RequestRecord], simulated: list[list[SimRecord]]) -
     return rows
 
 
-def compare(label: str, records: list[RequestRecord], simulated: list[list[SimRecord]], surge: bool) -> bool:
-    """Live against each simulated arm; the bars hold the first (the shipped profile's)."""
+def compare(label: str, records: list[RequestRecord], simulated: list[list[SimRecord]], surge: bool,
+            names: tuple[str, ...] = ("shipped", "in situ")) -> bool:
+    """Live against each simulated arm (named by `names`); the bars hold the first (the shipped profile's)."""
     ok = True
     print(f"\n{label}: {len(records)} requests")
-    print(f"  {'':<12} {'live':>7} {'shipped':>8} {'diff':>6}  {'bar':<10} {'in situ':>8} {'diff':>6}")
+    print(f"  {'':<12} {'live':>7} {names[0]:>8} {'diff':>6}  {'bar':<10}" + "".join(f" {n:>8} {'diff':>6}" for n in names[1:]))
     for name, (live_v, *sims) in _latencies(records, simulated):
         diffs = [sim_v / live_v - 1.0 for sim_v in sims]
         ok &= abs(diffs[0]) <= 0.15
         print(f"  {name:<12} {live_v * 1000:>7.0f} {sims[0] * 1000:>8.0f} {diffs[0]:>+6.0%}  "
-              f"{'+-15% ' + ('PASS' if abs(diffs[0]) <= 0.15 else 'FAIL'):<10} {sims[1] * 1000:>8.0f} {diffs[1]:>+6.0%}")
+              f"{'+-15% ' + ('PASS' if abs(diffs[0]) <= 0.15 else 'FAIL'):<10}"
+              + "".join(f" {v * 1000:>8.0f} {d:>+6.0%}" for v, d in zip(sims[1:], diffs[1:])))
     live_refused = sum(1 for r in records if r.status in (429, 503))
     for name, live_n, sims_n, bar in (
             ("completed", sum(1 for r in records if r.ok), [sum(1 for r in run if r.served) for run in simulated], 0.05),
@@ -179,8 +181,8 @@ def compare(label: str, records: list[RequestRecord], simulated: list[list[SimRe
         diffs = [(n - live_n) / max(live_n, 1) for n in sims_n]
         verdict = "" if bar is None else f"+-{bar:.0%} {'PASS' if abs(diffs[0]) <= bar else 'FAIL'}"
         ok &= bar is None or abs(diffs[0]) <= bar
-        print(f"  {name:<12} {live_n:>7d} {sims_n[0]:>8d} {diffs[0]:>+6.0%}  {verdict:<10} {sims_n[1]:>8d} "
-              f"{diffs[1]:>+6.0%}")
+        print(f"  {name:<12} {live_n:>7d} {sims_n[0]:>8d} {diffs[0]:>+6.0%}  {verdict:<10}"
+              + "".join(f" {n:>8d} {d:>+6.0%}" for n, d in zip(sims_n[1:], diffs[1:])))
     others = sum(1 for r in records if not r.ok and r.status not in (429, 503))
     if others:
         print(f"  live requests failed otherwise (timeouts, errors): {others}")
@@ -224,12 +226,14 @@ async def main_async(args: argparse.Namespace) -> int:
         span = max(r.sent_s + r.e2e_s for r in done) - min(r.sent_s for r in done)
         capacity = len(done) / span
         shipped = load_profile(args.profile)
+        # earlier profiles, simulated on the same live requests: a new profile's before and after
+        baselines = [load_profile(p) for p in args.baseline_profile]
         # in situ: a profile fitted on the steps the two workers logged so far (warm-up and capacity)
         in_situ = calibrate_from_step_logs([str(p) for p in sorted(workdir.glob("steps-*.csv"))], name="in-situ",
                                            description="this run's capacity phase",
                                            attention_cost_tokens=shipped.attention_cost_tokens)
         print(f"capacity: live {capacity:.2f} req/s (closed loop, {CAPACITY_IN_FLIGHT} in flight)")
-        for profile in (shipped, in_situ):
+        for profile in (shipped, in_situ, *baselines):
             sim_closed = simulate(done, profile, config)
             sim_span = max(r.finish_s for r in sim_closed if r.served) - min(r.arrival_s for r in sim_closed)
             print(f"  the same requests on {profile.name}: {sim_span:.1f} s against {span:.1f} s live "
@@ -247,8 +251,9 @@ async def main_async(args: argparse.Namespace) -> int:
             print_cores(cpu_before, cpu_by_role(gateway_pid), result.elapsed_s)
             records = result.records
             shipped_run = simulate_run(records, shipped, config)
-            ok &= compare(f"{label} ({load * capacity:.1f} req/s)", records,
-                          [list(shipped_run.records), simulate(records, in_situ, config)], surge=load > 1)
+            others = [simulate(records, in_situ, config)] + [simulate(records, p, config) for p in baselines]
+            ok &= compare(f"{label} ({load * capacity:.1f} req/s)", records, [list(shipped_run.records), *others],
+                          surge=load > 1, names=("shipped", "in situ", *(p.name for p in baselines)))
             if args.out:
                 write_reports(Path(args.out) / f"{index}-{label.split()[0]}", result, shipped_run, config)
             await asyncio.sleep(5.0)  # let the surge's queue drain before the next phase
@@ -266,6 +271,8 @@ def main() -> int:
     parser.add_argument("--capacity-s", type=float, default=30.0)
     parser.add_argument("--profile", default="tiny-random-llama-cpu")
     parser.add_argument("--out", help="a directory for each phase's live and simulated reports")
+    parser.add_argument("--baseline-profile", action="append", default=[],
+                        help="a profile (name or file) simulated beside the shipped one on the same live requests")
     return asyncio.run(main_async(parser.parse_args()))
 
 
