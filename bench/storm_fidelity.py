@@ -52,6 +52,9 @@ from tidegate.simulate import Simulation, pool_controller  # noqa: E402
 
 SEEDS = (1, 2, 3)
 ARMS = ("fifo", "tidegate")
+# other work on the machine, in cores, past which a live arm is void: it slows the engines' steps
+# (a run with unit tests beside it took 0.5-1 core and made every step 1.5-2x slower)
+OTHER_WORK_CORES = 0.1
 
 
 def start_engines(processes: Processes, step_log: Path, caching: bool) -> list[str]:
@@ -105,8 +108,11 @@ def live_storm(clients: int, storm_s: float, caching: bool, workdir: Path) -> tu
             before, started_s = cpu_by_role(processes), time.monotonic()
             measured, busy, tokens_s = asyncio.run(storm(gateways[arm], clients, storm_s, upstreams))
             after, wall_s = cpu_by_role(processes), time.monotonic() - started_s
-            print(f"  {arm}: cores used: " + ", ".join(f"{role} {(after[role] - before[role]) / wall_s:.2f}"
-                                                     for role in after) + f" (of {os.cpu_count()})", flush=True)
+            cores = {role: (after[role] - before[role]) / wall_s for role in after}
+            print(f"  {arm}: cores used: " + ", ".join(f"{role} {used:.2f}" for role, used in cores.items())
+                  + f" (of {os.cpu_count()})" + (f"; CONTENDED: other work took {cores['other work']:.2f} cores, "
+                                                 "this arm's figures are void" if cores["other work"] > OTHER_WORK_CORES
+                                                 else ""), flush=True)
             results[arm] = {"completed": measured.completed, "within": measured.within_target,
                             "refused": measured.refused, "ttfts": measured.ttfts_s, "busy": busy,
                             "tokens_s": tokens_s}
