@@ -15,6 +15,10 @@ surge. The live arm shares 2 cores between the workers, the gateway and this loa
 profile was measured on one worker alone: the gap between them is part of what this measures, and
 each phase prints the cores each of them used. `--out DIR` writes each phase's live and simulated
 reports (the schema of `tidegate bench`) and their comparison (`tidegate report compare`).
+`--baseline-profile P` simulates P beside the shipped profile on the same requests; `--keep DIR`
+keeps the live run (its requests, the engines' step logs, the in-situ profile), and `--replay DIR
+--profile P` simulates it again on other profiles without a live run: a profile's before and after
+on one live run.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import argparse
 import asyncio
 import json
 import os
+import pickle
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -209,6 +215,39 @@ def write_reports(out: Path, result, simulated: SimRunResult, config: GatewayCon
     print(f"  reports: {out}/live, {out}/sim (tidegate report compare {out}/live/report.json {out}/sim/report.json)")
 
 
+PHASES = (("0.5x capacity", 0.5), ("0.8x capacity", 0.8), ("3x surge", 3.0))
+
+
+def simulated_side(done: list[RequestRecord], span: float, phases: list[tuple[str, float, list[RequestRecord]]],
+                   profiles: list[ReplicaProfile], config: GatewayConfig) -> bool:
+    """The live run's requests on each profile (the first one's bars count), phase by phase."""
+    for profile in profiles:
+        sim_closed = simulate(done, profile, config)
+        sim_span = max(r.finish_s for r in sim_closed if r.served) - min(r.arrival_s for r in sim_closed)
+        print(f"  the same requests on {profile.name}: {sim_span:.1f} s against {span:.1f} s live "
+              f"({span / sim_span - 1:+.0%} faster modelled)")
+    ok = True
+    for label, rate, records in phases:
+        simulated = [simulate(records, profile, config) for profile in profiles]
+        ok &= compare(f"{label} ({rate:.1f} req/s)", records, simulated, surge="surge" in label,
+                      names=("shipped", *(p.name for p in profiles[1:])))
+    return ok
+
+
+def replay(args: argparse.Namespace) -> int:
+    """`--keep`'s live run again, simulated on the profiles given now (live figures as they were)."""
+    kept = Path(args.replay)
+    saved = pickle.loads((kept / "live.pkl").read_bytes())
+    config = GatewayConfig.model_validate(saved["config"])
+    profiles = [load_profile(args.profile), load_profile(kept / "in-situ.json"),
+                *(load_profile(p) for p in args.baseline_profile)]
+    print(f"replay of {kept}: live capacity {saved['capacity']:.2f} req/s; profile {args.profile}")
+    ok = simulated_side(saved["done"], saved["span"], saved["phases"], profiles, config)
+    step_report(sorted(kept.glob("steps-*.csv")), args.profile)
+    print(f"\nall bars: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
 async def main_async(args: argparse.Namespace) -> int:
     processes = Processes()
     try:
@@ -235,32 +274,34 @@ async def main_async(args: argparse.Namespace) -> int:
                                            description="this run's capacity phase",
                                            attention_cost_tokens=shipped.attention_cost_tokens)
         print(f"capacity: live {capacity:.2f} req/s (closed loop, {CAPACITY_IN_FLIGHT} in flight)")
-        for profile in (shipped, in_situ, *baselines):
-            sim_closed = simulate(done, profile, config)
-            sim_span = max(r.finish_s for r in sim_closed if r.served) - min(r.arrival_s for r in sim_closed)
-            print(f"  the same requests on {profile.name}: {sim_span:.1f} s against {span:.1f} s live "
-                  f"({span / sim_span - 1:+.0%} faster modelled)")
         fit = in_situ.fit
         assert fit is not None
         print(f"  in-situ profile: step_s = {in_situ.cost.base_s * 1000:.1f} ms + {in_situ.cost.prefill_s_per_token * 1e6:.0f} "
               f"us/prefill token + decode table + {in_situ.cost.context_s_per_token * 1e9:.0f} ns/context token; "
               f"held-out shapes {fit.held_out_samples}, error mean {fit.held_out_mean:.1%} max {fit.held_out_max:.1%}")
-        ok = True
+        phases = []
         gateway_pid = processes.started[0].pid
-        for index, (label, load) in enumerate((("0.5x capacity", 0.5), ("0.8x capacity", 0.8), ("3x surge", 3.0))):
+        for index, (label, load) in enumerate(PHASES):
             cpu_before = cpu_by_role(gateway_pid)
             result = await live_run(url, load * capacity, args.phase_s, seed=10 + index)
             print_cores(cpu_before, cpu_by_role(gateway_pid), result.elapsed_s)
-            records = result.records
-            shipped_run = simulate_run(records, shipped, config)
-            others = [simulate(records, in_situ, config)] + [simulate(records, p, config) for p in baselines]
-            ok &= compare(f"{label} ({load * capacity:.1f} req/s)", records, [list(shipped_run.records), *others],
-                          surge=load > 1, names=("shipped", "in situ", *(p.name for p in baselines)))
+            phases.append((label, load * capacity, result.records))
             if args.out:
-                write_reports(Path(args.out) / f"{index}-{label.split()[0]}", result, shipped_run, config)
+                write_reports(Path(args.out) / f"{index}-{label.split()[0]}", result,
+                              simulate_run(result.records, shipped, config), config)
             await asyncio.sleep(5.0)  # let the surge's queue drain before the next phase
         processes.stop_all()  # the engines flush their step logs as they stop
+        ok = simulated_side(done, span, phases, [shipped, in_situ, *baselines], config)
         step_report(sorted(workdir.glob("steps-*.csv")), args.profile)
+        if args.keep:
+            kept = Path(args.keep)
+            kept.mkdir(parents=True, exist_ok=True)
+            (kept / "live.pkl").write_bytes(pickle.dumps({"config": config_dict, "capacity": capacity, "span": span,
+                                                          "done": done, "phases": phases}))
+            (kept / "in-situ.json").write_text(in_situ.to_json())
+            for log in workdir.glob("steps-*.csv"):
+                shutil.copy(log, kept / log.name)
+            print(f"kept: {kept} (python bench/sim_fidelity.py --replay {kept} --profile P)")
         print(f"\nall bars: {'PASS' if ok else 'FAIL'}")
         return 0 if ok else 1
     finally:
@@ -275,7 +316,10 @@ def main() -> int:
     parser.add_argument("--out", help="a directory for each phase's live and simulated reports")
     parser.add_argument("--baseline-profile", action="append", default=[],
                         help="a profile (name or file) simulated beside the shipped one on the same live requests")
-    return asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument("--keep", help="a directory to keep the live run in (requests, step logs, in-situ profile)")
+    parser.add_argument("--replay", help="no live run: simulate a kept one again on the profiles given")
+    args = parser.parse_args()
+    return replay(args) if args.replay else asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":
