@@ -6,8 +6,13 @@ standard tier's TTFT target, refusals, replicas busy. Each refusal's round trip 
 `--refusal-cpu-us` of CPU from the replicas' cores, as it does live where the gateway, the clients
 and the engines share a machine (`tidegate.sim.scenarios.SHARED_CORES_REFUSAL_CPU_S`; 0: the
 gateway and its clients on cores of their own). docs/overload-knobs.md compares it with the live run.
+The prompt is the storm's as the engine counts it (the chat template adds 19 tokens to its 250
+bytes), and every request sends the same one, which the engines' prefix cache computes once (13 of
+its 269 tokens a request): `--distinct-prompts` gives each request its own, as engines started with
+`--no-prefix-caching` compute them. bench/storm_fidelity.py runs the two side by side.
 
 Run: python bench/retry_storm_sim.py [--storm-s 40] [--prompt 250] [--output 32] [--refusal-cpu-us 190]
+     [--distinct-prompts]
 """
 
 from __future__ import annotations
@@ -21,6 +26,9 @@ from tidegate.sim.scenarios import SHARED_CORES_REFUSAL_CPU_S
 from tidegate.simulate import Simulation, pool_controller
 
 SEEDS = (1, 2, 3)
+# what the embedded engine's chat template adds to a user message, in its byte tokenizer's tokens:
+# <|im_start|> "user\n" ... <|im_end|> "\n" <|im_start|> "assistant\n"
+CHAT_TEMPLATE_TOKENS = 19
 
 
 def main() -> None:
@@ -30,12 +38,17 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=32)
     parser.add_argument("--refusal-cpu-us", type=float, default=SHARED_CORES_REFUSAL_CPU_S * 1e6,
                         help="CPU a refusal's round trip takes from the replicas' cores, in microseconds")
+    parser.add_argument("--distinct-prompts", action="store_true",
+                        help="each request its own prompt (engines without prefix caching)")
     args = parser.parse_args()
     sim = Simulation(replicas=2)
-    traffic = TrafficClass("t1", "standard", 1.0, LengthDistribution("const", args.prompt),
-                           LengthDistribution("const", args.output))
+    prompt = args.prompt + CHAT_TEMPLATE_TOKENS
+    traffic = TrafficClass("t1", "standard", 1.0, LengthDistribution("const", prompt),
+                           LengthDistribution("const", args.output),
+                           shared_prefix_tokens=0 if args.distinct_prompts else prompt)
     target_s = sim.tiers["standard"].ttft_target_s
-    print(f"profile {sim.profile.name}, 2 replicas, slot_limit {sim.slot_limit}; prompts {args.prompt} tokens, "
+    print(f"profile {sim.profile.name}, 2 replicas, slot_limit {sim.slot_limit}; prompts {prompt} tokens "
+          f"({'each its own' if args.distinct_prompts else 'one prompt, cached'}), "
           f"{args.output} answered; storm {args.storm_s:.0f} s; TTFT target {target_s:.0f} s; a refusal takes "
           f"{args.refusal_cpu_us:.0f} us of the replicas' CPU; mean of {len(SEEDS)} seeds")
     for clients in (64, 512):

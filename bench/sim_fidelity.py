@@ -15,6 +15,10 @@ surge. The live arm shares 2 cores between the workers, the gateway and this loa
 profile was measured on one worker alone: the gap between them is part of what this measures, and
 each phase prints the cores each of them used. `--out DIR` writes each phase's live and simulated
 reports (the schema of `tidegate bench`) and their comparison (`tidegate report compare`).
+`--baseline-profile P` simulates P beside the shipped profile on the same requests; `--keep DIR`
+keeps the live run (its requests, the engines' step logs, the in-situ profile), and `--replay DIR
+--profile P` simulates it again on other profiles without a live run: a profile's before and after
+on one live run.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import argparse
 import asyncio
 import json
 import os
+import pickle
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -69,13 +75,15 @@ def step_report(paths: list[Path], profile_name: str) -> None:
     kinds: dict[str, list[float]] = {}
     for path in paths:
         for line in path.read_text().splitlines():
-            _, step_s, prefill, decodes, context = (float(v) for v in line.split(","))
+            fields = [float(v) for v in line.split(",")]
+            step_s, prefill, decodes, context = fields[1:5]
+            pairs = fields[6] if len(fields) == 7 else 0.0  # a log of the old form: none
             kind = "decode only" if prefill == 0 else "prefill only" if decodes == 0 else "mixed"
             kinds.setdefault(kind, [0.0, 0.0, 0.0])
             totals = kinds[kind]
             totals[0] += 1
             totals[1] += step_s
-            totals[2] += cost.step_s(int(prefill), int(decodes), int(context))
+            totals[2] += cost.step_s(int(prefill), int(decodes), int(context), pairs)
     print(f"\nlive engine steps against {profile_name}'s prediction for each:")
     for kind, (count, measured_s, predicted_s) in sorted(kinds.items()):
         print(f"  {kind:<13} {int(count):>6} steps  measured {measured_s:7.1f} s  predicted {predicted_s:7.1f} s  "
@@ -161,16 +169,18 @@ def _latencies(records: list[RequestRecord], simulated: list[list[SimRecord]]) -
     return rows
 
 
-def compare(label: str, records: list[RequestRecord], simulated: list[list[SimRecord]], surge: bool) -> bool:
-    """Live against each simulated arm; the bars hold the first (the shipped profile's)."""
+def compare(label: str, records: list[RequestRecord], simulated: list[list[SimRecord]], surge: bool,
+            names: tuple[str, ...] = ("shipped", "in situ")) -> bool:
+    """Live against each simulated arm (named by `names`); the bars hold the first (the shipped profile's)."""
     ok = True
     print(f"\n{label}: {len(records)} requests")
-    print(f"  {'':<12} {'live':>7} {'shipped':>8} {'diff':>6}  {'bar':<10} {'in situ':>8} {'diff':>6}")
+    print(f"  {'':<12} {'live':>7} {names[0]:>8} {'diff':>6}  {'bar':<10}" + "".join(f" {n:>8} {'diff':>6}" for n in names[1:]))
     for name, (live_v, *sims) in _latencies(records, simulated):
         diffs = [sim_v / live_v - 1.0 for sim_v in sims]
         ok &= abs(diffs[0]) <= 0.15
         print(f"  {name:<12} {live_v * 1000:>7.0f} {sims[0] * 1000:>8.0f} {diffs[0]:>+6.0%}  "
-              f"{'+-15% ' + ('PASS' if abs(diffs[0]) <= 0.15 else 'FAIL'):<10} {sims[1] * 1000:>8.0f} {diffs[1]:>+6.0%}")
+              f"{'+-15% ' + ('PASS' if abs(diffs[0]) <= 0.15 else 'FAIL'):<10}"
+              + "".join(f" {v * 1000:>8.0f} {d:>+6.0%}" for v, d in zip(sims[1:], diffs[1:])))
     live_refused = sum(1 for r in records if r.status in (429, 503))
     for name, live_n, sims_n, bar in (
             ("completed", sum(1 for r in records if r.ok), [sum(1 for r in run if r.served) for run in simulated], 0.05),
@@ -179,8 +189,8 @@ def compare(label: str, records: list[RequestRecord], simulated: list[list[SimRe
         diffs = [(n - live_n) / max(live_n, 1) for n in sims_n]
         verdict = "" if bar is None else f"+-{bar:.0%} {'PASS' if abs(diffs[0]) <= bar else 'FAIL'}"
         ok &= bar is None or abs(diffs[0]) <= bar
-        print(f"  {name:<12} {live_n:>7d} {sims_n[0]:>8d} {diffs[0]:>+6.0%}  {verdict:<10} {sims_n[1]:>8d} "
-              f"{diffs[1]:>+6.0%}")
+        print(f"  {name:<12} {live_n:>7d} {sims_n[0]:>8d} {diffs[0]:>+6.0%}  {verdict:<10}"
+              + "".join(f" {n:>8d} {d:>+6.0%}" for n, d in zip(sims_n[1:], diffs[1:])))
     others = sum(1 for r in records if not r.ok and r.status not in (429, 503))
     if others:
         print(f"  live requests failed otherwise (timeouts, errors): {others}")
@@ -205,6 +215,39 @@ def write_reports(out: Path, result, simulated: SimRunResult, config: GatewayCon
     print(f"  reports: {out}/live, {out}/sim (tidegate report compare {out}/live/report.json {out}/sim/report.json)")
 
 
+PHASES = (("0.5x capacity", 0.5), ("0.8x capacity", 0.8), ("3x surge", 3.0))
+
+
+def simulated_side(done: list[RequestRecord], span: float, phases: list[tuple[str, float, list[RequestRecord]]],
+                   profiles: list[ReplicaProfile], config: GatewayConfig) -> bool:
+    """The live run's requests on each profile (the first one's bars count), phase by phase."""
+    for profile in profiles:
+        sim_closed = simulate(done, profile, config)
+        sim_span = max(r.finish_s for r in sim_closed if r.served) - min(r.arrival_s for r in sim_closed)
+        print(f"  the same requests on {profile.name}: {sim_span:.1f} s against {span:.1f} s live "
+              f"({span / sim_span - 1:+.0%} faster modelled)")
+    ok = True
+    for label, rate, records in phases:
+        simulated = [simulate(records, profile, config) for profile in profiles]
+        ok &= compare(f"{label} ({rate:.1f} req/s)", records, simulated, surge="surge" in label,
+                      names=("shipped", *(p.name for p in profiles[1:])))
+    return ok
+
+
+def replay(args: argparse.Namespace) -> int:
+    """`--keep`'s live run again, simulated on the profiles given now (live figures as they were)."""
+    kept = Path(args.replay)
+    saved = pickle.loads((kept / "live.pkl").read_bytes())
+    config = GatewayConfig.model_validate(saved["config"])
+    profiles = [load_profile(args.profile), load_profile(kept / "in-situ.json"),
+                *(load_profile(p) for p in args.baseline_profile)]
+    print(f"replay of {kept}: live capacity {saved['capacity']:.2f} req/s; profile {args.profile}")
+    ok = simulated_side(saved["done"], saved["span"], saved["phases"], profiles, config)
+    step_report(sorted(kept.glob("steps-*.csv")), args.profile)
+    print(f"\nall bars: {'PASS' if ok else 'FAIL'}")
+    return 0 if ok else 1
+
+
 async def main_async(args: argparse.Namespace) -> int:
     processes = Processes()
     try:
@@ -224,36 +267,41 @@ async def main_async(args: argparse.Namespace) -> int:
         span = max(r.sent_s + r.e2e_s for r in done) - min(r.sent_s for r in done)
         capacity = len(done) / span
         shipped = load_profile(args.profile)
+        # earlier profiles, simulated on the same live requests: a new profile's before and after
+        baselines = [load_profile(p) for p in args.baseline_profile]
         # in situ: a profile fitted on the steps the two workers logged so far (warm-up and capacity)
         in_situ = calibrate_from_step_logs([str(p) for p in sorted(workdir.glob("steps-*.csv"))], name="in-situ",
                                            description="this run's capacity phase",
                                            attention_cost_tokens=shipped.attention_cost_tokens)
         print(f"capacity: live {capacity:.2f} req/s (closed loop, {CAPACITY_IN_FLIGHT} in flight)")
-        for profile in (shipped, in_situ):
-            sim_closed = simulate(done, profile, config)
-            sim_span = max(r.finish_s for r in sim_closed if r.served) - min(r.arrival_s for r in sim_closed)
-            print(f"  the same requests on {profile.name}: {sim_span:.1f} s against {span:.1f} s live "
-                  f"({span / sim_span - 1:+.0%} faster modelled)")
         fit = in_situ.fit
         assert fit is not None
         print(f"  in-situ profile: step_s = {in_situ.cost.base_s * 1000:.1f} ms + {in_situ.cost.prefill_s_per_token * 1e6:.0f} "
               f"us/prefill token + decode table + {in_situ.cost.context_s_per_token * 1e9:.0f} ns/context token; "
               f"held-out shapes {fit.held_out_samples}, error mean {fit.held_out_mean:.1%} max {fit.held_out_max:.1%}")
-        ok = True
+        phases = []
         gateway_pid = processes.started[0].pid
-        for index, (label, load) in enumerate((("0.5x capacity", 0.5), ("0.8x capacity", 0.8), ("3x surge", 3.0))):
+        for index, (label, load) in enumerate(PHASES):
             cpu_before = cpu_by_role(gateway_pid)
             result = await live_run(url, load * capacity, args.phase_s, seed=10 + index)
             print_cores(cpu_before, cpu_by_role(gateway_pid), result.elapsed_s)
-            records = result.records
-            shipped_run = simulate_run(records, shipped, config)
-            ok &= compare(f"{label} ({load * capacity:.1f} req/s)", records,
-                          [list(shipped_run.records), simulate(records, in_situ, config)], surge=load > 1)
+            phases.append((label, load * capacity, result.records))
             if args.out:
-                write_reports(Path(args.out) / f"{index}-{label.split()[0]}", result, shipped_run, config)
+                write_reports(Path(args.out) / f"{index}-{label.split()[0]}", result,
+                              simulate_run(result.records, shipped, config), config)
             await asyncio.sleep(5.0)  # let the surge's queue drain before the next phase
         processes.stop_all()  # the engines flush their step logs as they stop
+        ok = simulated_side(done, span, phases, [shipped, in_situ, *baselines], config)
         step_report(sorted(workdir.glob("steps-*.csv")), args.profile)
+        if args.keep:
+            kept = Path(args.keep)
+            kept.mkdir(parents=True, exist_ok=True)
+            (kept / "live.pkl").write_bytes(pickle.dumps({"config": config_dict, "capacity": capacity, "span": span,
+                                                          "done": done, "phases": phases}))
+            (kept / "in-situ.json").write_text(in_situ.to_json())
+            for log in workdir.glob("steps-*.csv"):
+                shutil.copy(log, kept / log.name)
+            print(f"kept: {kept} (python bench/sim_fidelity.py --replay {kept} --profile P)")
         print(f"\nall bars: {'PASS' if ok else 'FAIL'}")
         return 0 if ok else 1
     finally:
@@ -266,7 +314,12 @@ def main() -> int:
     parser.add_argument("--capacity-s", type=float, default=30.0)
     parser.add_argument("--profile", default="tiny-random-llama-cpu")
     parser.add_argument("--out", help="a directory for each phase's live and simulated reports")
-    return asyncio.run(main_async(parser.parse_args()))
+    parser.add_argument("--baseline-profile", action="append", default=[],
+                        help="a profile (name or file) simulated beside the shipped one on the same live requests")
+    parser.add_argument("--keep", help="a directory to keep the live run in (requests, step logs, in-situ profile)")
+    parser.add_argument("--replay", help="no live run: simulate a kept one again on the profiles given")
+    args = parser.parse_args()
+    return replay(args) if args.replay else asyncio.run(main_async(args))
 
 
 if __name__ == "__main__":

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from tests.sim.support import OUTPUT_TOKENS, PROMPT_TOKENS, capacity_rps, poisson_requests, run_fifo
+from tests.sim.support import (OUTPUT_TOKENS, PROMPT_TOKENS, SLOT_LIMIT, capacity_rps, chat_class, poisson_requests,
+                               run_fifo)
+from tidegate.loadgen.arrivals import Poisson
+from tidegate.loadgen.mix import LengthDistribution
 from tidegate.loadgen.trace import Trace
 from tidegate.policy.health import BreakerState
 from tidegate.policy.tiers import TierSpec, TierTable
 from tidegate.sim.capacity import patient_tiers
-from tidegate.sim.fifo import REFUSED_QUEUE_FULL, REFUSED_QUEUE_WAIT, REFUSED_UNKNOWN_TIER
-from tidegate.sim.harness import KillReplica, requests_from_trace
-from tidegate.sim.replica import FAILURE_KILLED
+from tidegate.sim.fifo import REFUSED_QUEUE_FULL, REFUSED_QUEUE_WAIT, REFUSED_UNKNOWN_TIER, FifoDispatcher
+from tidegate.sim.harness import (ClosedLoopClients, Harness, KillReplica, RunResult, TrafficClass, make_requests,
+                                  requests_from_trace)
+from tidegate.sim.replica import FAILURE_KILLED, ReplicaSpec
 from tidegate.sim.report import summarize
 from tidegate.sim.seam import SimRequest
 
@@ -99,3 +103,32 @@ def test_a_trace_replays_one_request_per_row_at_its_offset() -> None:
         (0.0, 100, 5), (0.5, 1, 3), (1.25, 40, 1)]  # a zero count still costs a token
     result, _ = run_fifo(requests)
     assert [r.arrival_s for r in result.records] == [0.0, 0.5, 1.25] and all(r.served for r in result.records)
+
+
+def _storm(shared_prefix_tokens: int) -> RunResult:
+    """bench/storm_fidelity.py's storm, small: closed-loop clients sending a 269-token prompt."""
+    traffic = TrafficClass("acme", "standard", 1.0, LengthDistribution("const", 269), LengthDistribution("const", 32),
+                           shared_prefix_tokens=shared_prefix_tokens)
+    harness = Harness([ReplicaSpec("r0")], FifoDispatcher(["r0"], patient_tiers(), slot_limit=SLOT_LIMIT))
+    return harness.run((), clients=ClosedLoopClients(SLOT_LIMIT, traffic, 0.0, 20.0, seed=1))
+
+
+def test_a_class_that_sends_one_prompt_is_computed_once_by_the_prefix_cache() -> None:
+    # live, the storm's engines compute 13 of its 269 prompt tokens (16 cached blocks of 16): the
+    # simulator, given no shared prefix, computed all of them and completed half what live did
+    shared, own = _storm(269), _storm(0)
+    done_shared = sum(1 for r in shared.records if r.served and r.finish_s < 20.0)
+    done_own = sum(1 for r in own.records if r.served and r.finish_s < 20.0)
+    assert done_shared > 1.5 * done_own
+    assert shared.replicas[0].generated_tokens > own.replicas[0].generated_tokens
+
+
+def test_requests_of_a_class_with_a_shared_prefix_carry_it() -> None:
+    traffic = TrafficClass("acme", "standard", 1.0, LengthDistribution("const", 100), LengthDistribution("const", 8),
+                           shared_prefix_tokens=64)
+    requests = make_requests(Poisson(5.0), 2.0, [chat_class(), traffic], seed=3)
+    shared = [r for r in requests if r.shared_prefix is not None]
+    assert shared and all(r.shared_prefix == 1 and r.shared_prefix_tokens == 64 for r in shared)
+    ids = [r.prompt_token_ids() for r in shared]
+    assert all(i[:64] == ids[0][:64] and i[64:] != ids[0][64:] for i in ids[1:])
+    assert all(r.prompt_token_ids() is None for r in requests if r.shared_prefix is None)

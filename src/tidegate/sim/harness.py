@@ -31,6 +31,11 @@ class TrafficClass:
     share: float  # relative weight among the classes of a scenario
     prompt_tokens: LengthDistribution
     output_tokens: LengthDistribution
+    # every request of the class starts with the same this many tokens (a system prompt; a load
+    # test that sends one prompt again and again shares all of it), which a replica's prefix cache
+    # computes once: bench/storm_fidelity.py's storm sends one prompt, and an engine with prefix
+    # caching computes 13 of its 269 tokens. 0: each request's prompt is its own
+    shared_prefix_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,9 +165,24 @@ def make_requests(arrivals: ArrivalProcess, duration_s: float, classes: Sequence
         outputs[mask] = traffic.output_tokens.sample(rng, int(mask.sum()))
     return tuple(
         SimRequest(i, float(offsets_s[i]), classes[which[i]].tenant, classes[which[i]].tier, int(prompts[i]),
-                   int(outputs[i]))
+                   int(outputs[i]), **_shared_prefix(classes[which[i]], int(which[i])))
         for i in range(len(offsets_s))
     )
+
+
+def _shared_prefix(traffic: TrafficClass, index: int) -> dict[str, int]:
+    """A request's shared-prefix fields: the class's prefix, named by the class's index."""
+    if not traffic.shared_prefix_tokens:
+        return {}
+    return {"shared_prefix": index, "shared_prefix_tokens": traffic.shared_prefix_tokens}
+
+
+def _drawn_prefix(clients: ClosedLoopClients, rng: np.random.Generator) -> int | None:
+    """Which of the clients' shared prefixes a request opens with (None: the clients share none)."""
+    if clients.prefix_weights:
+        weights = np.asarray(clients.prefix_weights, dtype=float)
+        return int(rng.choice(len(weights), p=weights / weights.sum()))
+    return int(rng.integers(clients.prefixes)) if clients.prefixes else None
 
 
 def requests_from_trace(trace: Trace, tenant: str = "trace", tier: str = "standard") -> tuple[SimRequest, ...]:
@@ -263,22 +283,18 @@ class Harness:
         if again is None:
             rng = self._client_rngs[client]
             prompt, output = int(traffic.prompt_tokens.sample(rng, 1)[0]), int(traffic.output_tokens.sample(rng, 1)[0])
-            shared = None
-            if clients.prefix_weights:
-                weights = np.asarray(clients.prefix_weights, dtype=float)
-                shared = int(rng.choice(len(weights), p=weights / weights.sum()))
-            elif clients.prefixes:
-                shared = int(rng.integers(clients.prefixes))
-            if shared is not None:
+            shared = _drawn_prefix(clients, rng)
+            if shared is None:
+                fields = _shared_prefix(traffic, 0)
+            else:  # one of the clients' prefixes, before the class's own prompt
+                fields = {"shared_prefix": shared, "shared_prefix_tokens": clients.prefix_tokens}
                 prompt += clients.prefix_tokens
             fingerprint = self._next_id + 1  # its resends keep it
         else:
             prompt, output, fingerprint = again.prompt_tokens, again.output_tokens, again.fingerprint
-            shared = again.shared_prefix
-        request = SimRequest(self._next_id, now_s, traffic.tenant,
-                             traffic.tier, prompt, output, shared_prefix=shared,
-                             shared_prefix_tokens=clients.prefix_tokens if shared is not None else 0,
-                             fingerprint=fingerprint)
+            fields = {"shared_prefix": again.shared_prefix, "shared_prefix_tokens": again.shared_prefix_tokens}
+        request = SimRequest(self._next_id, now_s, traffic.tenant, traffic.tier, prompt, output, fingerprint=fingerprint,
+                             **fields)  # type: ignore[arg-type]
         self._next_id += 1
         self._client_of[request.request_id] = client
         self._schedule(request)
