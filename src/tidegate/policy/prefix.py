@@ -94,9 +94,9 @@ class AffinityLoad:
     unevenly: with tenants' traffic in a Zipf mix, one of two replicas served 2.5x the other's
     requests at 56 % busy (`sim.scenarios.prefix_clients`, its skewed case). The controller moves a
     whole prefix from a busier replica to the least busy one when their recent loads differ by more
-    than noise and the move evens them out (`move_target`; `PoolController`, rule 7). Counted in requests with a prefix: a prefix's
-    share of them is its tenant's share of the traffic, whatever its lengths; requests without one
-    go where the load is least at once, and are not counted."""
+    than noise and the move evens them out (`move_target`; `PoolController`, rule 7). Counted in
+    requests with a prefix: a prefix's share of them is its tenant's share of the traffic, whatever
+    its lengths; requests without one go where the load is least at once, and are not counted."""
 
     def __init__(self, half_life_s: float, capacity_prefixes: int = 4096) -> None:
         if half_life_s <= 0 or capacity_prefixes < 1:
