@@ -180,16 +180,14 @@ def step_report(paths: list[Path], profile: ReplicaProfile) -> None:
     groups: dict[tuple[str, str], list[float]] = {}
     for path in paths:
         for line in path.read_text().splitlines():
-            fields = [float(v) for v in line.split(",")]
-            step_s, prefill, decodes, context = fields[1:5]
-            pairs = fields[6] if len(fields) == 7 else 0.0  # a log of the old form: none
+            _, step_s, prefill, decodes, context = (float(v) for v in line.split(","))
             kind = "decode only" if prefill == 0 else "prefill only" if decodes == 0 else "mixed"
             batch = "0" if decodes == 0 else "1-7" if decodes < 8 else "8-23" if decodes < 24 else "24+"
             for key in ((kind, "all"), (kind, batch)):
                 totals = groups.setdefault(key, [0, 0.0, 0.0, 0.0, 0.0])
                 totals[0] += 1
                 totals[1] += step_s
-                totals[2] += cost.step_s(int(prefill), int(decodes), int(context), pairs)
+                totals[2] += cost.step_s(int(prefill), int(decodes), int(context))
                 totals[3] += prefill
                 totals[4] += context
     print(f"  {'kind':<13} {'decodes':>7} {'steps':>6} {'prefill':>8} {'context':>8} {'measured':>9} "
