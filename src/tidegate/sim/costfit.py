@@ -8,7 +8,9 @@ Two kinds of measurement, both readable from outside any OpenAI-compatible engin
   one decode step of batch B.
 Each is linear in the model's costs (`StepCostModel`: a step's fixed cost, a prefill token's, a
 context token's, and the decode batch's at each batch size measured), so they are fitted together
-by least squares on relative error (a 15 ms step counts as much as a 1 s prefill), costs kept >= 0.
+by least squares on relative error (a 15 ms step counts as much as a 1 s prefill), costs kept >= 0,
+each sample's error relative to what the model predicts for it (so that the fit predicts the mean
+time of a shape, not less: a throughput is a sum of step times).
 A measured TTFT also carries the request's trip through HTTP (about a millisecond here): it is not
 fitted apart, since with prompts of one step it cannot be told from a step's fixed cost, and
 trying made the fixed cost come out 0 on tiny-random-llama. It counts in the fixed cost.
@@ -102,8 +104,9 @@ def predict_s(fit: CostFit, sample: Sample, max_batch_tokens: int, attention_cos
 
 def fit_cost_model(samples: Sequence[Sample], max_batch_tokens: int,
                    attention_cost_tokens: int | None = None) -> CostFit:
-    """Least squares on relative error, every cost >= 0 (a cost fitted negative is dropped to 0 and
-    the rest refitted: noise must not make a longer batch cheaper).
+    """Least squares on relative error (relative to the model's prediction: see below), every cost
+    >= 0 (a cost fitted negative is dropped to 0 and the rest refitted: noise must not make a longer
+    batch cheaper).
 
     Unknowns: the fixed cost of a step, the cost of a prefill token and of a context token, and
     the decode cost at each batch size measured (`decode_s_by_batch`; the
