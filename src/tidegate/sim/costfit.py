@@ -138,13 +138,12 @@ def fit_cost_model(samples: Sequence[Sample], max_batch_tokens: int,
     # relative error, each row scaled by what the model predicts for it rather than by its own
     # measured time: scaled by its own time, a step that ran slow (the OS, a neighbour) counts for
     # less than one that ran fast, and the fit comes out below the mean step. On the 9,329 steps
-    # two workers logged in one bench/sim_fidelity.py run it predicted their total 9.9 % short, and
-    # the simulator ran the same requests that much faster than live. A first pass scaled by the
-    # measured times gives the scales, the second fits with them
-    scales_s = times_s
-    for _ in range(2):
-        coefficients = _nonnegative_least_squares(design / scales_s[:, None], times_s / scales_s)
-        scales_s = np.maximum(design @ coefficients, times_s.min())
+    # two workers logged in one bench/sim_fidelity.py run it predicted their total 9.9 % short (a
+    # saturated replica modelled on it serves that much more than it did). A first pass scaled by
+    # the measured times gives the scales; the second fits with them
+    first = _nonnegative_least_squares(design / times_s[:, None], np.ones(len(times_s)))
+    scales_s = np.maximum(design @ first, times_s.min())
+    coefficients = _nonnegative_least_squares(design / scales_s[:, None], times_s / scales_s)
     base, prefill, context = (float(c) for c in coefficients[:3])
     if base <= 0:
         raise ValueError("the fit found no fixed cost per step: measure more shapes")
