@@ -75,15 +75,13 @@ def step_report(paths: list[Path], profile_name: str) -> None:
     kinds: dict[str, list[float]] = {}
     for path in paths:
         for line in path.read_text().splitlines():
-            fields = [float(v) for v in line.split(",")]
-            step_s, prefill, decodes, context = fields[1:5]
-            pairs = fields[6] if len(fields) == 7 else 0.0  # a log of the old form: none
+            _, step_s, prefill, decodes, context = (float(v) for v in line.split(","))
             kind = "decode only" if prefill == 0 else "prefill only" if decodes == 0 else "mixed"
             kinds.setdefault(kind, [0.0, 0.0, 0.0])
             totals = kinds[kind]
             totals[0] += 1
             totals[1] += step_s
-            totals[2] += cost.step_s(int(prefill), int(decodes), int(context), pairs)
+            totals[2] += cost.step_s(int(prefill), int(decodes), int(context))
     print(f"\nlive engine steps against {profile_name}'s prediction for each:")
     for kind, (count, measured_s, predicted_s) in sorted(kinds.items()):
         print(f"  {kind:<13} {int(count):>6} steps  measured {measured_s:7.1f} s  predicted {predicted_s:7.1f} s  "

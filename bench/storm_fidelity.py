@@ -4,7 +4,7 @@ profile's prediction for each.
     python bench/storm_fidelity.py [--clients 64] [--storm-s 40] [--caching on,off] [--profile P]
 
 Live: `bench/retry_storm.py`'s storm (closed-loop clients that resend at once on a refusal, one
-~250-word prompt of `hello`, 32 tokens answered, tier standard) on two `tidegate engine` replicas
+250-byte prompt of `hello`s, 32 tokens answered, tier standard) on two `tidegate engine` replicas
 (tiny-random-llama, one thread each, every step logged), behind the FIFO gateway and behind tidegate.
 `--caching off` starts the engines with `--no-prefix-caching`: the storm sends one prompt again and
 again, which an engine with prefix caching computes once.
@@ -13,12 +13,14 @@ answer length and resend behaviour, through the same dispatcher (FIFO, or the co
 serve` builds) on two modelled replicas of the profile, the prompt shared by every request when the
 live engines cache it; mean of three seeds. Each refusal's round trip takes
 `SHARED_CORES_REFUSAL_CPU_S` from the replicas' cores, as in bench/retry_storm_sim.py.
-Printed per arm: completed within the storm, within the TTFT target, refused, TTFT p50/p99; then
+Printed per arm: the cores the engines, the gateways, the clients and other work on the machine
+used (other work slows the engines: an arm where it took over 0.1 core is flagged void);
+completed within the storm, within the TTFT target, refused, TTFT p50/p99; then
 the live steps by kind and decode batch, measured against predicted (the terms of the cost model
 that are off show there). Bar (issue: the simulator): completed within 5 %.
 `--fit-out P.json` fits a profile on all the steps logged (`tidegate sim calibrate --step-log`).
 
-Run: flock /tmp/bench.lock python bench/storm_fidelity.py
+Run: flock /tmp/tidegate-bench.lock python bench/storm_fidelity.py
 """
 
 from __future__ import annotations
@@ -180,16 +182,14 @@ def step_report(paths: list[Path], profile: ReplicaProfile) -> None:
     groups: dict[tuple[str, str], list[float]] = {}
     for path in paths:
         for line in path.read_text().splitlines():
-            fields = [float(v) for v in line.split(",")]
-            step_s, prefill, decodes, context = fields[1:5]
-            pairs = fields[6] if len(fields) == 7 else 0.0  # a log of the old form: none
+            _, step_s, prefill, decodes, context = (float(v) for v in line.split(","))
             kind = "decode only" if prefill == 0 else "prefill only" if decodes == 0 else "mixed"
             batch = "0" if decodes == 0 else "1-7" if decodes < 8 else "8-23" if decodes < 24 else "24+"
             for key in ((kind, "all"), (kind, batch)):
                 totals = groups.setdefault(key, [0, 0.0, 0.0, 0.0, 0.0])
                 totals[0] += 1
                 totals[1] += step_s
-                totals[2] += cost.step_s(int(prefill), int(decodes), int(context), pairs)
+                totals[2] += cost.step_s(int(prefill), int(decodes), int(context))
                 totals[3] += prefill
                 totals[4] += context
     print(f"  {'kind':<13} {'decodes':>7} {'steps':>6} {'prefill':>8} {'context':>8} {'measured':>9} "

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 
-from tidegate.engine.scheduler import prefill_attention_pairs
-from tidegate.sim.costfit import (CostFit, DecodeSample, PrefillSample, StepSample, fit_cost_model, fit_with_held_out,
-                                  predict_s, read_step_log)
+from tidegate.sim.costfit import DecodeSample, PrefillSample, fit_cost_model, fit_with_held_out, predict_s, CostFit
 from tidegate.sim.harness import Harness
 from tidegate.sim.fifo import FifoDispatcher
 from tidegate.sim.capacity import patient_tiers
@@ -144,43 +140,20 @@ def test_a_bad_step_log_line_is_named() -> None:
         read_step_log(["0.1,0.02,0,4,100", "oops"])
 
 
-def test_a_chunk_deep_in_a_prompt_costs_more_than_the_same_chunk_at_its_start() -> None:
-    cost = StepCostModel(base_s=0.01, prefill_s_per_token=0.001, context_s_per_token=0.0, prefill_s_per_pair=1e-6)
-    assert prefill_attention_pairs(0, 4) == 1 + 2 + 3 + 4 and prefill_attention_pairs(10, 4) == 11 + 12 + 13 + 14
-    at_start, deep = (cost.step_s(90, 0, 0, prefill_attention_pairs(start, 90)) for start in (0, 180))
-    assert deep - at_start == pytest.approx(90 * 180 * 1e-6)
+def test_logged_steps_with_slow_outliers_fit_their_mean_not_their_typical_step() -> None:
+    """A step that ran slow (the OS, a neighbour) weighs as much as one that ran fast: the fit
+    predicts the steps' total time, which sets how much a replica serves. Scaled by each step's own
+    time, the fit came out ~10 % short on a real run's steps, and on these."""
+    from tidegate.sim.costfit import StepSample
 
-
-def _logged_steps(rng: np.random.Generator, truth: StepCostModel, count: int) -> list[str]:
-    """Steps as the engine logs them: a prompt's chunks at starts 0-270, decodes beside them."""
-    lines = []
-    for index in range(count):
-        prefill = int(rng.choice([0, 0, 13, 40, 90]))
-        start = int(rng.integers(0, 270)) if prefill else 0
+    rng = np.random.default_rng(11)
+    steps = []
+    for _ in range(4000):
+        prefill = int(rng.choice([0, 0, 40, 96]))
         decodes = int(rng.integers(0 if prefill else 1, 33))
-        context = int(decodes * rng.integers(20, 300) + (start + prefill if prefill else 0))
-        pairs = prefill_attention_pairs(start, prefill)
-        step_s = truth.step_s(prefill, decodes, context, pairs) * (1 + 0.02 * rng.standard_normal())
-        lines.append(f"{index * 0.1:.6f},{step_s:.6f},{prefill},{decodes},{context},{int(prefill > 0)},{pairs}")
-    return lines
-
-
-def test_logged_steps_fit_the_cost_of_a_prefill_chunk_attention() -> None:
-    truth = replace(TRUE, prefill_s_per_pair=1.5e-6)
-    steps = read_step_log(_logged_steps(np.random.default_rng(5), truth, 3000))
+        context = int(decodes * rng.integers(20, 300) + prefill * 2)
+        slow = rng.lognormal(0.0, 0.35)  # skewed: most steps near their cost, a few far above it
+        steps.append(StepSample(prefill, decodes, context, TRUE.step_s(prefill, decodes, context) * slow))
     fit = fit_cost_model(steps, BUDGET)
-    assert fit.model.prefill_s_per_pair == pytest.approx(truth.prefill_s_per_pair, rel=0.1)
-    assert fit.model.prefill_s_per_token == pytest.approx(truth.prefill_s_per_token, rel=0.1)
-    # the same steps in the old five-field log: no pair term, and a deep chunk predicted short
-    old = fit_cost_model([replace(s, prefill_pairs=None) for s in steps], BUDGET)
-    assert old.model.prefill_s_per_pair == 0.0
-    deep = StepSample(90, 16, 16 * 280 + 270, 0.0, prefill_attention_pairs(180, 90))
-    truth_s = truth.step_s(90, 16, 16 * 280 + 270, deep.prefill_pairs)
-    assert abs(predict_s(fit, deep, BUDGET) / truth_s - 1) < 0.03 < abs(predict_s(old, deep, BUDGET) / truth_s - 1)
-
-
-def test_a_step_log_of_either_form_is_read() -> None:
-    old, new = read_step_log(["0.1,0.02,40,4,100", "0.2,0.03,40,4,100,1,820"])
-    assert old.prefill_pairs is None and new.prefill_pairs == 820 and new.step_s == 0.03
-    with pytest.raises(ValueError, match="line 1"):
-        read_step_log(["0.1,0.02,40,4,100,1"])
+    predicted = sum(predict_s(fit, s, BUDGET) for s in steps)
+    assert predicted == pytest.approx(sum(s.step_s for s in steps), rel=0.02)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol, TextIO
 
 from tidegate.engine.metrics import EngineMetrics
-from tidegate.engine.scheduler import ScheduledBatch, Scheduler, StepOutput, prefill_attention_pairs
+from tidegate.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from tidegate.engine.sequence import SamplingParams, Sequence
 
 __all__ = ["Runner", "EngineLoop", "Submission"]
@@ -54,8 +54,7 @@ class EngineLoop:
         # size, as on a slower machine; for measuring how the gateway's limits follow a slow replica.
         self.slowdown = 1.0
         # `tidegate engine --step-log`: one CSV line a step (start, seconds, prefill tokens, decoding
-        # sequences, summed context, prefill chunks, prefill attention pairs), what `tidegate sim
-        # calibrate --step-log` fits a profile on
+        # sequences, summed context), what `tidegate sim calibrate --step-log` fits a profile on
         self.step_log: TextIO | None = None
         # the block manager's prefix-cache counters as last published (the metrics take the deltas)
         self._published_prefix_counts = (0, 0, 0)
@@ -150,11 +149,9 @@ class EngineLoop:
             outputs = [o for c in batch.chunks if (o := self._scheduler.abort(c.seq.seq_id)) is not None]
         if self.step_log is not None:
             decodes = batch.num_decodes
-            prefills = batch.chunks[decodes:]
             self.step_log.write(f"{started_s:.6f},{time.perf_counter() - started_s:.6f},"
-                                f"{sum(c.num_tokens for c in prefills)},{decodes},"
-                                f"{sum(c.start + c.num_tokens for c in batch.chunks)},{len(prefills)},"
-                                f"{sum(prefill_attention_pairs(c.start, c.num_tokens) for c in prefills)}\n")
+                                f"{sum(c.num_tokens for c in batch.chunks[decodes:])},{decodes},"
+                                f"{sum(c.start + c.num_tokens for c in batch.chunks)}\n")
         if self._metrics is not None:
             self._metrics.step_batch_size.observe(len(batch.chunks))
         return outputs

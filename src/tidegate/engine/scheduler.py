@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from tidegate.engine.kv_cache import BlockManager
 from tidegate.engine.sequence import FinishReason, Sequence, SequenceStatus
 
-__all__ = ["SchedulerConfig", "ScheduledChunk", "ScheduledBatch", "StepOutput", "Scheduler", "prefill_attention_pairs"]
+__all__ = ["SchedulerConfig", "ScheduledChunk", "ScheduledBatch", "StepOutput", "Scheduler"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,12 +79,6 @@ class StepOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_prompt_tokens: int = 0  # of the prompt, found in the prefix cache at admission
-
-
-def prefill_attention_pairs(start: int, num_tokens: int) -> int:
-    """Query-key pairs the attention of a prefill chunk computes: each of its tokens against itself
-    and every position before it (the step's cost grows with it: `sim.replica.StepCostModel`)."""
-    return num_tokens * start + num_tokens * (num_tokens + 1) // 2
 
 
 def _rank(seq: Sequence) -> tuple[int, int]:

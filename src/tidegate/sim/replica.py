@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tidegate.engine.kv_cache import BlockManager
-from tidegate.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, prefill_attention_pairs
+from tidegate.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tidegate.engine.sequence import SamplingParams, Sequence
 from tidegate.sim.loop import EventHandle, EventLoop
 from tidegate.types import ReplicaLoad
@@ -50,9 +50,9 @@ _PROMPT_TOKEN = 7  # fills the prompts the simulator makes up
 
 @dataclass(frozen=True, slots=True)
 class StepCostModel:
-    """step_s = base + prefill tokens + decode batch + context + prefill attention, each linear
-    (DistServe's form), except that a measured profile may give the decode batch's cost point by
-    point (`decode_s_by_batch`), where the engine's is not linear in the batch.
+    """step_s = base + prefill tokens + decode batch + context, each linear (DistServe's form),
+    except that a measured profile may give the decode batch's cost point by point
+    (`decode_s_by_batch`), where the engine's is not linear in the batch.
 
     Defaults fitted to tiny-random-llama (fp32, 1 torch thread, the engine's ModelRunner) from one
     short measurement on a shared 2-core machine, so within perhaps 20 %:
@@ -72,12 +72,6 @@ class StepCostModel:
     # `decode_s_per_seq` x batch. On tiny-random-llama, 1 thread, a decode of 2 or 4 sequences cost
     # more than one of 8 (18, 25 and 16 ms a step: torch's small-matrix kernels), which no line fits.
     decode_s_by_batch: tuple[tuple[int, float], ...] = ()
-    # a prefill chunk's attention: each of its tokens against every position before it
-    # (`engine.scheduler.prefill_attention_pairs`), so a chunk deep in a long prompt costs more a
-    # token than the same chunk at its start. The context term counts a chunk once, as if it were
-    # one query: on 269-token prompts (bench/storm_fidelity.py) the steps that prefilled their
-    # second and third chunks ran 27 % over a model without this term
-    prefill_s_per_pair: float = 0.0
 
     def decode_s(self, batch: int) -> float:
         """What `batch` decoding sequences add to a step."""
@@ -93,19 +87,16 @@ class StepCostModel:
         last_batch, last_s = table[-1]
         return last_s + self.decode_s_per_seq * (batch - last_batch)
 
-    def step_s(self, prefill_tokens: int, decode_batch: int, sum_context_tokens: int,
-               prefill_pairs: float = 0.0) -> float:
+    def step_s(self, prefill_tokens: int, decode_batch: int, sum_context_tokens: int) -> float:
         return (self.base_s + self.prefill_s_per_token * prefill_tokens + self.decode_s(decode_batch)
-                + self.context_s_per_token * sum_context_tokens + self.prefill_s_per_pair * prefill_pairs)
+                + self.context_s_per_token * sum_context_tokens)
 
     def batch_step_s(self, batch: ScheduledBatch) -> float:
         decodes = batch.num_decodes
-        prefills = batch.chunks[decodes:]
-        prefill_tokens = sum(chunk.num_tokens for chunk in prefills)
+        prefill_tokens = sum(chunk.num_tokens for chunk in batch.chunks[decodes:])
         # a chunk's last position attends to everything before it
         sum_context_tokens = sum(chunk.start + chunk.num_tokens for chunk in batch.chunks)
-        pairs = sum(prefill_attention_pairs(chunk.start, chunk.num_tokens) for chunk in prefills)
-        return self.step_s(prefill_tokens, decodes, sum_context_tokens, pairs)
+        return self.step_s(prefill_tokens, decodes, sum_context_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,8 +344,7 @@ class ModelledReplica:
         context = sum(seq.num_tokens for seq in running if seq is not prompt)  # a decode's: its tokens so far
         prompt_at = prompt.num_computed_tokens if prompt is not None else 0
         for chunk in chunks:
-            elapsed_s += cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0),
-                                     prefill_attention_pairs(prompt_at, chunk)) * slowdown
+            elapsed_s += cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0)) * slowdown
             ends_s.append(elapsed_s)
             context += decoding
             prompt_at += chunk
