@@ -1,17 +1,24 @@
 """Tracing's own work per request, in one process, without the rest of a request around it.
 
     python bench/tracing_work.py [--requests 20000] [--rounds 5]
+    python bench/tracing_work.py --instructions      # instructions a request, by stage (needs valgrind)
 
 Drives the tracer's hooks as the proxy calls them for a request under overload control (admitted,
 an attempt, its answer, the end), sampling 1.0, into the built-in exporter (not started: nothing is
 sent), encoding each batch of spans as its export task does when one is due. Prints microseconds per request of
 the request's way (the hooks) and of the batch encoding, best of rounds. Live, interleaved with the
 rest of a request, the same work costs more (bench/gateway_overhead.py --tracing measures that).
+
+--instructions: the same loop under callgrind, stopped after each stage in turn (`--upto`), at two
+request counts; the difference divided by the requests between them is the instructions a request
+of the stages so far, exact and unmoved by other load on the machine (CPU time is not).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from tidegate.gateway.trace_export import OtlpHttpExporter  # noqa: E402
-from tidegate.gateway.tracing import Tracing, TracingSettings, start_trace  # noqa: E402
+from tidegate.gateway.tracing import CURRENT_TRACE, Tracing, TracingSettings, start_trace  # noqa: E402
 from tidegate.gateway.validation import Endpoint  # noqa: E402
 
 ANSWER = (b'{"id":"chatcmpl-1","object":"chat.completion","created":0,"model":"mock","choices":[{"index":0,'
@@ -44,7 +51,10 @@ class Usage:
         return 16
 
 
-def run(requests: int) -> tuple[float, float, int]:
+STAGES = ("ticket", "start", "admitted", "upstream", "attempt_ended", "answered", "end", "settle", "encode")
+
+
+def run(requests: int, upto: str = "encode") -> tuple[float, float, int]:
     """(request path s, encoding s, spans) for `requests` requests."""
     exporter = OtlpHttpExporter("http://127.0.0.1:9", {"service.name": "tidegate"}, scope_version="0",
                                 registry=CollectorRegistry())
@@ -57,17 +67,38 @@ def run(requests: int) -> tuple[float, float, int]:
     request_path_s = encoding_s = 0.0
     spans = 0
     started = time.process_time()
+    last = STAGES.index(upto)
     for number in range(requests):
-        trace = start_trace(tracing, request, Endpoint.CHAT, b"5f3a9c1e-%x" % number, clock())
-        trace.admitted(identity)
         ticket = SimpleNamespace(tier="default", future=None, response_headers=b"x-ratelimit-limit-requests: 100\r\n",
                                  predicted_wait_s=None, dispatched_s=clock())
-        trace.admitted(identity, ticket, usage)
+        if last < 1:
+            continue
+        trace = start_trace(tracing, request, Endpoint.CHAT, b"5f3a9c1e-%x" % number, clock())
         replica = replicas[number % 4]
-        trace.upstream_headers(replica)
-        trace.attempt_ended(None)
-        trace.answered(ANSWER)
-        trace.end("mock", 200, replica.replica_id, None)
+        for stage in STAGES[2:last + 1]:
+            if stage == "admitted":
+                trace.admitted(identity)
+                trace.admitted(identity, ticket, usage)
+            elif stage == "upstream":
+                trace.upstream_headers(replica)
+            elif stage == "attempt_ended":
+                trace.attempt_ended(None)
+            elif stage == "answered":
+                trace.answered(ANSWER)
+            elif stage == "end":
+                trace.end("mock", 200, replica.replica_id, None)
+        if last < STAGES.index("end"):
+            CURRENT_TRACE.reset(trace.token)
+            continue
+        if last == STAGES.index("end"):
+            exporter._pending.clear()
+            exporter._pending_spans = 0
+            continue
+        if last == STAGES.index("settle"):
+            trace.settle()
+            exporter._pending.clear()
+            exporter._pending_spans = 0
+            continue
         if exporter._pending_spans >= exporter._max_batch_spans:  # a batch is due, as the export task sees it
             encoding_started = time.process_time()
             request_path_s += encoding_started - started
@@ -80,11 +111,36 @@ def run(requests: int) -> tuple[float, float, int]:
     return request_path_s, encoding_s, spans
 
 
+def _instructions(requests: int, upto: str) -> int:
+    """Instructions callgrind counts for a whole run of `requests` requests up to stage `upto`."""
+    argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__,
+            "--requests", str(requests), "--rounds", "1", "--upto", upto]
+    output = subprocess.run(argv, capture_output=True, text=True, check=True).stderr
+    return int(re.search(r"I\s+refs:\s+([\d,]+)", output).group(1).replace(",", ""))
+
+
+def instructions_main(small: int = 2000, large: int = 6000) -> int:
+    print(f"instructions a request, callgrind, ({large} requests - {small}) / {large - small}; stages cumulative:")
+    previous = 0.0
+    for stage in STAGES:
+        per_request = (_instructions(large, stage) - _instructions(small, stage)) / (large - small)
+        print(f"  up to {stage:<14} {per_request:9,.0f}   this stage {per_request - previous:+9,.0f}")
+        previous = per_request
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--upto", choices=STAGES, default="encode", help="stop each request after this stage")
+    parser.add_argument("--instructions", action="store_true", help="instructions a request by stage (valgrind)")
     args = parser.parse_args()
+    if args.instructions:
+        return instructions_main()
+    if args.upto != "encode":
+        run(args.requests, args.upto)
+        return 0
     results = [run(args.requests) for _ in range(args.rounds)]
     path_s = min(result[0] for result in results)
     encode_s = min(result[1] for result in results)
