@@ -16,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+from chaos_cpu import WorkerCpu
 from chaos_kit import BenchOptions, Processes, bar, free_port, outcome_line, outstanding_by_replica, points
 
 from tidegate.chaos.experiment import parse_experiment
@@ -100,6 +101,37 @@ def _time_short_s(result: ChaosResult, kill_t_s: float) -> float:
     return sum(later - earlier for earlier, later in zip(times, times[1:]) if by_time[earlier] < SERVING)
 
 
+def _print_cpu(cpu: WorkerCpu, spare: int, victim_port: int) -> dict:
+    """Each worker's CPU (fraction of a core, nice value) before the kill and while the killed
+    worker's replacement loaded (from the kill until it was a standby, or serving when there is no
+    spare): whether the load took the serving engines' CPU."""
+    killed = cpu.killed_at(victim_port)
+    if killed is None or not cpu.samples:
+        print(f"  spare {spare}: no per-worker CPU samples (not Linux, or the kill was not seen)")
+        return {}
+    loaded = cpu.ready_at(victim_port, killed, ("standby",) if spare else ("healthy",))
+    end = loaded if loaded is not None else cpu.samples[-1].t_s
+    ports = sorted({s.port for s in cpu.samples})
+
+    def window(start: float, stop: float) -> tuple[str, float]:
+        parts, serving = [], []
+        for port in ports:
+            busy, nices = cpu.busy(port, start, stop)
+            role = "refill" if port == victim_port and start >= killed else f"{port}"
+            parts.append(f"{role} {busy:.2f} (nice {','.join(map(str, sorted(nices))) or '-'})")
+            if port != victim_port and busy > 0.05:
+                serving.append(busy)
+        return "; ".join(parts), (sum(serving) / len(serving) if serving else 0.0)
+
+    before, before_busy = window(cpu.samples[0].t_s + 1.0, killed)
+    during, during_busy = window(killed, end)
+    loaded_in = f"{end - killed:.1f} s" if loaded is not None else f"not by the end ({end - killed:.1f} s)"
+    print(f"  spare {spare}: CPU per worker (of a core) before the kill: {before}")
+    print(f"  spare {spare}: CPU per worker while the replacement loaded ({loaded_in}): {during}; "
+          f"serving engines' mean busy {before_busy:.2f} before -> {during_busy:.2f} during")
+    return {"refill_s": end - killed, "busy_before": before_busy, "busy_during": during_busy}
+
+
 async def scenario_embedded(options: BenchOptions, procs: Processes, log_dir: Path) -> dict[int, dict]:
     print(f"\n[4] embedded: {SERVING} `{MODEL}` workers serving (slot_limit {WORKER_SLOTS}), one SIGKILLed at "
           f"{KILL_AT_S:g} s and restarted by the supervisor; without a spare, then with `spare: 1`")
@@ -129,7 +161,8 @@ async def scenario_embedded(options: BenchOptions, procs: Processes, log_dir: Pa
                 "gateway": {"metrics_url": f"{base}/metrics", "interval_s": 0.1},
                 "targets": {"worker": [{"port": int(victim.rpartition(":")[2]), "address": victim}]},
                 "steps": [{"at_s": KILL_AT_S, "kill": {"target": "worker"}}]}))
-            result = await run_experiment(experiment, log_dir=str(log_dir))
+            with WorkerCpu(gateway.pid, base) as cpu:
+                result = await run_experiment(experiment, log_dir=str(log_dir))
             summary = build_report(result)["summary"]
             kill = next(e for e in result.timeline if e.action == "kill")
             short_s = _time_short_s(result, kill.t_s)
@@ -142,6 +175,7 @@ async def scenario_embedded(options: BenchOptions, procs: Processes, log_dir: Pa
             print(f"  spare {spare}: {outcome_line(summary)}")
             windows = (0.0, kill.t_s, kill.t_s + 5, kill.t_s + 10, DURATION_S + 1)
             print(f"  spare {spare}: {_p50_by_window(result, windows)}")
+            outcomes[spare].update(_print_cpu(cpu, spare, int(victim.rpartition(":")[2])))
             held = outstanding_by_replica(result, kill.t_s, kill.t_s + 10)
             print(f"  spare {spare}: mean requests held by each replica in the 10 s after the kill "
                   f"(of {WORKER_SLOTS}): "
