@@ -1,7 +1,7 @@
 """The CPU priority of a worker that loads its model out of traffic (a warm spare, or an autoscaled
 pool's standby, being loaded), so that the load takes only the CPU the serving workers leave.
 
-Measured (`bench/chaos.py --only embedded`, docs/chaos.md "A refill at a lower priority"): the dead
+Measured (`bench/chaos.py --only embedded`, docs/chaos.md "A refill at a lower CPU priority"): the dead
 worker's replacement loads the model for ~10 s at ~55 % of a core, and meanwhile the two serving
 workers fell from ~85 % to ~56-60 % of a core each, so the pool served below its offered load while
 a spare that need not hurry was loading.
