@@ -1,10 +1,10 @@
 """The CPU priority of a worker that loads its model out of traffic (a warm spare, or an autoscaled
 pool's standby, being loaded), so that the load takes only the CPU the serving workers leave.
 
-Measured (`bench/chaos.py --only embedded`, docs/chaos.md "A refill at a lower CPU priority"): the dead
-worker's replacement loads the model for ~10 s at ~55 % of a core, and meanwhile the two serving
-workers fell from ~85 % to ~56-60 % of a core each, so the pool served below its offered load while
-a spare that need not hurry was loading.
+Measured (`bench/chaos.py --only embedded`, docs/chaos.md "A refill at a lower CPU priority"): at
+full priority the dead worker's replacement loaded its model for 14-26 s at 0.3-0.5 of a core, and
+meanwhile the two serving workers fell from 0.66 to 0.47 (and 0.44 to 0.30) of a core each, so the
+pool served below its offered load while a spare that need not hurry was loading.
 
 Why a nice value and not SCHED_IDLE or SCHED_BATCH: SCHED_BATCH keeps the full CFS weight (it only
 gives up wakeup preemption), so the load would still take its share. Nice 19 weighs 15 against 1024
@@ -33,7 +33,7 @@ __all__ = ["LOADING_NICE", "LoadingPriority", "may_restore_nice"]
 
 log = logging.getLogger("tidegate.priority")
 
-LOADING_NICE = 19  # added to the gateway's own nice value for a worker that loads out of traffic
+LOADING_NICE = 19  # added to the gateway's own nice value (capped at 19) for a worker loading out of traffic
 _CAP_SYS_NICE = 23  # bit of the capability in /proc/self/status CapEff
 _MAX_NICE = 19
 
