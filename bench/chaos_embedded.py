@@ -3,8 +3,8 @@ load at 70 % of what they were measured to serve (measured in the first run, the
 one is SIGKILLed at 5 s and its supervisor restarts it. Run twice in one session: without a spare
 (`spare: 0`, two workers) and with one (`spare: 1`, a third worker loaded out of traffic). Prints
 the time the pool had fewer than two workers taking traffic after the kill, the median end-to-end
-time (and by send window), the success % and what was served, and the capacity the load was sized
-from. Bars: less time under two workers and a lower
+time (and by send window), the success % and what was served, the capacity the load was sized
+from, and each worker's CPU and nice value while the killed worker's replacement loaded. Bars: less time under two workers and a lower
 median end-to-end time with the spare than without."""
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 pool's standby, being loaded), so that the load takes only the CPU the serving workers leave.
 
 Measured (`bench/chaos.py --only embedded`, docs/chaos.md "A refill at a lower CPU priority"): at
-full priority the dead worker's replacement loaded its model for 14-26 s at 0.3-0.5 of a core, and
-meanwhile the two serving workers fell from 0.66 to 0.47 (and 0.44 to 0.30) of a core each, so the
+full priority the dead worker's replacement loaded its model for 11-26 s at 0.3-0.65 of a core, and
+meanwhile the two serving workers fell from 0.66 to 0.47 (and 0.43 to 0.30) of a core each, so the
 pool served below its offered load while a spare that need not hurry was loading.
 
 Why a nice value and not SCHED_IDLE or SCHED_BATCH: SCHED_BATCH keeps the full CFS weight (it only
