@@ -30,7 +30,9 @@ open loop (Poisson), streaming chat, on loopback only.
 4. embedded (gateway/spares.py): two `tidegate engine` workers serving at 70 % of their measured capacity
    (measured in the first run; the same load in both), one SIGKILLed at 5 s; run without a spare and
    with `spare: 1`. Bars: with the spare, less time with fewer than two workers taking traffic, and a
-   lower median end-to-end time, than without (same run).
+   lower median end-to-end time, than without (same run). Also printed: each worker's CPU (share of
+   a core, nice value) before the kill and while the killed worker's replacement loaded, and how long
+   that load took (`bench/chaos_cpu.py`; the replacement is followed up to 60 s past the load).
 
 5. embedded-kill20 (bench/chaos_embedded_kill.py): five `tidegate engine` workers, no spare, streaming load
    at 70 % of their measured capacity; one (20 %) SIGKILLed at 4 s. Bar: success >= 99.5 %.

@@ -3,12 +3,13 @@ load at 70 % of what they were measured to serve (measured in the first run, the
 one is SIGKILLed at 5 s and its supervisor restarts it. Run twice in one session: without a spare
 (`spare: 0`, two workers) and with one (`spare: 1`, a third worker loaded out of traffic). Prints
 the time the pool had fewer than two workers taking traffic after the kill, the median end-to-end
-time (and by send window), the success % and what was served, and the capacity the load was sized
-from. Bars: less time under two workers and a lower
+time (and by send window), the success % and what was served, the capacity the load was sized
+from, and each worker's CPU and nice value while the killed worker's replacement loaded. Bars: less time under two workers and a lower
 median end-to-end time with the spare than without."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import threading
 import time
@@ -16,6 +17,7 @@ import urllib.request
 from pathlib import Path
 
 import yaml
+from chaos_cpu import WorkerCpu
 from chaos_kit import BenchOptions, Processes, bar, free_port, outcome_line, outstanding_by_replica, points
 
 from tidegate.chaos.experiment import parse_experiment
@@ -27,6 +29,7 @@ SERVING = 2
 WORKER_SLOTS = 2
 MAX_TOKENS = 16
 KILL_AT_S, DURATION_S = 5.0, 25.0
+REFILL_WAIT_S = 60.0  # after the load, how long the killed worker's replacement is waited for
 
 
 def _embedded_config(options: BenchOptions, log_dir: Path, name: str, port: int, spare: int) -> str:
@@ -100,6 +103,40 @@ def _time_short_s(result: ChaosResult, kill_t_s: float) -> float:
     return sum(later - earlier for earlier, later in zip(times, times[1:]) if by_time[earlier] < SERVING)
 
 
+def _print_cpu(cpu: WorkerCpu, spare: int, victim_port: int, load_ended_s: float) -> dict:
+    """Each worker's CPU (fraction of a core, nice value) before the kill and while the killed
+    worker's replacement loaded (from the kill until it was a standby, or serving when there is no
+    spare): whether the load took the serving engines' CPU."""
+    killed = cpu.killed_at(victim_port)
+    if killed is None or not cpu.samples:
+        print(f"  spare {spare}: no per-worker CPU samples (not Linux, or the kill was not seen)")
+        return {}
+    loaded = cpu.ready_at(victim_port, killed, ("standby",) if spare else ("healthy",))
+    end = min(loaded if loaded is not None else cpu.samples[-1].t_s, load_ended_s)  # CPU under load only
+    ports = sorted({s.port for s in cpu.samples})
+
+    def window(start: float, stop: float) -> tuple[str, float]:
+        parts, serving = [], []
+        for port in ports:
+            busy, nices = cpu.busy(port, start, stop)
+            role = "refill" if port == victim_port and start >= killed else f"{port}"
+            parts.append(f"{role} {busy:.2f} (nice {','.join(map(str, sorted(nices))) or '-'})")
+            if port != victim_port and busy > 0.05:
+                serving.append(busy)
+        return "; ".join(parts), (sum(serving) / len(serving) if serving else 0.0)
+
+    before, before_busy = window(cpu.samples[0].t_s + 1.0, killed)
+    during, during_busy = window(killed, end)
+    refill_s = loaded - killed if loaded is not None else float("nan")
+    under_load = "under load" if loaded is not None and loaded <= load_ended_s else \
+        f"the load ended {load_ended_s - killed:.1f} s after the kill"
+    print(f"  spare {spare}: CPU per worker (of a core) before the kill: {before}")
+    print(f"  spare {spare}: the replacement loaded {refill_s:.1f} s after the kill ({under_load}); CPU per worker "
+          f"from the kill to then (under load): {during}; serving engines' mean busy {before_busy:.2f} before -> "
+          f"{during_busy:.2f} during")
+    return {"refill_s": refill_s, "busy_before": before_busy, "busy_during": during_busy}
+
+
 async def scenario_embedded(options: BenchOptions, procs: Processes, log_dir: Path) -> dict[int, dict]:
     print(f"\n[4] embedded: {SERVING} `{MODEL}` workers serving (slot_limit {WORKER_SLOTS}), one SIGKILLed at "
           f"{KILL_AT_S:g} s and restarted by the supervisor; without a spare, then with `spare: 1`")
@@ -129,12 +166,21 @@ async def scenario_embedded(options: BenchOptions, procs: Processes, log_dir: Pa
                 "gateway": {"metrics_url": f"{base}/metrics", "interval_s": 0.1},
                 "targets": {"worker": [{"port": int(victim.rpartition(":")[2]), "address": victim}]},
                 "steps": [{"at_s": KILL_AT_S, "kill": {"target": "worker"}}]}))
-            result = await run_experiment(experiment, log_dir=str(log_dir))
+            victim_port = int(victim.rpartition(":")[2])
+            with WorkerCpu(gateway.pid, base) as cpu:
+                result = await run_experiment(experiment, log_dir=str(log_dir))
+                load_ended_s = time.monotonic()
+                # the replacement's load time, which may run past the load: followed (bounded) without it
+                refilled = ("standby",) if spare else ("healthy",)
+                while (time.monotonic() < load_ended_s + REFILL_WAIT_S
+                       and cpu.ready_at(victim_port, cpu.killed_at(victim_port) or 0.0, refilled) is None):
+                    await asyncio.sleep(0.5)
             summary = build_report(result)["summary"]
             kill = next(e for e in result.timeline if e.action == "kill")
             short_s = _time_short_s(result, kill.t_s)
-            outcomes[spare] = {"short_s": short_s, "success_pct": summary["success_pct"],
-                               "failed": summary["requests"] - summary["ok"], "e2e_p50_s": summary["e2e_p50_s"] or 0.0}
+            outcomes[spare] = {"short_s": short_s, "success_pct": summary["success_pct"], "served": summary["ok"],
+                               "failed": summary["requests"] - summary["ok"], "e2e_p50_s": summary["e2e_p50_s"] or 0.0,
+                               "e2e_p99_s": summary["e2e_p99_s"] or 0.0, "load_rps": rate}
             print(f"  spare {spare}: measured capacity {capacity_rps:.1f}/s with {SERVING} workers, load {rate:.1f}/s "
                   f"(70 % of the first run's); killed {victim} at {kill.t_s:.2f} s ({kill.outcome.value}); "
                   f"fewer than {SERVING} "
@@ -142,6 +188,7 @@ async def scenario_embedded(options: BenchOptions, procs: Processes, log_dir: Pa
             print(f"  spare {spare}: {outcome_line(summary)}")
             windows = (0.0, kill.t_s, kill.t_s + 5, kill.t_s + 10, DURATION_S + 1)
             print(f"  spare {spare}: {_p50_by_window(result, windows)}")
+            outcomes[spare].update(_print_cpu(cpu, spare, victim_port, load_ended_s))
             held = outstanding_by_replica(result, kill.t_s, kill.t_s + 10)
             print(f"  spare {spare}: mean requests held by each replica in the 10 s after the kill "
                   f"(of {WORKER_SLOTS}): "
@@ -157,4 +204,7 @@ async def scenario_embedded(options: BenchOptions, procs: Processes, log_dir: Pa
         spare["e2e_p50_s"] < no_spare["e2e_p50_s"], f"without a spare: {no_spare['e2e_p50_s']:.3f} s")
     print(f"  success: with a spare {spare['success_pct']:.3f} % ({spare['failed']} failed), without "
           f"{no_spare['success_pct']:.3f} % ({no_spare['failed']} failed)")
+    for arm, outcome in outcomes.items():  # one line per arm, for comparing runs
+        print(f"  row spare={arm} " + " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
+                                              for key, value in outcome.items()))
     return outcomes

@@ -30,12 +30,16 @@ class FakeSupervisor:
     def __init__(self) -> None:
         self.started: list[str] = []
         self.stopped: list[str] = []
+        self.restored: list[str] = []  # workers given the gateway's CPU priority back
 
     async def start_worker(self, name: str) -> None:
         self.started.append(name)
 
     async def stop_worker(self, name: str) -> None:
         self.stopped.append(name)
+
+    def restore_priority(self, name: str) -> None:
+        self.restored.append(name)
 
 
 def _actuator(*states: H, standby: int = 0) -> tuple[LocalActuator, FakePool, FakeSupervisor, list[int]]:
@@ -60,6 +64,8 @@ async def test_a_scale_out_promotes_the_standby_first_then_starts_and_refills() 
     assert _healths(pool) == [H.HEALTHY, H.HEALTHY, H.UNKNOWN, H.WARMING]  # w2 to serve, w3 the new standby
     await _settle()
     assert supervisor.started == ["w2", "w3"] and wakes  # the pool learns of the promoted standby
+    assert supervisor.restored == ["w1"]  # the standby loaded at a lower CPU priority: it serves at full
+
 
 
 async def test_a_scale_in_drains_the_newest_and_keeps_one_as_the_missing_standby() -> None:

@@ -70,8 +70,8 @@ def gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Man
 
 def test_a_warm_standby_takes_traffic_at_once_and_is_refilled(tmp_path: Path) -> None:
     """Three workers, one serving and one standby: a scale-out makes the standby serve within a
-    tick or two (no cold start), the third starts as the new standby; the scale-in drains the
-    second and stops it (the standby is full), and no request fails."""
+    tick or two (no cold start), the third starts as the new standby (loaded once the cores are
+    free); the scale-in drains the second and stops it (the standby is full), and no request fails."""
     base, process = _serve(tmp_path, workers=3, standby=1)
     try:
         assert wait_for(lambda: _health(base) == ["healthy", "standby", "stopped"], 120), _status(base)
@@ -81,8 +81,10 @@ def test_a_warm_standby_takes_traffic_at_once_and_is_refilled(tmp_path: Path) ->
             assert wait_for(lambda: _health(base)[:2] == ["healthy", "healthy"], 10), _status(base)
             taken_s = time.monotonic() - asked_s
             assert taken_s <= 3.0, taken_s  # a cold start here takes ~8 s
-            assert wait_for(lambda: _health(base) == ["healthy", "healthy", "standby"], 120), _status(base)
-        assert wait_for(lambda: sorted(_health(base)) == ["healthy", "standby", "stopped"], 60), _status(base)
+            # the third starts as the new standby; it loads at nice 19 (control/priority.py), so while
+            # the two serving workers keep both cores busy it may not finish (measured: not in 120 s)
+            assert wait_for(lambda: _health(base)[2] in ("warming", "standby"), 10), _status(base)
+        assert wait_for(lambda: sorted(_health(base)) == ["healthy", "standby", "stopped"], 120), _status(base)
         assert not load.failed, load.failed[:3]
         assert load.answered and all(tokens >= 1 for tokens in load.answered)
     finally:

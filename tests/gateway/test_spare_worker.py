@@ -22,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gateway_harness import StreamingLoad, wait_for  # noqa: E402
 from support import free_port, start_process, tidegate_argv  # noqa: E402
 
+from tidegate.control.priority import LoadingPriority  # noqa: E402
+
 MODEL = "tiny-random-llama"
 
 pytestmark = pytest.mark.slow
@@ -47,6 +49,11 @@ def _worker_pid(gateway_pid: int, replica_id: str) -> int:
     raise LookupError(f"no worker process for {replica_id}")
 
 
+def _thread_nices(pid: int) -> set[int]:
+    """The nice values of the process's threads (a nice value is per thread on Linux)."""
+    return {os.getpriority(os.PRIO_PROCESS, int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="finds the worker's process in /proc")
 def test_a_spare_takes_the_traffic_of_a_killed_worker_before_it_restarts(tmp_path: Path) -> None:
     port = free_port()
@@ -60,7 +67,11 @@ def test_a_spare_takes_the_traffic_of_a_killed_worker_before_it_restarts(tmp_pat
     gateway = start_process(tidegate_argv("serve", "--config", str(path)), ready_url=f"{base}/ready", timeout_s=240)
     try:
         assert wait_for(lambda: _health(base) == ["healthy", "standby"], 120), _replicas(base)
-        serving = _replicas(base)[0]["replica"]
+        serving, spare = (replica["replica"] for replica in _replicas(base))
+        # the spare loaded at a lower CPU priority where the gateway may restore it (control/priority.py)
+        priority = LoadingPriority.detect()  # the gateway inherits this process's nice value and rights
+        assert _thread_nices(_worker_pid(gateway.pid, serving)) == {priority.base_nice}
+        assert _thread_nices(_worker_pid(gateway.pid, spare)) == {priority.loading_nice}
         with StreamingLoad(base, MODEL, clients=2, max_tokens=8, ignore_eos=True) as load:
             assert wait_for(lambda: len(load.answered) >= 4, 60), load.failed[:3]
             os.kill(_worker_pid(gateway.pid, serving), signal.SIGKILL)
@@ -70,10 +81,12 @@ def test_a_spare_takes_the_traffic_of_a_killed_worker_before_it_restarts(tmp_pat
             assert wait_for(lambda: taken.append(_health(base)) or taken[-1] == ["warming", "healthy"], 30,
                             every_s=0.05), taken[-5:]
             taken_s = time.monotonic() - killed_s
+            assert _thread_nices(_worker_pid(gateway.pid, spare)) == {priority.base_nice}  # promoted: full priority
             answered_at_takeover = len(load.answered)
             assert wait_for(lambda: len(load.answered) >= answered_at_takeover + 4, 60), load.failed[-3:]
             # the restarted worker becomes the new spare
             assert wait_for(lambda: _health(base) == ["standby", "healthy"], 120), _replicas(base)
+            assert _thread_nices(_worker_pid(gateway.pid, serving)) == {priority.loading_nice}  # the refill
             served_since_takeover = len(load.answered) - answered_at_takeover
         assert served_since_takeover >= 4
         # only the requests the killed worker held may fail (two clients: two at most)

@@ -7,6 +7,10 @@ for a caller that saw the worker's connections break a moment before the exit is
 
 Stopping sends SIGTERM, then SIGKILL after a timeout. On Linux each child also asks the kernel for
 SIGTERM when the gateway dies, so a killed gateway leaves no orphan workers.
+
+A worker that `loads_out_of_traffic` says will load out of traffic (a spare) starts at a lower CPU
+priority where `loading_priority` allows it (`control/priority.py`); `restore_priority` gives it the
+gateway's priority back when it is promoted to serve.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from tidegate.control.priority import LoadingPriority
 
 __all__ = ["WorkerSpec", "WorkerSupervisor"]
 
@@ -35,6 +41,21 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
         pass
 
 
+def _child_setup(loading: LoadingPriority | None) -> Callable[[], None] | None:
+    """What the child runs between fork and exec: die with the gateway (Linux), and start at the
+    loading priority when `loading` is given."""
+    if not sys.platform.startswith("linux"):
+        return None
+    if loading is None:
+        return _die_with_parent
+
+    def setup() -> None:
+        _die_with_parent()
+        loading.lower_in_child()
+
+    return setup
+
+
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:
     name: str
@@ -43,7 +64,8 @@ class WorkerSpec:
 
 class WorkerSupervisor:
     def __init__(self, specs: list[WorkerSpec], stop_timeout_s: float = 10.0, first_backoff_s: float = 0.5,
-                 max_backoff_s: float = 30.0, stable_after_s: float = 30.0, held: frozenset[str] = frozenset()) -> None:
+                 max_backoff_s: float = 30.0, stable_after_s: float = 30.0, held: frozenset[str] = frozenset(),
+                 loading_priority: LoadingPriority | None = None) -> None:
         self.specs = specs
         self._held = held  # workers `start` leaves stopped, for `start_worker` to start later
         self._stop_timeout_s = stop_timeout_s
@@ -55,10 +77,36 @@ class WorkerSupervisor:
         self._stopping = False
         self.restarts: dict[str, int] = {spec.name: 0 for spec in specs}
         self.on_exit: Callable[[str], None] | None = None  # a worker exited unexpectedly (its name)
+        # asked at each (re)start: will this worker load out of traffic (a spare)? Then it starts at
+        # `loading_priority`'s lower priority, until `restore_priority`
+        self.loads_out_of_traffic: Callable[[str], bool] | None = None
+        self._loading_priority = loading_priority
+        self._lowered: set[str] = set()  # workers whose current process runs at the lowered priority
 
     def pid(self, name: str) -> int | None:
         process = self._processes.get(name)
         return process.pid if process is not None and process.returncode is None else None
+
+    def priority_lowered(self, name: str) -> bool:
+        """Whether the worker's current process was started at the lower loading priority and not
+        yet restored (changes nothing)."""
+        return name in self._lowered
+
+    def restore_priority(self, name: str) -> None:
+        """The worker is promoted to serve: its process, every thread, back to the gateway's CPU
+        priority (nothing if it was not lowered)."""
+        pid = self.pid(name)
+        if name not in self._lowered or self._loading_priority is None:
+            return
+        self._lowered.discard(name)
+        if pid is not None:
+            self._loading_priority.restore(pid)
+            log.info("worker priority restored", extra={"fields": {"worker": name, "pid": pid,
+                                                                   "nice": self._loading_priority.base_nice}})
+
+    def _starts_lowered(self, name: str) -> bool:
+        return (self._loading_priority is not None and self._loading_priority.lowers
+                and self.loads_out_of_traffic is not None and self.loads_out_of_traffic(name))
 
     def exited(self, name: str) -> bool:
         """Whether the worker's current process has exited, reported or not (changes nothing)."""
@@ -107,7 +155,8 @@ class WorkerSupervisor:
         loop = asyncio.get_running_loop()
         backoff_s = self._first_backoff_s
         while not self._stopping:
-            preexec = _die_with_parent if sys.platform.startswith("linux") else None
+            lowered = self._starts_lowered(spec.name)
+            preexec = _child_setup(self._loading_priority if lowered else None)
             try:
                 process = await asyncio.create_subprocess_exec(*spec.argv, preexec_fn=preexec)
             except OSError as error:
@@ -116,8 +165,14 @@ class WorkerSupervisor:
             started_s = loop.time()
             if process is not None:
                 self._processes[spec.name] = process
-                log.info("worker started", extra={"fields": {"worker": spec.name, "pid": process.pid}})
+                if lowered:
+                    self._lowered.add(spec.name)
+                else:  # a process stopped by `stop_worker` while lowered is not seen to exit here
+                    self._lowered.discard(spec.name)
+                log.info("worker started", extra={"fields": {"worker": spec.name, "pid": process.pid,
+                                                             "priority_lowered": lowered}})
                 returncode = await process.wait()
+                self._lowered.discard(spec.name)  # the next process decides anew
                 if self._stopping:
                     return
                 if self.on_exit is not None:

@@ -18,6 +18,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from tidegate import __version__
 from tidegate.config import BatchConfig, EmbeddedBackend, GatewayConfig, TracingConfig, UpstreamBackend
 from tidegate.control.health_checks import HealthChecker
+from tidegate.control.priority import LoadingPriority
 from tidegate.control.supervisor import WorkerSpec, WorkerSupervisor
 from tidegate.gateway.batch_api import BatchApi
 from tidegate.gateway.batch_store import BatchStore
@@ -47,6 +48,8 @@ from tidegate.types import ReplicaHealth
 __all__ = ["Gateway"]
 
 log = logging.getLogger("tidegate.gateway")
+
+_SERVING = (ReplicaHealth.HEALTHY, ReplicaHealth.UNKNOWN, ReplicaHealth.UNHEALTHY)  # in traffic, or to be
 
 
 def _free_port() -> int:
@@ -211,12 +214,16 @@ class Gateway:
             for replica in self.pools[pool_config.name].replicas[len(self.pools[pool_config.name].replicas)
                                                                  - pool_config.spare:]:
                 replica.health = ReplicaHealth.WARMING
-        self.supervisor = WorkerSupervisor(workers, held=frozenset(held))
         spared = [p.name for p in config.pools if p.spare or (p in local and p.autoscale and p.autoscale.standby)]
         self._spared_pool_of = {replica.replica_id: self.pools[name] for name in spared
                                 for replica in self.pools[name].replicas}
+        # a spare loads at a lower CPU priority, leaving the cores to the workers serving, where that
+        # priority can be restored on its promotion (control/priority.py)
+        self.supervisor = WorkerSupervisor(workers, held=frozenset(held),
+                                           loading_priority=LoadingPriority.detect() if spared else None)
         if spared:
             self.supervisor.on_exit = self._worker_exited
+            self.supervisor.loads_out_of_traffic = self._loads_out_of_traffic
             for name in spared:
                 self.pools[name].on_replica_failed = self._check_worker
         actuators: dict[str, LocalActuator | KubernetesActuator] = {
@@ -299,7 +306,16 @@ class Gateway:
         """A worker of a pool with spares died: a spare takes its traffic now (gateway/spares.py)."""
         pool = self._spared_pool_of.get(replica_id)
         if pool is not None and replace_dead_worker(pool.replicas, replica_id):
+            for replica in pool.replicas:  # the promoted spare serves at the gateway's priority
+                if replica.health in _SERVING and self.supervisor.priority_lowered(replica.replica_id):
+                    self.supervisor.restore_priority(replica.replica_id)
             self._wake_pools()
+
+    def _loads_out_of_traffic(self, replica_id: str) -> bool:
+        """Asked as a worker (re)starts: it loads as a spare (WARMING), not to serve."""
+        pool = self._spared_pool_of.get(replica_id)
+        return pool is not None and any(r.replica_id == replica_id and r.health is ReplicaHealth.WARMING
+                                        for r in pool.replicas)
 
     def _check_worker(self, replica: Replica) -> None:
         """A request to this replica failed: when its worker has exited (its connections break a few

@@ -119,6 +119,7 @@ class LocalActuator:
         promoted = self._with(ReplicaHealth.STANDBY)[:actions.promote]
         for replica in promoted:
             replica.health = ReplicaHealth.HEALTHY  # loaded already: routable now
+            self._supervisor.restore_priority(replica.replica_id)  # it loaded at a lower priority
             log.info("standby takes traffic", extra={"fields": {"replica": replica.replica_id}})
         stopped = self._with(ReplicaHealth.STOPPED)
         for replica in stopped[:actions.start]:
