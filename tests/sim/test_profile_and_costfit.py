@@ -110,6 +110,13 @@ def test_a_table_out_of_order_is_refused() -> None:
                           "cost": StepCostModel(decode_s_by_batch=((4, 0.01), (2, 0.02)))})
 
 
+def _random_step_shape(rng: np.random.Generator) -> tuple[int, int, int]:
+    """(prefill tokens, decoding sequences, context tokens) of a step, as an engine's log mixes them."""
+    prefill = int(rng.choice([0, 0, 40, 96]))
+    decodes = int(rng.integers(0 if prefill else 1, 33))
+    return prefill, decodes, int(decodes * rng.integers(20, 300) + prefill * 2)
+
+
 def test_logged_steps_fit_the_costs_that_made_them(tmp_path) -> None:
     """`tidegate sim calibrate --step-log`: a log written as the engine writes it, read back, fitted."""
     from tidegate.cli import main
@@ -117,9 +124,7 @@ def test_logged_steps_fit_the_costs_that_made_them(tmp_path) -> None:
     rng = np.random.default_rng(3)
     lines = []
     for index in range(3000):
-        prefill = int(rng.choice([0, 0, 40, 96]))
-        decodes = int(rng.integers(0 if prefill else 1, 33))
-        context = int(decodes * rng.integers(20, 300) + prefill * 2)
+        prefill, decodes, context = _random_step_shape(rng)
         step_s = TRUE.step_s(prefill, decodes, context) * (1 + 0.02 * rng.standard_normal())
         lines.append(f"{index * 0.1:.6f},{step_s:.6f},{prefill},{decodes},{context}")
     log = tmp_path / "steps.csv"
@@ -149,9 +154,7 @@ def test_logged_steps_with_slow_outliers_fit_their_mean_not_their_typical_step()
     rng = np.random.default_rng(11)
     steps = []
     for _ in range(4000):
-        prefill = int(rng.choice([0, 0, 40, 96]))
-        decodes = int(rng.integers(0 if prefill else 1, 33))
-        context = int(decodes * rng.integers(20, 300) + prefill * 2)
+        prefill, decodes, context = _random_step_shape(rng)
         slow = rng.lognormal(0.0, 0.35)  # skewed: most steps near their cost, a few far above it
         steps.append(StepSample(prefill, decodes, context, TRUE.step_s(prefill, decodes, context) * slow))
     fit = fit_cost_model(steps, BUDGET)
