@@ -178,6 +178,16 @@ def test_a_prefix_moves_only_when_it_evens_loads_out_by_more_than_noise() -> Non
     assert load.move_target(0.0, 2, "idle", []) is None
 
 
+def test_affinity_load_asked_hours_after_its_last_request_reads_nothing() -> None:
+    load = AffinityLoad(half_life_s=30.0)
+    load.record(0.0, "r0", key=5)
+    later_s = 10 * 3600.0  # 1,200 half-lives: 2 ** 1200 is past a float
+    assert load.replica_load(later_s, "r0") == pytest.approx(0.0)
+    assert load.move_target(later_s, 5, "r0", ["r1"]) is None
+    load.record(later_s, "r0", key=5)
+    assert load.replica_load(later_s, "r0") == pytest.approx(1.0)
+
+
 def test_affinity_load_keeps_its_loads_across_a_rebase() -> None:
     load = AffinityLoad(half_life_s=1.0)
     load.record(0.0, "r0", key=5)

@@ -110,7 +110,9 @@ class AffinityLoad:
         self._prefixes: OrderedDict[int, float] = OrderedDict()  # a prefix's last block -> its load
 
     def _growth(self, now_s: float) -> float:
-        return 2.0 ** ((now_s - self._origin_s) / self.half_life_s)
+        # past 1,000 half-lives every load has decayed to nothing; the cap keeps the power a float
+        # (a gateway idle for hours before its next request with a prefix)
+        return 2.0 ** min((now_s - self._origin_s) / self.half_life_s, 1000.0)
 
     def replica_load(self, now_s: float, replica_id: str) -> float:
         return self._replicas.get(replica_id, 0.0) / self._growth(now_s)
