@@ -662,15 +662,14 @@ class PoolController:
         replica, prefill_tokens = picked.replica, picked.prefill_tokens
         if prefix:
             self._prefixes.pop(request.request_id, None)
-            moved_from, balance = picked.moved_from, self._affinity_load
-            if moved_from is not None and moved_from.prefixes is not None and picked.prefix_key is not None \
-                    and balance is not None:
-                moved_from.prefixes.forget(prefix[:picked.moved_blocks])  # its next requests follow it
-                balance.move(now_s, picked.prefix_key, moved_from.config.replica_id, replica.config.replica_id)
+            balance, moved_from = self._affinity_load, picked.moved_from
+            if balance is not None:
+                if moved_from is not None and moved_from.prefixes is not None and picked.prefix_key is not None:
+                    moved_from.prefixes.forget(prefix[:picked.moved_blocks])  # its next requests follow it
+                    balance.move(now_s, picked.prefix_key, moved_from.config.replica_id, replica.config.replica_id)
+                balance.record(now_s, replica.config.replica_id, picked.prefix_key)
             if replica.prefixes is not None:
                 replica.prefixes.record(prefix)
-            if self._affinity_load is not None:
-                self._affinity_load.record(now_s, replica.config.replica_id, picked.prefix_key)
         if dequeue_skip is not None:
             taken = self._queue.dequeue(now_s, dequeue_skip).request
             assert taken is not None and taken.request_id == request.request_id
@@ -710,7 +709,7 @@ class PoolController:
         best_tokens = tokens
         order, cursor = self._order, self._cursor
         count = len(order)
-        best_index = 0
+        best_index = best_matched = 0
         # (replica, its prefill tokens there): all that may take a request with a prefix (rule 7's moves)
         eligible: list[tuple[_Replica, int]] | None = [] if prefix and self._affinity_load is not None else None
         # rule 7: the prediction counts prefill, not the decodes a replica already runs
@@ -726,10 +725,11 @@ class PoolController:
                 continue
             if not replica.has_slot(level, better_active):
                 continue  # rule 5
-            own = tokens
+            own, matched = tokens, 0
             if prefix and replica.prefixes is not None:
                 # rule 7: a cached prefix is prefill the engine skips; at least the last token is computed
-                own = max(1, tokens - tokens * replica.prefixes.matched(prefix) // len(prefix)) if tokens else 0
+                matched = replica.prefixes.matched(prefix)
+                own = max(1, tokens - tokens * matched // len(prefix)) if tokens else 0
             ahead = replica.ahead(level)
             fit = replica.fit
             # rule 4: an empty prefill queue takes anything. Before its first token is measured a
@@ -748,24 +748,21 @@ class PoolController:
             piled_up = replica.requests > load_cap and replica.requests > PILE_UP_SLOT_SHARE * replica.slots()
             key = (piled_up, predicted_s, own, replica.requests, replica.load.kv_cache_usage)
             if best_key is None or key < best_key:
-                best, best_key, best_index, best_tokens = replica, key, index, own
+                best, best_key, best_index, best_tokens, best_matched = replica, key, index, own, matched
         if best is None:
             return None
         self._cursor = (best_index + 1) % count
         pick = _Pick(best, best_tokens, None, None, 0)
-        return pick if eligible is None else self._rebalanced(now_s, prefix, pick, eligible)
+        return pick if eligible is None or not best_matched else self._rebalanced(now_s, prefix, pick, best_matched,
+                                                                                   eligible)
 
-    def _rebalanced(self, now_s: float, prefix: tuple[int, ...], pick: _Pick,
+    def _rebalanced(self, now_s: float, prefix: tuple[int, ...], pick: _Pick, matched: int,
                     eligible: list[tuple[_Replica, int]]) -> _Pick:
-        """Rule 7's balance over time: a request whose prefix `pick.replica` holds goes instead to the
-        least loaded replica that may take it, its prefix moved there, when `AffinityLoad` says the
-        move evens their recent loads out by more than noise (a query)."""
+        """Rule 7's balance over time: a request whose prefix `pick.replica` holds (its first `matched`
+        blocks) goes instead to the least loaded replica that may take it, its prefix moved there,
+        when `AffinityLoad` says the move evens their recent loads out by more than noise (a query)."""
         source, balance = pick.replica, self._affinity_load
-        if source.prefixes is None or balance is None:
-            return pick
-        matched = source.prefixes.matched(prefix)
-        if not matched:
-            return pick
+        assert balance is not None  # `eligible` is kept only with affinity on
         key = prefix[matched - 1]
         owns = {r.config.replica_id: (r, own) for r, own in eligible if r is not source}
         target = balance.move_target(now_s, key, source.config.replica_id, owns)
