@@ -169,6 +169,9 @@ class UpstreamBackend(_Strict):
     # the gateways, which leaves them fewer slots (docs/scale-out.md); null, or a page without them:
     # none known
     metrics_path: str | None = "/metrics"
+    # the tokens its KV cache holds, which bound the prefixes the gateway counts it as holding
+    # (prefix-aware routing); null: as its engine reports (vLLM, SGLang, `tidegate engine` gauges)
+    kv_cache_tokens: int | None = Field(None, ge=1)
     slot_limit: int = Field(256, ge=1)
     # send 2 x the request's tier rank (0 = best), +1 while its tenant floods the tier, as its
     # `priority`, for engines that schedule by it (vLLM with --scheduling-policy priority,

@@ -147,9 +147,10 @@ class LimitsConfig(_Strict):
     headroom_share: float = Field(1 / 3, ge=0, lt=1)
     isolation: IsolationConfig | None = IsolationConfig()  # null: no isolation beyond fair queueing
     default_max_tokens: int = Field(256, ge=1)  # reserved when a request names no max_tokens
-    # prompt tokens of prefixes remembered per replica for prefix-aware routing (rule 7), about
-    # what one replica's KV cache holds; 0: no prefix affinity (docs/caching.md)
-    prefix_cache_tokens: int = Field(32768, ge=0)
+    # prompt tokens of prefixes remembered per replica for prefix-aware routing (rule 7): what one
+    # replica's KV cache holds. null: as each engine reports on its /metrics (an upstream backend's
+    # `kv_cache_tokens` first), 32,768 where none does; 0: no prefix affinity (docs/caching.md)
+    prefix_cache_tokens: int | None = Field(None, ge=0)
 
     @model_validator(mode="before")
     @classmethod
@@ -160,12 +161,16 @@ class LimitsConfig(_Strict):
                     raise ValueError(f"limits.{key} is no longer read: {why}")
         return data
 
-    def pool_replica(self, replica_id: str, slot_limit: int, orders_by_priority: bool) -> PoolReplica:
+    def pool_replica(self, replica_id: str, slot_limit: int, orders_by_priority: bool,
+                     kv_cache_tokens: int | None = None) -> PoolReplica:
         """A replica as its pool's controller sees it: `slot_limit` split into the requests of one
-        level and better, and the headroom only better levels may take."""
+        level and better, and the headroom only better levels may take; its KV cache's tokens as
+        configured (its backend's `kv_cache_tokens`, else `prefix_cache_tokens`), over what its
+        engine reports."""
         headroom = min(slot_limit - 1, round(slot_limit * self.headroom_share))
         return PoolReplica(replica_id, max_requests=slot_limit - headroom, headroom=headroom,
-                           orders_by_priority=orders_by_priority)
+                           orders_by_priority=orders_by_priority,
+                           kv_cache_tokens=kv_cache_tokens or self.prefix_cache_tokens or None)
 
 
 class PoolLadderConfig(_Strict):
@@ -259,8 +264,10 @@ def build_policies(config: OverloadConfig, pools: Mapping[str, Sequence[PoolRepl
     )
     weights = {name: t.weight for name, t in tenants.items() if t.weight != 1.0} or None
     limits = config.limits
+    # a replica none configures nor reports keeps the controller's default; 0 turns affinity off
+    affinity = {} if limits.prefix_cache_tokens is None else {"prefix_cache_tokens": limits.prefix_cache_tokens}
     settings = PoolSettings(engine_share=limits.engine_share, max_queued=limits.max_queued, breaker=breaker,
-                            prefix_cache_tokens=limits.prefix_cache_tokens)
+                            **affinity)
     # without API keys every request is one anonymous tenant: nobody to isolate from anybody
     isolation = limits.isolation if config.auth_enabled else None
     control = OverloadControl(tiers, limiter, {

@@ -36,6 +36,9 @@ class ReplicaLoad:
     running_sequences: int = 0
     waiting_sequences: int = 0
     kv_cache_usage: float = 0.0  # fraction 0-1 of KV-cache capacity in use
+    # the tokens its KV cache holds in all (blocks x block size), which bounds what it keeps of
+    # prompts' prefixes; 0: not reported
+    kv_cache_tokens: int = 0
 
 
 # ---- the pool controller's contract (policy.pool): typed events in, typed decisions out ----------
@@ -95,6 +98,9 @@ class Assignment(NamedTuple):
     request_id: int | str
     replica_id: str
     priority: int = 0  # the engine's scheduling level (lower first), for engines that order by it
+    # the replica its prompt's prefix was held at and moved from, to even the load out (the pool
+    # controller's rule 7); None: no move
+    prefix_moved_from: str | None = None
 
 
 class Preemption(NamedTuple):

@@ -38,15 +38,36 @@ _LOAD_GAUGES: dict[str, str] = {
     "vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
     "vllm:kv_cache_usage_perc": "kv", "vllm:gpu_cache_usage_perc": "kv",
     "sglang:num_running_reqs": "running", "sglang:num_queue_reqs": "waiting", "sglang:token_usage": "kv",
+    # the KV cache's capacity in tokens: ours and SGLang's as a number; vLLM's as labels of an info
+    # gauge (`num_gpu_blocks` x `block_size`, its value 1)
+    "tidegate_engine_kv_cache_capacity_tokens": "capacity", "sglang:max_total_num_tokens": "capacity",
+    "vllm:cache_config_info": "capacity",
 }
 _GAUGE_PREFIXES = tuple(_LOAD_GAUGES)
+# tensor- and pipeline-parallel ranks each hold a slice of the same tokens: only rank 0's capacity counts
+_SLICE_RANKS = ("tp_rank", "pp_rank")
+
+
+def _capacity_tokens(name: str, labels: dict[str, str], value: float) -> int:
+    """One sample's KV capacity in tokens; 0 where it says none (a parallel rank's slice, vLLM's
+    `num_gpu_blocks="None"` before its engine has profiled memory)."""
+    if any(labels.get(rank, "0") != "0" for rank in _SLICE_RANKS):
+        return 0
+    if name != "vllm:cache_config_info":
+        return max(0, int(value))
+    try:
+        return max(0, int(labels["num_gpu_blocks"]) * int(labels["block_size"]))
+    except (KeyError, ValueError):
+        return 0
 
 
 def parse_engine_load(text: str) -> ReplicaLoad:
     """An engine's Prometheus page -> ReplicaLoad (tidegate engine, vLLM or SGLang gauges); absent
-    gauges read as zero. Counts add up over label sets (one per model or data-parallel rank); KV use
-    is the fullest one's, since that is where the next sequence may not fit."""
+    gauges read as zero. Counts add up over label sets (one per model or data-parallel rank), and so
+    does KV capacity (each data-parallel rank has a cache of its own); KV use is the fullest one's,
+    since that is where the next sequence may not fit."""
     found = {"running": 0.0, "waiting": 0.0, "kv": 0.0}
+    capacity = 0
     # an engine's page runs to thousands of histogram lines; parsing only the gauges' own lines
     # keeps the scrape from stalling the gateway's event loop (57 ms for 3000 lines parsed whole)
     lines = "".join(line + "\n" for line in text.splitlines() if line.startswith(_GAUGE_PREFIXES))
@@ -58,11 +79,14 @@ def parse_engine_load(text: str) -> ReplicaLoad:
             for sample in family.samples:
                 if sample.name != family.name:
                     continue  # e.g. a _created series
-                found[kind] = max(found[kind], sample.value) if kind == "kv" else found[kind] + sample.value
+                if kind == "capacity":
+                    capacity += _capacity_tokens(sample.name, sample.labels, sample.value)
+                else:
+                    found[kind] = max(found[kind], sample.value) if kind == "kv" else found[kind] + sample.value
     except ValueError:  # not a Prometheus page (a provider's 200 HTML, say): no load known
         return ReplicaLoad()
     return ReplicaLoad(running_sequences=int(found["running"]), waiting_sequences=int(found["waiting"]),
-                       kv_cache_usage=found["kv"])
+                       kv_cache_usage=found["kv"], kv_cache_tokens=capacity)
 
 
 _ACTUATED = (ReplicaHealth.DRAINING, ReplicaHealth.STOPPED, ReplicaHealth.STANDBY)

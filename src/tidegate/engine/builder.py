@@ -45,6 +45,8 @@ def build_generation_engine(options: EngineOptions, metrics: EngineMetrics | Non
         ),
     )
     blocks = BlockManager(options.kv_cache_tokens)
+    if metrics is not None:
+        metrics.kv_capacity.set(blocks.capacity_tokens)
     config = SchedulerConfig(
         max_num_seqs=options.max_num_seqs,
         max_batch_tokens=options.max_batch_tokens,

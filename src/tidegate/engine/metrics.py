@@ -1,4 +1,4 @@
-"""The engine's Prometheus metrics, in a registry of its own (the gateway reads the first three)."""
+"""The engine's Prometheus metrics, in a registry of its own (the gateway reads the first four)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ class EngineMetrics:
         self.running = Gauge("tidegate_engine_running_sequences", "Sequences holding KV blocks", registry=r)
         self.waiting = Gauge("tidegate_engine_waiting_sequences", "Sequences queued or preempted", registry=r)
         self.kv_usage = Gauge("tidegate_engine_kv_cache_usage", "Fraction 0-1 of KV-cache blocks in use", registry=r)
+        # what the gateway's prefix index for this replica is sized by (`policy.prefix`); 0 until loaded
+        self.kv_capacity = Gauge("tidegate_engine_kv_cache_capacity_tokens",
+                                 "Tokens the KV cache holds in all (blocks x block size)", registry=r)
         self.ttft = Histogram(
             "tidegate_engine_ttft_seconds", "Request arrival to first token", buckets=_LATENCY_BUCKETS_S, registry=r
         )

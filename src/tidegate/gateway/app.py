@@ -135,12 +135,14 @@ class Gateway:
         retry_budget = RetryBudgetPolicy(ratio=health.retry_budget_ratio, min_per_s=health.retry_budget_min_per_s)
         self.pools: dict[str, ModelPool] = {}
         workers: list[WorkerSpec] = []
+        configured_kv_tokens: dict[str, int | None] = {}  # replica id -> its backend's kv_cache_tokens
         for pool_config in config.pools:
             replicas: list[Replica] = []
             for backend in pool_config.backends:
                 if isinstance(backend, UpstreamBackend):
                     replicas.append(_upstream_replica(pool_config.name, len(replicas), backend,
                                                       server.connect_timeout_s))
+                    configured_kv_tokens[replicas[-1].replica_id] = backend.kv_cache_tokens
                     continue
                 for _ in range(backend.count):
                     replica, spec = _embedded_replica(pool_config.name, len(replicas), backend,
@@ -163,7 +165,8 @@ class Gateway:
         self.overload: OverloadRuntime | None = None
         if config.overload_control:
             limits = config.overload.limits
-            pool_replicas = {name: [limits.pool_replica(r.replica_id, r.slot_limit, r.forward_priority)
+            pool_replicas = {name: [limits.pool_replica(r.replica_id, r.slot_limit, r.forward_priority,
+                                                        configured_kv_tokens.get(r.replica_id))
                                     for r in pool.replicas] for name, pool in self.pools.items()}
             self.overload = OverloadRuntime(build_policies(config.overload, pool_replicas, breaker_policy), self.pools,
                                             OverloadMetrics(self.metrics.registry))

@@ -25,7 +25,7 @@ from tidegate.policy.degradation import DEGRADATION_HEADER, DegradationDecision,
 from tidegate.policy.identity import Identity
 from tidegate.policy.overload import ArrivalOutcome, OverloadControl, RequestFacts, ShedNotice
 from tidegate.policy.pool import REFUSED_NO_REPLICA, PoolController
-from tidegate.policy.prefix import BLOCK_TOKENS, prefix_blocks
+from tidegate.policy.prefix import BLOCK_CHARS, BLOCK_TOKENS, MAX_BLOCKS, prefix_blocks
 from tidegate.policy.slot_split import OutsideLoad
 from tidegate.types import Assignment, Preemption, Refusal
 
@@ -122,7 +122,8 @@ class Ticket:
     """What the body knows of one admitted request, from `admit` to `settle`."""
 
     __slots__ = ("request_id", "pool", "tier", "prompt_tokens", "arrived_s", "predicted_wait_s", "response_headers",
-                 "future", "replica", "priority", "dispatched_s", "failure", "completed", "settled", "shared")
+                 "future", "replica", "priority", "dispatched_s", "failure", "completed", "settled", "shared",
+                 "prompt_chars")
 
     def __init__(self, request_id: str, pool: str, tier: str, prompt_tokens: int, arrived_s: float,
                  predicted_wait_s: float | None, response_headers: bytes) -> None:
@@ -142,6 +143,9 @@ class Ticket:
         self.completed = False  # the replica answered it whole
         self.settled = False
         self.shared: Any = None  # its reservation in the shared limits (`gateway.shared_limits`), if they took it
+        # its prompt's characters as its prefix blocks count them, for the engines' tokens a character
+        # (`PoolController.on_prompt_usage`); 0: not known
+        self.prompt_chars = 0
 
 
 class _PoolBody:
@@ -190,7 +194,7 @@ class _PoolBody:
 
     def pump(self, now_s: float, loads: Mapping[str, Any] = {}) -> None:
         """Asks the controller for what can go now and carries it out."""
-        dispatch = self.controller.on_capacity(now_s, loads)
+        dispatch = self.controller.on_capacity(now_s, loads)  # loads carry the engines' KV capacity (rule 7)
         if dispatch.preemptions:
             self._runtime.preempt(dispatch.preemptions, self.pool.name)
         waiting = self.waiting
@@ -214,6 +218,9 @@ class _PoolBody:
         """The controller assigned it a replica (at arrival, or while it waited)."""
         replica = self._replicas[assignment.replica_id]
         replica.outstanding += 1
+        if assignment.prefix_moved_from is not None:  # rule 7 moved its prefix here to even the load out
+            metrics = self._runtime.metrics
+            metrics.of(metrics.prefix_moves, self.pool.name).inc()
         ticket.replica = replica
         ticket.priority = assignment.priority
         if ticket.dispatched_s is None:
@@ -269,7 +276,7 @@ class OverloadRuntime:
         # the proxy awaits its decision and hands it to `admit`; None: the in-process limiter decides
         self.shared_limits: Any = None
         self._ttft_targets_s = {tier.name: tier.ttft_target_s for tier in self.control.tiers}
-        self._prefix_affinity = self.config.limits.prefix_cache_tokens > 0
+        self._prefix_affinity = self.config.limits.prefix_cache_tokens != 0
         for tier_name, target_s in self._ttft_targets_s.items():
             metrics.ttft_target.labels(tier_name).set(target_s)
         self._body_of: dict[str, _PoolBody] = {}  # replica id -> its pool's body
@@ -352,6 +359,8 @@ class OverloadRuntime:
                 ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, arrival.predicted_wait_s, headers)
                 body.wait(ticket)
             ticket.shared = shared
+            if 0 < len(prefix) < MAX_BLOCKS:  # its last, partial block half full on average
+                ticket.prompt_chars = len(prefix) * BLOCK_CHARS + BLOCK_CHARS // 2
             if preemptible:
                 task = asyncio.current_task()
                 assert task is not None
@@ -438,8 +447,9 @@ class OverloadRuntime:
         ticket.completed = failure is None
 
     # -- 4. settle
-    def settle(self, ticket: Ticket, completion_tokens: int) -> None:
-        """Ends the request's accounts, however it ended. Call exactly once, in a `finally`."""
+    def settle(self, ticket: Ticket, completion_tokens: int, prompt_tokens: int | None = None) -> None:
+        """Ends the request's accounts, however it ended. Call exactly once, in a `finally`.
+        `prompt_tokens`: its prompt's, as the engine's usage said (None: it said none)."""
         if ticket.settled:
             return
         ticket.settled = True
@@ -451,6 +461,8 @@ class OverloadRuntime:
             body.controller.on_cancel(now_s, ticket.request_id)  # the client left while it waited
         elif ticket.replica is not None:  # also when assigned just as the client left
             body.ended(now_s, ticket, completion_tokens)
+        if prompt_tokens and ticket.prompt_chars:
+            body.controller.on_prompt_usage(ticket.prompt_chars, prompt_tokens)
         used_tokens = ticket.prompt_tokens + completion_tokens
         if completion_tokens > 0:
             self.metrics.work_tokens.add_served(ticket.pool, ticket.prompt_tokens, completion_tokens)

@@ -63,6 +63,10 @@ class OverloadMetrics:
         self.preempted_seconds = Counter("tidegate_overload_preempted_seconds", "Time preempted requests had "
                                          "spent at their replica: work thrown away, run again later", ["pool"],
                                          registry=r)
+        # rule 7 of `policy.pool`: a prefix handed whole from a busier replica to a quieter one (its
+        # next requests there miss the engine's cache once)
+        self.prefix_moves = Counter("tidegate_prefix_moves", "Prompt prefixes moved to another replica to even "
+                                    "the pool's load out (prefix-aware routing)", ["pool"], registry=r)
         self.rejection_latency = Histogram("tidegate_overload_rejection_seconds",
                                            "Arrival to the answer of a request refused at admission",
                                            ["pool"], buckets=_REJECTION_BUCKETS_S, registry=r)

@@ -75,6 +75,7 @@ _MODEL_PATH = b"/v1/models/"  # + a pool's name: one model object, as the SDK's 
 _JSON = b"content-type: application/json\r\n"
 _STATUS_CLIENT_CLOSED = 499  # nginx's convention for "the client left first"
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
 # An event that carries generated output: non-empty text, a tool call, or a finish. Engines (vLLM,
 # the embedded one, OpenAI) open a chat stream with a role-only event before any token, so the
 # first event is not the first token.
@@ -424,7 +425,7 @@ class Proxy:
             return status, replica.replica_id
         finally:
             metrics.in_flight.dec()
-            overload.settle(ticket, usage.completion_tokens())
+            overload.settle(ticket, usage.completion_tokens(), usage.prompt_tokens)
 
     def _release(self, replica: Replica) -> None:
         self.pools[replica.pool_name].release(replica, self.clock())
@@ -736,27 +737,33 @@ class _StreamRelay:
 
 
 class _Usage:
-    """Overload control's view of one exchange: the completion tokens to settle."""
+    """Overload control's view of one exchange: the completion tokens to settle, and the prompt's
+    tokens (the prefix index's characters a token, `PoolController.on_prompt_usage`)."""
 
-    __slots__ = ("ticket", "events", "reported")
+    __slots__ = ("ticket", "events", "reported", "prompt_tokens")
 
     def __init__(self, ticket: Ticket) -> None:
         self.ticket = ticket
         self.events = 0  # SSE events passed on
         self.reported: int | None = None  # completion_tokens of the upstream's usage, when it sent one
+        self.prompt_tokens: int | None = None  # prompt_tokens of the upstream's usage, when it sent one
 
     def answered_whole(self, body: bytes) -> None:
-        found = _COMPLETION_TOKENS.search(body)
-        if found is not None:
-            self.reported = int(found.group(1))
+        self._read_usage(body)
 
     def stream_pieces(self, pieces: list[bytes]) -> None:
         for piece in pieces:
             self.events += piece.count(b"data:")
             if b'"usage"' in piece:
-                found = _COMPLETION_TOKENS.search(piece)
-                if found is not None:
-                    self.reported = int(found.group(1))
+                self._read_usage(piece)
+
+    def _read_usage(self, text: bytes) -> None:
+        found = _COMPLETION_TOKENS.search(text)
+        if found is not None:
+            self.reported = int(found.group(1))
+            prompt = _PROMPT_TOKENS.search(text)
+            if prompt is not None:
+                self.prompt_tokens = int(prompt.group(1))
 
     def completion_tokens(self) -> int:
         if self.reported is not None:

@@ -125,7 +125,7 @@ from typing import NamedTuple
 
 from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, is_routable, median
 from tidegate.policy.prediction import WaitPredictor, WorkUnit
-from tidegate.policy.prefix import BLOCK_TOKENS, AffinityLoad, PrefixIndex
+from tidegate.policy.prefix import CHARS_PER_TOKEN, AffinityLoad, CharsPerToken, PrefixIndex, index_blocks
 from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReason
 from tidegate.policy.resends import EarlyResends, HeldResends
 from tidegate.policy.shares import TenantShares
@@ -182,10 +182,13 @@ class PoolReplica:
     # levels may take them (rule 5), so a better request never waits for a worse one to finish
     headroom: int = 0
     orders_by_priority: bool = True  # its engine schedules by the `priority` it is sent
+    # the tokens its engine's KV cache holds, as configured: sizes its prefix index (rule 7) over
+    # what the engine reports (`ReplicaLoad.kv_cache_tokens`); None: the engine's report
+    kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_requests < 1 or self.headroom < 0:
-            raise ValueError("max_requests >= 1 and headroom >= 0 needed")
+        if self.max_requests < 1 or self.headroom < 0 or (self.kv_cache_tokens is not None and self.kv_cache_tokens < 1):
+            raise ValueError("max_requests >= 1, headroom >= 0 and kv_cache_tokens >= 1 or None needed")
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,8 +199,8 @@ class PoolSettings:
     max_queued: int = 10_000
     min_wait_share: float = 0.25  # a request may always wait this share of its tier's max_queue_wait_s
     ttft_memory_samples: float = 16.0  # first tokens the fitted TTFT line remembers
-    # prompt tokens whose prefix blocks are remembered per replica for prefix affinity (`policy.prefix`),
-    # about what a replica's KV cache holds; 0: no affinity
+    # prompt tokens whose prefix blocks are remembered per replica for prefix affinity (`policy.prefix`)
+    # where neither its configuration nor its engine says what its KV cache holds; 0: no affinity
     prefix_cache_tokens: int = 32768
     # how long after a better tier's last arrival a worse level still leaves a replica's headroom to
     # it (rule 5): a pool that has seen no better tier that long uses its whole engine. A critical
@@ -309,12 +312,17 @@ class PoolController:
         self.tiers = tiers
         self.settings = settings
         self._levels = 2 * (max(t.rank for t in tiers) + 1)
-        prefix_blocks = settings.prefix_cache_tokens // BLOCK_TOKENS
+        affinity = settings.prefix_cache_tokens > 0
         self._replicas = {r.replica_id: _Replica(r, self._levels, ReplicaSpeed(settings.ttft_memory_samples),
-                                                 prefixes=PrefixIndex(prefix_blocks) if prefix_blocks else None)
+                                                 prefixes=PrefixIndex(index_blocks(
+                                                     r.kv_cache_tokens or settings.prefix_cache_tokens,
+                                                     CHARS_PER_TOKEN)) if affinity else None)
                           for r in replicas}
         self._prefixes: dict[int | str, tuple[int, ...]] = {}  # queued requests' prefix blocks
-        self._affinity_load = AffinityLoad(AFFINITY_HALF_LIFE_S) if prefix_blocks else None
+        self._affinity_load = AffinityLoad(AFFINITY_HALF_LIFE_S) if affinity else None
+        # prompt characters a token at the engines: the prefix indexes count characters (rule 7)
+        self._chars_per_token = CharsPerToken()
+        self._indexes_chars_per_token = CHARS_PER_TOKEN  # the ratio the indexes were last sized at
         self._order = list(self._replicas.values())
         self._queue = FairPriorityQueue(tiers, max_queued=settings.max_queued, tenant_weights=tenant_weights)
         self._predictor = WaitPredictor(WorkUnit.TOKENS)
@@ -459,7 +467,11 @@ class PoolController:
             if replica.breaker.state is not BreakerState.CLOSED:
                 replica.breaker = replica.breaker.current(now_s)
         for replica_id, load in loads.items():
-            self._replicas[replica_id].load = load
+            replica = self._replicas[replica_id]
+            resized = load.kv_cache_tokens != replica.load.kv_cache_tokens
+            replica.load = load
+            if resized:  # its engine reported its KV capacity (a restart may change it)
+                self._size_prefix_index(replica)
         self._expire(now_s)
         self._assume_prefills_done(now_s)
         self._demote_slots_of_new_floods(now_s)
@@ -591,6 +603,29 @@ class PoolController:
         `on_capacity`."""
         self._replicas[replica_id].grant(slots)
 
+    def on_prompt_usage(self, prompt_chars: int, prompt_tokens: int) -> None:
+        """An engine's usage said a prompt of about `prompt_chars` characters (as `policy.prefix`
+        joins its parts) was `prompt_tokens` tokens. The prefix indexes count characters and the
+        engines' caches tokens: once the ratio moves by over a tenth, every index is sized again."""
+        ratio = self._chars_per_token
+        ratio.observe(prompt_chars, prompt_tokens)
+        if abs(ratio.value() - self._indexes_chars_per_token) > 0.1 * self._indexes_chars_per_token:
+            self._indexes_chars_per_token = ratio.value()
+            for replica in self._order:
+                self._size_prefix_index(replica)
+
+    def prefix_index_blocks(self, replica_id: str) -> int:
+        """The prefix blocks the replica's index holds at most (0: no affinity) (a query)."""
+        index = self._replicas[replica_id].prefixes
+        return 0 if index is None else index.capacity_blocks
+
+    def _size_prefix_index(self, replica: _Replica) -> None:
+        """Rule 7's index bounded like the replica's KV cache: as configured, else as its engine
+        reports, else `PoolSettings.prefix_cache_tokens`; in characters at the measured ratio."""
+        if replica.prefixes is not None:
+            tokens = replica.config.kv_cache_tokens or replica.load.kv_cache_tokens or self.settings.prefix_cache_tokens
+            replica.prefixes.resize(index_blocks(tokens, self._indexes_chars_per_token))
+
     def slot_grant(self, replica_id: str) -> int:
         """The requests this gateway may hold at the replica now (rule 5's batch, or rule 8's grant)."""
         replica = self._replicas[replica_id]
@@ -697,7 +732,9 @@ class PoolController:
             # is forgotten at once (`test_a_whole_answer_holds_the_budget_for_its_predicted_prefill`)
             replica.prefill[level] += prefill_tokens
             heapq.heappush(self._assumed_prefills, (now_s + fit.predict_s(ahead), request.request_id))
-        return Assignment(request.request_id, rid, level)
+        moved_from = picked.moved_from
+        return Assignment(request.request_id, rid, level,
+                          None if moved_from is None else moved_from.config.replica_id)
 
     def _pick(self, now_s: float, tier: TierSpec, level: int, tokens: int, exclude: frozenset[str],
               left_s: float, prefix: tuple[int, ...] = ()) -> _Pick | None:

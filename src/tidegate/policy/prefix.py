@@ -21,11 +21,15 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
-__all__ = ["BLOCK_CHARS", "BLOCK_TOKENS", "MAX_BLOCKS", "prefix_blocks", "PrefixIndex", "AffinityLoad"]
+__all__ = ["BLOCK_CHARS", "BLOCK_TOKENS", "CHARS_PER_TOKEN", "MAX_BLOCKS", "prefix_blocks", "index_blocks",
+           "CharsPerToken", "PrefixIndex", "AffinityLoad"]
 
+# characters of prompt text a token, until the engines' usage says otherwise: OpenAI's rule of thumb
+# for English and a BPE tokenizer (a byte-level one, as the embedded engine's, counts 1)
+CHARS_PER_TOKEN = 4.0
 # ~16 tokens at ~4 characters a token: the engines' KV block (vLLM's and ours hold 16 tokens)
 BLOCK_CHARS = 64
-BLOCK_TOKENS = BLOCK_CHARS // 4
+BLOCK_TOKENS = BLOCK_CHARS // int(CHARS_PER_TOKEN)
 # a prompt's first 32k characters: past that, a longer match changes no routing decision
 MAX_BLOCKS = 512
 
@@ -43,6 +47,41 @@ def prefix_blocks(parts: Iterable[str]) -> tuple[int, ...]:
     return tuple(blocks)
 
 
+def index_blocks(kv_cache_tokens: int, chars_per_token: float) -> int:
+    """The blocks of a replica's index whose engine's KV cache holds `kv_cache_tokens` tokens: the
+    index counts blocks of characters, the engine tokens (at least one block)."""
+    return max(1, int(kv_cache_tokens * chars_per_token) // BLOCK_CHARS)
+
+
+class CharsPerToken:
+    """Prompt characters (as `prefix_blocks` joins a prompt's parts) a token of the engines' usage,
+    over about the last `memory_tokens` tokens reported; `CHARS_PER_TOKEN` until `min_tokens` are.
+    It turns an engine's KV capacity in tokens into the index's characters: the embedded engine's
+    byte tokens are 1 character each, a BPE model's about 4, and an index sized at 4 for a byte
+    model believes its replica holds 4x the prompts its engine can."""
+
+    def __init__(self, memory_tokens: float = 65536.0, min_tokens: float = 2048.0) -> None:
+        if memory_tokens <= 0 or min_tokens < 0:
+            raise ValueError("memory_tokens > 0 and min_tokens >= 0 needed")
+        self.memory_tokens = memory_tokens
+        self.min_tokens = min_tokens
+        self._chars = 0.0  # both sums decay by e^(-tokens / memory) at each report
+        self._tokens = 0.0
+        self._seen_tokens = 0.0  # never decays: enough reported to trust the ratio
+
+    def observe(self, prompt_chars: int, prompt_tokens: int) -> None:
+        """A prompt of `prompt_chars` characters was `prompt_tokens` tokens at its engine (changes state)."""
+        if prompt_chars <= 0 or prompt_tokens <= 0:
+            return
+        keep = math.exp(-prompt_tokens / self.memory_tokens)
+        self._chars = self._chars * keep + prompt_chars
+        self._tokens = self._tokens * keep + prompt_tokens
+        self._seen_tokens += prompt_tokens
+
+    def value(self) -> float:
+        return self._chars / self._tokens if self._seen_tokens >= self.min_tokens else CHARS_PER_TOKEN
+
+
 class PrefixIndex:
     """The prefix blocks recently routed to one replica, least recently routed evicted first."""
 
@@ -54,6 +93,16 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def resize(self, capacity_blocks: int) -> None:
+        """Holds at most `capacity_blocks` from now, the least recently routed past it forgotten now
+        (changes state): its engine's cache turned out smaller or larger than thought."""
+        if capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+        self.capacity_blocks = capacity_blocks
+        held = self._blocks
+        while len(held) > capacity_blocks:
+            held.popitem(last=False)
 
     def matched(self, blocks: tuple[int, ...]) -> int:
         """How many of `blocks`, from the first, this replica probably holds (a query)."""

@@ -140,6 +140,7 @@ class RunResult:
     replicas: tuple[ReplicaStats, ...]  # in the order given
     end_s: float  # virtual time when the run stopped
     probes: tuple[Probe, ...] = ()  # at the times asked for, in time order
+    prefix_moves: int = 0  # assignments whose prompt prefix the dispatcher moved to another replica
 
     def busy_fraction(self, start_s: float, end_s: float) -> float:
         """Mean busy fraction of the replicas between two probe times (of those alive at `end_s`)."""
@@ -229,6 +230,7 @@ class Harness:
         self._next_id = 0
         self._probes: list[Probe] = []
         self._queued = 0  # arrived - sent to a replica - refused: the dispatcher's queue
+        self._prefix_moves = 0  # assignments that moved a prompt prefix to another replica (rule 7)
         self.arrived = 0  # requests arrived so far
         self.arrived_tokens = 0  # their prompt + output tokens: the work asked for (`policy.autoscale`)
         self.refused = 0  # requests refused by the dispatcher so far
@@ -265,7 +267,8 @@ class Harness:
         end_s = self.loop.now_s
         stats = tuple(ReplicaStats(r.replica_id, r.busy_s_at(end_s), r.steps, r.generated_tokens, r.preemptions,
                                    r.alive) for r in self.replicas.values())
-        return RunResult(tuple(self._records[i] for i in sorted(self._records)), stats, end_s, tuple(self._probes))
+        return RunResult(tuple(self._records[i] for i in sorted(self._records)), stats, end_s, tuple(self._probes),
+                         self._prefix_moves)
 
     # closed-loop clients: each settled request of theirs sends the next
     def _schedule(self, request: SimRequest) -> None:
@@ -509,6 +512,8 @@ class Harness:
 
     def _submit(self, now_s: float, assignment: Assignment) -> None:
         self._queued -= 1
+        if assignment.prefix_moved_from is not None:
+            self._prefix_moves += 1
         request = self._requests[int(assignment.request_id)]
         self._update(request.request_id, dispatch_s=now_s, replica_id=assignment.replica_id)
         self.replicas[assignment.replica_id].submit(request.request_id, request.prompt_tokens,

@@ -170,7 +170,8 @@ class ModelledReplica:
         if self._load is None:
             self._load = ReplicaLoad(running_sequences=len(self.scheduler.running),
                                      waiting_sequences=len(self.scheduler.waiting),
-                                     kv_cache_usage=self.scheduler.blocks.usage)
+                                     kv_cache_usage=self.scheduler.blocks.usage,
+                                     kv_cache_tokens=self.scheduler.blocks.capacity_tokens)
         return self._load
 
     def submit(self, request_id: int, prompt_tokens: int, output_tokens: int, priority: int = 0,

@@ -112,8 +112,11 @@ class ScenarioRun:
 Kind = Callable[[Sequence[str], TierTable], Dispatcher]
 
 
-def controller(ids: Sequence[str], tiers: TierTable, settings: PoolSettings = PoolSettings()) -> PoolController:
-    return PoolController([PoolReplica(i, CEILING, HEADROOM) for i in ids], tiers, settings, shares=TenantShares())
+def controller(ids: Sequence[str], tiers: TierTable, settings: PoolSettings = PoolSettings(),
+               kv_cache_tokens: int | None = None) -> PoolController:
+    """`kv_cache_tokens`: each replica's KV cache as configured, over what its modelled engine reports."""
+    return PoolController([PoolReplica(i, CEILING, HEADROOM, kv_cache_tokens=kv_cache_tokens) for i in ids], tiers,
+                          settings, shares=TenantShares())
 
 
 def fifo(ids: Sequence[str], tiers: TierTable) -> FifoDispatcher:
@@ -536,11 +539,12 @@ def _prefix_run(seed: int) -> tuple[ScenarioRun, ScenarioRun]:
     ids = [f"r{i}" for i in range(REPLICAS)]
     specs = [replace(replica_spec(i), kv_cache_tokens=PREFIX_KV_TOKENS) for i in ids]
 
-    def arm(prefix_cache_tokens: int) -> ScenarioRun:
-        ctl = controller(ids, default_tiers(), PoolSettings(prefix_cache_tokens=prefix_cache_tokens))
+    def arm(settings: PoolSettings) -> ScenarioRun:
+        ctl = controller(ids, default_tiers(), settings)
         return ScenarioRun(Harness(specs, ctl).run(requests, probes_s=PREFIX_WINDOW), default_tiers())
 
-    return arm(PREFIX_KV_TOKENS), arm(0)
+    # the index sized as the modelled engines report their KV caches; without affinity
+    return arm(PoolSettings()), arm(PoolSettings(prefix_cache_tokens=0))
 
 
 def prefix_affinity(seeds: Sequence[int] = PREFIX_SEEDS) -> Verdict:
@@ -587,15 +591,18 @@ PREFIX_CLIENT_PROFILE = "tiny-random-llama-cpu"  # the embedded engine the bench
 PREFIX_SKEW = tuple(1.0 / (rank + 1) for rank in range(PREFIX_CLIENT_TENANTS))
 
 
-def _prefix_clients_run(seed: int, affinity: bool, weights: tuple[float, ...] = ()) -> tuple[RunResult, float]:
+def _prefix_clients_run(seed: int, affinity: bool, weights: tuple[float, ...] = (),
+                        index_tokens: int | None = None) -> tuple[RunResult, float]:
     """bench/prefix_cache.py's load on the modelled embedded engine, the tenants drawn by `weights`
     (empty: uniformly): (the run, the share of looked-up prompt tokens the engines found cached).
-    Without affinity: FIFO's least-loaded routing, the bench's "cache alone"."""
+    Without affinity: FIFO's least-loaded routing, the bench's "cache alone". The controller's
+    prefix index is sized as the modelled engines report their KV caches, or as `index_tokens`
+    configures it."""
     ids = [f"r{i}" for i in range(REPLICAS)]
     profile = load_profile(PREFIX_CLIENT_PROFILE)
     specs = [replace(profile.spec(i), kv_cache_tokens=PREFIX_CLIENT_KV_TOKENS) for i in ids]
-    settings = PoolSettings(prefix_cache_tokens=PREFIX_CLIENT_KV_TOKENS)
-    dispatcher: Dispatcher = controller(ids, default_tiers(), settings) if affinity else fifo(ids, default_tiers())
+    dispatcher: Dispatcher = controller(ids, default_tiers(), kv_cache_tokens=index_tokens) if affinity \
+        else fifo(ids, default_tiers())
     question = TrafficClass("shops", "standard", 1.0, LengthDistribution("uniform", 40, 80),
                             LengthDistribution("const", 16, 16))
     clients = ClosedLoopClients(PREFIX_CLIENTS, question, 0.0, 120.0, seed=seed, prefixes=PREFIX_CLIENT_TENANTS,
@@ -649,6 +656,44 @@ def prefix_clients(seeds: Sequence[int] = PREFIX_CLIENT_SEEDS,
                     ("imbalance", max(imbalances)), ("served_ratio", min(served))))
 
 
+# what the controller's prefix index holds where neither configuration nor engine says (6.4x the engines' caches here)
+PREFIX_UNREPORTED_TOKENS = PoolSettings().prefix_cache_tokens
+
+
+def prefix_index_sizing(seeds: Sequence[int] = PREFIX_CLIENT_SEEDS,
+                        skewed_seeds: Sequence[int] = PREFIX_SKEWED_SEEDS) -> Verdict:
+    """`prefix_clients`' load with prefix-aware routing, the controller's prefix index sized as the
+    modelled engines report their KV caches (5,120 tokens), against the size it takes where none
+    reports (`PREFIX_UNREPORTED_TOKENS`). An index larger than its engine's cache believes the
+    replica still holds prompts the engine evicted, and sends their tenants there to miss: sized
+    from the engines, at least as many prompt tokens are cached on every seed of the bench's
+    uniform draw, and as a mean over the Zipf mix's seeds (where moves between replicas also
+    decide what stays cached, a seed may go either way: -1.2 to +3.3 points)."""
+    lines: list[str] = []
+    gains: dict[bool, list[float]] = {False: [], True: []}  # by skewed
+    for weights, case_seeds in (((), seeds), (PREFIX_SKEW, skewed_seeds)):
+        for seed in case_seeds:
+            arms = [_prefix_clients_run(seed, True, weights, index_tokens)
+                    for index_tokens in (None, PREFIX_UNREPORTED_TOKENS)]
+            (sized, sized_hit), (large, large_hit) = arms
+            p50 = [float(np.percentile([r.ttft_s for r in run_.records if r.ttft_s is not None], 50))
+                   for run_, _ in arms]
+            done = [sum(1 for r in run_.records if r.served) for run_, _ in arms]
+            gains[bool(weights)].append(sized_hit - large_hit)
+            lines.append(f"{'skewed' if weights else 'uniform'} seed {seed}: prompt tokens cached {sized_hit:.1%} "
+                         f"sized from the engines, {large_hit:.1%} at {PREFIX_UNREPORTED_TOKENS:,} tokens; served "
+                         f"{done[0]} vs {done[1]}; P50 TTFT {p50[0] * 1000:.0f} vs {p50[1] * 1000:.0f} ms; prefixes "
+                         f"moved {sized.prefix_moves} vs {large.prefix_moves}")
+    uniform_gain = min(gains[False], default=0.0)
+    skewed_gain = float(np.mean(gains[True])) if gains[True] else 0.0
+    lines.append(f"cached, sized less oversized: uniform at least {uniform_gain * 100:+.1f} points a seed; "
+                 f"Zipf mix {skewed_gain * 100:+.1f} points as a mean")
+    return Verdict("prefix_index_sizing", "prefix_clients with the prefix index sized as the engines report their KV "
+                   f"caches, against {PREFIX_UNREPORTED_TOKENS:,} tokens: at least as many prompt tokens cached, on "
+                   "every uniform seed and as a mean over the Zipf mix's", uniform_gain >= 0 and skewed_gain >= 0,
+                   tuple(lines), (("uniform_gain", uniform_gain), ("skewed_gain", skewed_gain)))
+
+
 SMALL_SLOTS = 2  # sequences one engine runs: bench/chaos.py's mock replicas, a llama.cpp server started with -np 2
 SMALL_SEEDS = (91, 92, 93, 94, 95, 96)
 
@@ -699,7 +744,7 @@ def small_engines(seeds: Sequence[int] = SMALL_SEEDS) -> Verdict:
 
 SCENARIOS: tuple[Callable[[], Verdict], ...] = (goodput, critical_burst, noisy_tenant, cold_start, burst_after_idle,
                                                 retry_storm, slowed_replica, replica_killed, prefix_affinity,
-                                                prefix_clients, small_engines)
+                                                prefix_clients, prefix_index_sizing, small_engines)
 
 
 def run_all() -> tuple[Verdict, ...]:
