@@ -62,6 +62,47 @@ def test_vllm_v0_kv_gauge_and_sglang_gauges_are_read() -> None:
                                                             kv_cache_usage=0.28)
 
 
+# the KV capacity as each engine exports it (vLLM's info gauge as vLLM 0.8-0.10 print it, two
+# data-parallel engines; SGLang's as its production-metrics page shows, with tensor-parallel ranks)
+VLLM_CACHE_CONFIG = """# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",cpu_offload_gb="0",\
+enable_prefix_caching="True",engine="0",gpu_memory_utilization="0.82",is_attention_free="False",num_cpu_blocks="1024",\
+num_gpu_blocks="573",num_gpu_blocks_override="None",sliding_window="None",swap_space_bytes="4294967296"} 1.0
+vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales="False",cpu_offload_gb="0",\
+enable_prefix_caching="True",engine="1",gpu_memory_utilization="0.82",is_attention_free="False",num_cpu_blocks="1024",\
+num_gpu_blocks="600",num_gpu_blocks_override="None",sliding_window="None",swap_space_bytes="4294967296"} 1.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="qwen3-32b"} 2.0
+"""
+SGLANG_CAPACITY = """# HELP sglang:max_total_num_tokens Maximum total number of tokens
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{model_name="google/gemma-2-9b-it",pp_rank="0",tp_rank="0"} 161721.0
+sglang:max_total_num_tokens{model_name="google/gemma-2-9b-it",pp_rank="0",tp_rank="1"} 161721.0
+# HELP sglang:max_prefill_tokens Maximum prefill tokens
+# TYPE sglang:max_prefill_tokens gauge
+sglang:max_prefill_tokens{model_name="google/gemma-2-9b-it",pp_rank="0",tp_rank="0"} 16384.0
+"""
+
+
+def test_kv_capacity_is_read_from_our_engine_vllm_and_sglang() -> None:
+    ours = ENGINE_METRICS + "# TYPE tidegate_engine_kv_cache_capacity_tokens gauge\n" \
+        "tidegate_engine_kv_cache_capacity_tokens 5120.0\n"
+    assert parse_engine_load(ours).kv_cache_tokens == 5120
+    # blocks x block size, added up over data-parallel engines (each has a cache of its own)
+    assert parse_engine_load(VLLM_CACHE_CONFIG) == ReplicaLoad(running_sequences=2, kv_cache_tokens=(573 + 600) * 16)
+    # a tensor-parallel rank holds a slice of the same tokens: counted once
+    assert parse_engine_load(SGLANG_CAPACITY).kv_cache_tokens == 161721
+
+
+def test_a_kv_capacity_not_known_yet_reads_as_none_reported() -> None:
+    profiling = VLLM_CACHE_CONFIG.replace('num_gpu_blocks="573"', 'num_gpu_blocks="None"')
+    assert parse_engine_load(profiling).kv_cache_tokens == 600 * 16  # only the engine that knows it counts
+    assert parse_engine_load(ENGINE_METRICS).kv_cache_tokens == 0
+    assert parse_engine_load("vllm:cache_config_info{enable_prefix_caching=\"true\"} 1\n").kv_cache_tokens == 0
+
+
 def test_missing_gauges_or_a_page_that_is_not_prometheus_read_as_zero() -> None:
     assert parse_engine_load("other_metric 1\n") == ReplicaLoad()
     assert parse_engine_load("<html><body>vllm:num_requests_running is not here</body></html>") == ReplicaLoad()

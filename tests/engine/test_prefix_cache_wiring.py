@@ -71,3 +71,16 @@ def test_the_built_engine_schedules_with_the_option(monkeypatch: pytest.MonkeyPa
 
     options = _engine_options(["--no-prefix-caching", "--kv-cache-tokens", "1024"], monkeypatch)
     assert build_generation_engine(options).model_card["enable_prefix_caching"] is False
+
+
+@pytest.mark.slow
+def test_the_built_engine_exports_its_kv_capacity_as_the_gateway_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tidegate.control.health_checks import parse_engine_load
+    from tidegate.engine.builder import build_generation_engine
+
+    metrics = EngineMetrics()
+    assert parse_engine_load(metrics.exposition().decode()).kv_cache_tokens == 0  # not loaded yet: none known
+    build_generation_engine(_engine_options(["--kv-cache-tokens", "1000"], monkeypatch), metrics)
+    # whole blocks only: 62 of 16 tokens
+    assert _metric(metrics, "tidegate_engine_kv_cache_capacity_tokens") == 62 * BLOCK_SIZE
+    assert parse_engine_load(metrics.exposition().decode()).kv_cache_tokens == 62 * BLOCK_SIZE

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
-from tidegate.policy.prefix import BLOCK_CHARS, AffinityLoad, PrefixIndex, prefix_blocks
+from tidegate.policy.prefix import BLOCK_CHARS, CHARS_PER_TOKEN, AffinityLoad, CharsPerToken, PrefixIndex, prefix_blocks
 from tidegate.policy.tiers import default_tiers
-from tidegate.types import PoolRequest
+from tidegate.types import PoolRequest, ReplicaLoad
 
 SYSTEM_A = "You are the support assistant of the A company. " * 40  # ~2,000 characters
 SYSTEM_B = "You answer questions about the B railway timetable. " * 40
@@ -37,6 +37,31 @@ def test_the_index_matches_from_the_first_block_and_forgets_tails_first() -> Non
     assert index.matched((1, 2, 3)) == 2 and index.matched((7, 8)) == 2
     with pytest.raises(ValueError):
         PrefixIndex(0)
+
+
+def test_a_smaller_index_forgets_the_least_recently_routed_at_once() -> None:
+    index = PrefixIndex(capacity_blocks=8)
+    index.record((1, 2, 3))
+    index.record((4, 5, 6))
+    index.resize(4)  # the engine's cache turned out to hold fewer
+    assert len(index) == 4 and index.matched((1, 2, 3)) == 1 and index.matched((4, 5, 6)) == 3
+    index.resize(16)
+    index.record((7, 8, 9))
+    assert len(index) == 7  # a larger bound forgets nothing
+    with pytest.raises(ValueError):
+        index.resize(0)
+
+
+def test_characters_a_token_are_the_fallback_until_enough_usage_is_reported() -> None:
+    ratio = CharsPerToken(memory_tokens=10_000, min_tokens=2048)
+    ratio.observe(1000, 1000)  # byte tokens: a character each
+    assert ratio.value() == CHARS_PER_TOKEN
+    ratio.observe(1000, 1100)
+    ratio.observe(0, 50)  # nothing to learn from
+    assert ratio.value() == pytest.approx(2000 / 2100, rel=0.01)
+    for _ in range(40):  # the model behind the pool changed: a BPE tokenizer, ~4 characters a token
+        ratio.observe(4000, 1000)
+    assert ratio.value() == pytest.approx(4.0, rel=0.05)
 
 
 def _request(request_id: int, system: str, question: str, tokens: int = 600, tenant: str = "t") -> PoolRequest:
@@ -77,6 +102,36 @@ def test_without_affinity_the_same_requests_alternate() -> None:
         ctl.on_first_token(request_id + 0.1, request_id)
         ctl.on_finish(request_id + 0.2, request_id)
     assert len(set(homes)) == 2
+
+
+def test_the_index_is_bounded_by_the_kv_capacity_its_engine_reports() -> None:
+    ctl = _controller()
+    # nothing reported: the settings' 32,768 tokens at 4 characters a token, in blocks of 64 characters
+    assert ctl.prefix_index_blocks("r0") == ctl.prefix_index_blocks("r1") == 32768 * 4 // BLOCK_CHARS
+    ctl.on_capacity(0.0, {"r0": ReplicaLoad(kv_cache_tokens=5120), "r1": ReplicaLoad()})
+    assert ctl.prefix_index_blocks("r0") == 5120 * 4 // BLOCK_CHARS
+    assert ctl.prefix_index_blocks("r1") == 32768 * 4 // BLOCK_CHARS
+    ctl.on_capacity(1.0, {"r0": ReplicaLoad(kv_cache_tokens=2048)})  # restarted with a smaller cache
+    assert ctl.prefix_index_blocks("r0") == 2048 * 4 // BLOCK_CHARS
+
+
+def test_a_configured_kv_capacity_wins_over_the_reported_one() -> None:
+    ctl = PoolController((PoolReplica("r0", kv_cache_tokens=1024), PoolReplica("r1")), default_tiers())
+    ctl.on_capacity(0.0, {"r0": ReplicaLoad(kv_cache_tokens=5120), "r1": ReplicaLoad(kv_cache_tokens=5120)})
+    assert ctl.prefix_index_blocks("r0") == 1024 * 4 // BLOCK_CHARS
+    assert ctl.prefix_index_blocks("r1") == 5120 * 4 // BLOCK_CHARS
+    assert _controller(prefix_cache_tokens=0).prefix_index_blocks("r0") == 0  # no affinity: no index
+    with pytest.raises(ValueError):
+        PoolReplica("r0", kv_cache_tokens=0)
+
+
+def test_the_index_counts_the_engines_tokens_in_the_characters_their_usage_reports() -> None:
+    ctl = _controller()
+    ctl.on_capacity(0.0, {"r0": ReplicaLoad(kv_cache_tokens=5120), "r1": ReplicaLoad(kv_cache_tokens=5120)})
+    for _ in range(3):  # a byte-level tokenizer's prompts: about a token a character
+        ctl.on_prompt_usage(1056, 1064)
+    blocks = 5120 * 1056 / 1064 / BLOCK_CHARS  # 79.4: a quarter of what 4 characters a token made of it
+    assert ctl.prefix_index_blocks("r0") == ctl.prefix_index_blocks("r1") == int(blocks)
 
 
 def _measure_both(ctl: PoolController) -> None:
@@ -203,14 +258,20 @@ def test_a_busier_replica_hands_a_prefix_whole_to_a_quieter_one() -> None:
     ctl = _controller()
     _measure_both(ctl)
     homes: dict[str, list[str]] = {"a": [], "b": []}
+    moved_from: list[str | None] = []
     request_id, now_s = 0, 100.0
     for round_ in range(30):
         for name, system in (("a", SYSTEM_A), ("b", SYSTEM_B)):
-            homes[name].append(_send(ctl, _request(request_id, system, f"q {round_}"), now_s))
+            decision = ctl.on_arrival(now_s, _request(request_id, system, f"q {round_}"))
+            assert decision.assignment is not None
+            homes[name].append(decision.assignment.replica_id)
+            moved_from.append(decision.assignment.prefix_moved_from)
             ctl.on_first_token(now_s + 0.05, request_id)
             ctl.on_finish(now_s + 0.1, request_id)
             request_id, now_s = request_id + 1, now_s + 0.2
     assert homes["a"][0] == homes["b"][0]  # both started where the fitted line is fastest
+    # the move is reported with the assignment that made it (the body counts it), once
+    assert [source for source in moved_from if source is not None] == [homes["a"][0]]
     moved = [name for name in "ab" if len(set(homes[name])) > 1]
     assert len(moved) == 1, homes  # one prefix moved, once, whole
     after = homes[moved[0]].index(next(r for r in homes[moved[0]] if r != homes[moved[0]][0]))
