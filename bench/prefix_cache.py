@@ -15,9 +15,10 @@ sequences (`--kv-cache-tokens`, default 5,120: four ~1,060-token prompts, the mo
 bytes, and the running requests' own blocks). In production a replica's KV cache cannot hold every
 tenant's prefix either, and that is what prefix-aware routing is for: it decides which prefixes stay
 cached where. With the engine's default, 32,768 tokens, every worker holds all eight prompts, so
-least-loaded routing hits as often as affinity and the two differ only in the tail. The affinity
-set-up sizes the gateway's prefix index like the engine's cache (`limits.prefix_cache_tokens`, in the
-gateway's estimate of 4 characters a token: a quarter of the engine's byte tokens).
+least-loaded routing hits as often as affinity and the two differ only in the tail. The gateway
+sizes its prefix index for each worker as the worker's /metrics reports its KV cache, in the
+characters a token the answers' usage shows (the clients ask streams for it: `include_usage`); this
+model's tokens are bytes, a character each.
 Prints the KV cache size and, per set-up, P50/P99 TTFT, requests served per worker (from each
 worker's own /metrics), the workers' busy fraction and prefix-cache hit rate (hit tokens of looked-up
 prompt tokens), how many tenants were served by both workers (from the gateway's access log), and
@@ -55,8 +56,6 @@ SETUPS: dict[str, tuple[list[str], bool | None]] = {
     "cache, no affinity": ([], False),
 }
 DEFAULT_KV_CACHE_TOKENS = 5120
-# the gateway counts ~4 characters a token (`policy.prefix`); this model's tokenizer is byte-level
-CHARS_PER_ENGINE_TOKEN = 1
 
 
 def system_prompt(tenant: int, words: int = 130) -> str:  # ~1,000 tokens of tiny-random-llama
@@ -69,11 +68,10 @@ def start_gateway(workdir: Path, engine_args: list[str], affinity: bool | None,
     port = free_port()
     config = workdir / f"gateway-{port}.yaml"
     engine_args = [*engine_args, "--kv-cache-tokens", str(kv_cache_tokens)]
-    # the prefix index remembers what one engine's cache holds, in the gateway's tokens
-    prefix_cache_tokens = kv_cache_tokens * CHARS_PER_ENGINE_TOKEN // 4 if affinity else 0
     args = "[" + ", ".join(f"'{a}'" for a in engine_args) + "]"
+    # with affinity the prefix index is sized from what the engines report (nothing configured)
     routing = "overload_control: false\n" if affinity is None else \
-        f"limits: {{prefix_cache_tokens: {prefix_cache_tokens}}}\n"
+        "" if affinity else "limits: {prefix_cache_tokens: 0}\n"
     config.write_text(
         f"server: {{port: {port}, access_log: true}}\n"  # which replica served each request
         f"{routing}"
@@ -105,6 +103,15 @@ async def worker_ports(session: aiohttp.ClientSession, port: int) -> list[int]:
         text = await response.text()
     return sorted({int(p) for p in re.findall(r'tidegate_replica_outstanding\{pool="m",replica="m#\d+@127\.0\.0\.1:(\d+)"',
                                               text)})
+
+
+async def index_sizes(session: aiohttp.ClientSession, port: int) -> list[int]:
+    """The characters of prompt prefixes the gateway counts each worker as holding at most (empty:
+    overload control off)."""
+    async with session.get(f"http://127.0.0.1:{port}/metrics") as response:
+        text = await response.text()
+    return [int(float(v)) for v in re.findall(r'^tidegate_replica_prefix_index_characters\{[^}]*\} ([0-9.e+]+)$',
+                                              text, re.M)]
 
 
 async def worker_counts(session: aiohttp.ClientSession, ports: list[int]) -> list[dict[str, float]]:
@@ -141,7 +148,8 @@ async def load(port: int, requests: int, clients: int, tag: str) -> tuple[list[f
             if time.monotonic() > deadline:
                 return
             tenant = order[index]
-            body = {"model": "m", "max_tokens": 16, "stream": True, "temperature": 0, "ignore_eos": True,
+            body = {"model": "m", "max_tokens": 16, "stream": True, "stream_options": {"include_usage": True},
+                    "temperature": 0, "ignore_eos": True,
                     "messages": [{"role": "system", "content": prompts[tenant]},
                                  {"role": "user", "content": f"Question {index}: where is order {index * 7919}?"}]}
             started = time.perf_counter()
@@ -182,6 +190,7 @@ async def run_setup(workdir: Path, name: str, requests: int, clients: int, kv_ca
         seconds = time.monotonic() - started
         async with aiohttp.ClientSession() as session:
             after = await worker_counts(session, ports)
+            index = await index_sizes(session, port)
     finally:
         process.terminate()
         process.wait(timeout=60)
@@ -195,7 +204,8 @@ async def run_setup(workdir: Path, name: str, requests: int, clients: int, kv_ca
     print(f"{name:>17}: TTFT p50 {result['p50'] * 1e3:7.0f} ms  p99 {result['p99'] * 1e3:7.0f} ms | "
           f"{len(ttfts)} served, {refused} refused, in {seconds:5.1f} s | per worker {[int(s) for s in served]} "
           f"(imbalance {imbalance:.2f}x) | busy {[f'{b:.0%}' for b in busy]} | "
-          f"prefix hits {hits / queried if queried else 0:.0%} of {int(queried)} prompt tokens")
+          f"prefix hits {hits / queried if queried else 0:.0%} of {int(queried)} prompt tokens"
+          + (f" | gateway's prefix index per worker: {index} characters" if index else ""))
     # stickiness: a tenant whose requests all went to one worker finds its prompt there
     majority = sum(max(c.values()) for c in spread.values()) / max(1, sum(sum(c.values()) for c in spread.values()))
     homes = {tenant: sorted(c.items(), key=lambda item: -item[1]) for tenant, c in sorted(spread.items())}

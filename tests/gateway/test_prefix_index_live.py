@@ -37,6 +37,8 @@ def test_each_index_is_sized_by_the_kv_capacity_its_engine_reported() -> None:
     runtime.bodies["m"].wake(runtime.clock())  # what a health change does: fresh loads to the controller
     assert controller.prefix_index_blocks("r0") == 5120 * 4 // BLOCK_CHARS
     assert controller.prefix_index_blocks("r1") == default_blocks == 32768 * 4 // BLOCK_CHARS
+    # and /metrics shows what the gateway counts each replica as holding, in characters
+    assert _metric(runtime, "tidegate_replica_prefix_index_characters", pool="m", replica="r0") == 5120 * 4
 
 
 def test_a_configured_kv_capacity_wins_and_zero_turns_affinity_off() -> None:

@@ -84,6 +84,10 @@ class OverloadMetrics:
         self.slots = Gauge("tidegate_replica_slots", "Requests this gateway may hold at the replica now: its "
                            "slot_limit, less the load from outside the gateways read off its engine's gauges, or "
                            "this gateway's share of it when gateways split it", ["pool", "replica"], registry=r)
+        self.prefix_index = Gauge("tidegate_replica_prefix_index_characters", "Prompt-prefix characters the "
+                                  "gateway counts the replica as holding at most (prefix-aware routing): its engine's "
+                                  "KV cache in tokens, configured or reported, at the characters a token its usage "
+                                  "shows; 0 without prefix affinity", ["pool", "replica"], registry=r)
         self.ttft_fit = Gauge("tidegate_replica_ttft_fit_seconds", "The replica's fitted engine time to first "
                               "token: `fixed` seconds plus `per_token` seconds for each prefill token ahead (NaN "
                               "before its first token)", ["pool", "replica", "coefficient"], registry=r)
@@ -104,7 +108,8 @@ class OverloadMetrics:
             self.over_share.labels(pool, tier).set_function(over_share)
 
     def watch_replica(self, pool: str, replica: str, budget_tokens: Callable[[], float | None],
-                      fit: Callable[[], TtftFit | None], slots: Callable[[], float]) -> None:
+                      fit: Callable[[], TtftFit | None], slots: Callable[[], float],
+                      prefix_index_chars: Callable[[], float] | None = None) -> None:
         def read() -> float:
             tokens = budget_tokens()
             return math.nan if tokens is None else tokens
@@ -114,6 +119,8 @@ class OverloadMetrics:
 
         self.work_budget.labels(pool, replica).set_function(read)
         self.slots.labels(pool, replica).set_function(slots)
+        if prefix_index_chars is not None:
+            self.prefix_index.labels(pool, replica).set_function(prefix_index_chars)
         self.ttft_fit.labels(pool, replica, "fixed").set_function(coefficient("fixed_s"))
         self.ttft_fit.labels(pool, replica, "per_token").set_function(coefficient("s_per_token"))
 
