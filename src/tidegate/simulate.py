@@ -110,7 +110,10 @@ def pool_controller(config: GatewayConfig, pool_name: str | None, replica_ids: l
     isolation = limits.isolation if overload.auth_enabled else None
     controller = PoolController([limits.pool_replica(i, backend.slot_limit, orders_by_priority) for i in replica_ids],
                                 overload.tiers.table(),
-                                PoolSettings(engine_share=limits.engine_share, max_queued=limits.max_queued),
+                                PoolSettings(engine_share=limits.engine_share, max_queued=limits.max_queued,
+                                             # 0: no prefix affinity, as `tidegate serve` reads it
+                                             **({} if limits.prefix_cache_tokens is None
+                                                else {"prefix_cache_tokens": limits.prefix_cache_tokens})),
                                 shares=isolation.shares(None) if isolation is not None else None)
     return controller, backend.slot_limit
 

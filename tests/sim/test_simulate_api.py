@@ -35,3 +35,16 @@ def test_a_tier_the_config_does_not_define_is_refused_before_the_run() -> None:
         simulation.run(poisson_requests(1.0, 5.0, mix={"gold": 1.0}))
     with pytest.raises(ValueError, match="replicas"):
         Simulation(replicas=0)
+
+
+def test_the_simulated_pool_reads_prefix_affinity_as_serve_does(tmp_path) -> None:
+    from tidegate.config import load_config
+    from tidegate.simulate import pool_controller
+
+    pools = "pools: [{name: chat, backends: [{type: embedded, model: tiny-random-llama, count: 1}]}]\n"
+    for limits, blocks in (("", 32768 * 4 // 64), ("limits: {prefix_cache_tokens: 0}\n", 0),
+                           ("limits: {prefix_cache_tokens: 1024}\n", 1024 * 4 // 64)):
+        config = tmp_path / "serve.yaml"
+        config.write_text(pools + limits)
+        controller, _ = pool_controller(load_config(config), None, ["r0"])
+        assert controller.prefix_index_blocks("r0") == blocks, limits
