@@ -69,9 +69,8 @@ async def _measure_both(runtime: OverloadRuntime, clock: FakeClock) -> None:
     """Both replicas' TTFT lines learnt: 50 ms + 1 ms a prompt token, pairs of requests at once."""
     for round_, tokens in enumerate((100, 400, 900, 200, 700, 300)):
         clock.now_s = 10.0 * round_
-        tickets = [runtime.admit(clock(), f"m{round_}-{i}", _WHO, "m", _chat(f"measure {round_} {i} " + "y" * 4 * tokens,
-                                                                              "go"))
-                   for i in range(2)]
+        prompts = [_chat(f"measure {round_} {i} " + "y" * 4 * tokens, "go") for i in range(2)]
+        tickets = [runtime.admit(clock(), f"m{round_}-{i}", _WHO, "m", prompt) for i, prompt in enumerate(prompts)]
         assert {(await runtime.acquire(ticket)).replica_id for ticket in tickets} == {"r0", "r1"}
         clock.now_s += 0.05 + 0.001 * tokens
         for ticket in tickets:

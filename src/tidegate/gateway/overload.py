@@ -291,7 +291,8 @@ class OverloadRuntime:
             for replica in pool.replicas:
                 rid = replica.replica_id
                 metrics.watch_replica(name, rid, lambda c=controller, r=rid: c.budget_tokens(self.clock(), r),
-                                      lambda c=controller, r=rid: c.ttft_fit(r), lambda c=controller, r=rid: c.slot_grant(r),
+                                      lambda c=controller, r=rid: c.ttft_fit(r),
+                                      lambda c=controller, r=rid: c.slot_grant(r),
                                       lambda c=controller, r=rid: c.prefix_index_blocks(r) * BLOCK_CHARS)
 
     def observe_engine(self, replica: Replica) -> None:

@@ -77,7 +77,12 @@ without it; a rule no scenario needs does not belong here):
    Affinity fixes the split of load between replicas at the split of prefixes, so over time a
    busier replica hands a whole prefix to the least loaded one when `policy.prefix.AffinityLoad`
    says that evens their recent loads out by more than noise; the replica it left forgets it
-   (`test_a_busier_replica_hands_a_prefix_whole_to_a_quieter_one`; `prefix_clients`' Zipf mix).
+   (`test_a_busier_replica_hands_a_prefix_whole_to_a_quieter_one`; `prefix_clients`' Zipf mix);
+   the assignment names the replica it left, for the body to count. Each replica's index holds
+   what its engine's KV cache does: `PoolReplica.kv_cache_tokens`, else the engine's report in
+   `on_capacity`'s loads, at the characters a token `on_prompt_usage` measures; an index larger
+   than the cache sends tenants where their prompts were evicted
+   (`test_the_index_is_bounded_by_the_kv_capacity_its_engine_reports`; `prefix_index_sizing`).
    (`test_a_retry_goes_first_and_never_to_the_replica_that_failed_it`,
    `test_a_waiting_retry_leaves_the_replica_that_failed_it_to_the_queue`,
    `test_every_replica_down_refuses_every_waiting_request`; `replica_killed`: its breaker opens on
@@ -187,7 +192,8 @@ class PoolReplica:
     kv_cache_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if self.max_requests < 1 or self.headroom < 0 or (self.kv_cache_tokens is not None and self.kv_cache_tokens < 1):
+        if self.max_requests < 1 or self.headroom < 0 \
+                or (self.kv_cache_tokens is not None and self.kv_cache_tokens < 1):
             raise ValueError("max_requests >= 1, headroom >= 0 and kv_cache_tokens >= 1 or None needed")
 
 

@@ -5,8 +5,9 @@ blocks they still hold; a request sent where its prefix is cached starts sooner 
 replica less. The gateway cannot see the engines' caches, so it keeps, per replica, the prefix
 blocks it recently sent there (llm-d's approximate prefix scorer), bounded like the engine's cache
 (least recently routed forgotten first): its KV capacity in tokens, as configured or as the engine
-reports it, in the characters a token the engines' usage shows (`index_blocks`, `CharsPerToken`). A prompt is cut into blocks of text, each named by a hash
-chained to the one before it, so a block's name stands for the whole prefix up to it.
+reports it, in the characters a token the engines' usage shows (`index_blocks`, `CharsPerToken`).
+A prompt is cut into blocks of text, each named by a hash chained to the one before it, so a
+block's name stands for the whole prefix up to it.
 
 The controller (`policy.pool`) turns a match into the prefill tokens the replica would skip, and
 routes by predicted time to the first token with that discount: affinity and load are weighed in one
