@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 
 __all__ = ["TraceParent", "parse_traceparent", "clean_tracestate", "format_traceparent", "sampled_by_ratio",
-           "new_trace_id", "new_span_id", "FLAG_SAMPLED"]
+           "new_trace_id", "new_span_id", "new_span_base", "FLAG_SAMPLED"]
 
 FLAG_SAMPLED = 0x01
 _HEX = frozenset(b"0123456789abcdef")
@@ -83,3 +83,8 @@ def new_trace_id() -> int:
 
 def new_span_id() -> int:
     return _RANDOM.getrandbits(64) or 1
+
+
+def new_span_base() -> bytes:
+    """7 random bytes: a request's span ids are these and a byte that names the span (gateway/tracing.py)."""
+    return _RANDOM.getrandbits(56).to_bytes(7, "big")
