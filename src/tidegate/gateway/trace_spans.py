@@ -49,7 +49,9 @@ _LOCAL_FLAGS = struct.pack("<BBI", 0x85, 0x01, 0x101)
 _REMOTE_FLAGS = struct.pack("<BBI", 0x85, 0x01, 0x301)
 _PREDICTED_WAIT = "tidegate.queue.predicted_wait_s"
 _LAYOUTS = 4096  # distinct layouts kept; past it they are made anew
-_OWN = 4096  # encoded (name, integer) attributes kept
+_REQUEST_ID = "tidegate.request_id"
+_VARINTS_KEPT = 1 << 14  # token counts below it take their varint from a table (2 bytes at most)
+_VARINTS = [varint(value) for value in range(_VARINTS_KEPT)]
 
 # a hole's struct code by what fills it: a trace id, a span base (7 of a span id's 8 bytes), a
 # parent span id, a time (fixed64 Unix nanoseconds), a double; bytes of a length the layout knows
@@ -90,8 +92,6 @@ class TraceEncoder:
 
     def __init__(self) -> None:
         self._layouts: dict[Hashable, _Layout] = {}
-        self._own: dict[tuple[str, int], bytes] = {}
-        self._request_id_key = key_field("tidegate.request_id")
         key = key_field(_PREDICTED_WAIT)
         self._predicted_wait_head = b"\x4a" + varint(len(key) + 11) + key + b"\x12\x09\x21"
 
@@ -105,6 +105,7 @@ class TraceEncoder:
         out: list[bytes] = []
         append = out.append
         layouts = self._layouts
+        varints = _VARINTS
         offset = unix_offset_ns(anchor_s, anchor_ns)
         for trace in traces:
             trace.settle()
@@ -114,18 +115,53 @@ class TraceEncoder:
             error = trace.error.encode() if trace.error else None
             first_token_s, queued_s = trace.first_token_s, trace.queued_s
             predicted_s = None if queued_s is None else trace.predicted_wait_s
-            own = self._own_attributes(trace)
-            attempts = trace.attempts
-            # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them)
+            ended_ns = int(trace.ended_s * 1e9) + offset
+            # the request's own attributes: its id (as it is, where its length fits one byte) and token counts
+            request_id = trace.request_id
+            if len(request_id) >= 100 or not request_id.isascii():
+                request_id = span_attribute(_REQUEST_ID, request_id.decode("latin-1"))
+                request_id_form = -len(request_id)  # the whole attribute, encoded here
+            else:
+                request_id_form = len(request_id)
+            tokens = trace.input_tokens
+            input_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
+            tokens = trace.output_tokens
+            if tokens is None:
+                tokens = trace.output_estimate
+                output_form = 0 if tokens is None else -1  # -1: an estimate
+            else:
+                output_form = 1
+            output_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
+
+            # the attempts' spans, and what shapes them: replica, outcome, a first token
+            attempt_values: list = []
+            attempt_facts: list = []
+            pair = (trace_id, base, state, base) if state else (trace_id, base, base)
+            for attempt in trace.attempts:
+                attempt_ended_s = attempt.ended_s
+                attempt_values += pair
+                if attempt_ended_s is None:
+                    attempt_values += (int(attempt.sent_s * 1e9) + offset, ended_ns)
+                    attempt_facts += (attempt.replica, None)
+                else:
+                    attempt_values += (int(attempt.sent_s * 1e9) + offset, int(attempt_ended_s * 1e9) + offset)
+                    attempt_facts += (attempt.replica, attempt.outcome)
+                if attempt.first_token_s is not None:
+                    attempt_values.append(int(attempt.first_token_s * 1e9) + offset)
+                    attempt_facts.append(True)
+
+            # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them);
+            # an attempt that ended with the request ended as the status says
             key = (trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id,
                    trace.rung, trace.error_type, trace.verdict, queued_s is None, predicted_s is None,
-                   parent == 0, first_token_s is None, len(own), state and len(state), error and len(error),
-                   _attempts_key(trace))
+                   parent == 0, first_token_s is None, request_id_form, input_tokens and len(input_tokens),
+                   output_form, output_tokens and len(output_tokens), state and len(state), error and len(error),
+                   *attempt_facts)
             layout = layouts.get(key)
             if layout is None:
                 if len(layouts) >= _LAYOUTS:
                     layouts.clear()
-                layout = layouts[key] = self._layout(trace, own)
+                layout = layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form, output_tokens)
 
             # the holes, in the layout's order: each span's ids, [its tracestate], [parent], times, then
             # what is the request's own
@@ -135,57 +171,31 @@ class TraceEncoder:
                 values.append(state)
             if parent:
                 values.append(parent.to_bytes(8, "big"))
-            values += (start_ns, int(trace.ended_s * 1e9) + offset, own)
+            values += (start_ns, ended_ns, request_id)
+            if input_tokens is not None:
+                values.append(input_tokens)
+            if output_tokens is not None:
+                values.append(output_tokens)
             if first_token_s is not None:
                 values.append(int(first_token_s * 1e9) + offset)
             if error:
                 values.append(error)
             if trace.tenant is not None:
-                values += (trace_id, base, state, base, start_ns, int(admission_decided_s(trace) * 1e9) + offset) \
-                    if state else (trace_id, base, base, start_ns, int(admission_decided_s(trace) * 1e9) + offset)
+                values += pair
+                values += (start_ns, int(admission_decided_s(trace) * 1e9) + offset)
             if queued_s is not None:
-                values += (trace_id, base, state, base) if state else (trace_id, base, base)
+                values += pair
                 values += (int(queued_s * 1e9) + offset, int(trace.dispatched_s * 1e9) + offset)
                 if predicted_s is not None:
                     values.append(round(predicted_s, 6))
-            for attempt in attempts:
-                values += (trace_id, base, state, base) if state else (trace_id, base, base)
-                ended_s = attempt.ended_s
-                values += (int(attempt.sent_s * 1e9) + offset,
-                           int((trace.ended_s if ended_s is None else ended_s) * 1e9) + offset)
-                if attempt.first_token_s is not None:
-                    values.append(int(attempt.first_token_s * 1e9) + offset)
+            values += attempt_values
             arguments = layout.template.copy()
             arguments[1::2] = values
             append(layout.pack(*arguments))
         return out
 
-    def _own_attributes(self, trace: RequestTrace) -> bytes:
-        """The root span's attributes that are the request's own: its id, and token counts."""
-        request_id = trace.request_id
-        size = len(request_id)
-        if size < 100 and request_id.isascii():  # one length byte at every level
-            own = b"\x4a" + bytes((size + 25,)) + self._request_id_key + bytes((0x12, size + 2, 0x0A, size)) + request_id
-        else:
-            own = span_attribute("tidegate.request_id", request_id.decode("latin-1"))
-        if trace.input_tokens is not None:
-            own += self._integer("gen_ai.usage.input_tokens", trace.input_tokens)
-        if trace.output_tokens is not None:
-            own += self._integer("gen_ai.usage.output_tokens", trace.output_tokens)
-        elif trace.output_estimate is not None:
-            own += self._integer("tidegate.output_tokens_estimate", trace.output_estimate)
-        return own
-
-    def _integer(self, name: str, value: int) -> bytes:
-        item = (name, value)
-        encoded = self._own.get(item)
-        if encoded is None:
-            if len(self._own) >= _OWN:
-                self._own.clear()
-            encoded = self._own[item] = span_attribute(name, value)
-        return encoded
-
-    def _layout(self, trace: RequestTrace, own: bytes) -> _Layout:
+    def _layout(self, trace: RequestTrace, request_id_form: int, input_tokens: bytes | None, output_form: int,
+                output_tokens: bytes | None) -> _Layout:
         """The layout of `trace`'s spans; the holes in the order `encode_chunks` fills them."""
         state = trace.tracestate
         state_part: list[bytes | str] = [b"\x1a" + varint(len(state)), f"{len(state)}s"] if state else []
@@ -198,7 +208,18 @@ class TraceEncoder:
         if trace.parent_id:
             root += (b"\x22\x08", _PARENT)
         attributes = span_attributes(trace.tracing.attribute_set(root_key(trace), root_attributes))
-        root += (_named(f"{trace.operation} {trace.model}", SpanKind.SERVER), *times, attributes, f"{len(own)}s")
+        root += (_named(f"{trace.operation} {trace.model}", SpanKind.SERVER), *times, attributes)
+        if request_id_form < 0:  # encoded whole
+            root.append(f"{-request_id_form}s")
+        else:  # one length byte at every level
+            size = request_id_form
+            root += (b"\x4a" + bytes((size + 25,)) + key_field(_REQUEST_ID) + bytes((0x12, size + 2, 0x0A, size)),
+                     f"{size}s")
+        if input_tokens is not None:
+            root += (_integer_head("gen_ai.usage.input_tokens", len(input_tokens)), f"{len(input_tokens)}s")
+        if output_tokens is not None:
+            name = "gen_ai.usage.output_tokens" if output_form > 0 else "tidegate.output_tokens_estimate"
+            root += (_integer_head(name, len(output_tokens)), f"{len(output_tokens)}s")
         if trace.first_token_s is not None:
             root += first_token
         if trace.error:  # Status: 2 message, 3 code (2 = ERROR)
@@ -232,13 +253,12 @@ class TraceEncoder:
         return _Layout(spans)
 
 
+def _integer_head(name: str, size: int) -> bytes:
+    """An integer attribute up to its value's varint of `size` bytes (KeyValue: key, AnyValue: int_value)."""
+    key = key_field(name)
+    return b"\x4a" + varint(len(key) + 3 + size) + key + bytes((0x12, 1 + size, 0x18))
+
+
 def _named(name: str, kind: SpanKind) -> bytes:
     """A span's name and kind (fields 5, 6)."""
     return length_field(b"\x2a", name.encode()) + bytes((0x30, kind))
-
-
-def _attempts_key(trace: RequestTrace) -> tuple:
-    """What shapes the attempts' spans: each one's replica, outcome, and whether it saw a first token."""
-    return tuple((attempt.replica, attempt_end(trace, attempt)[1], attempt.first_token_s is None)
-                 for attempt in trace.attempts)
-
