@@ -38,6 +38,7 @@ from tidegate.telemetry.trace_context import (
     new_span_id,
     new_trace_id,
     parse_traceparent,
+    random_bits,
 )
 
 if TYPE_CHECKING:
@@ -57,10 +58,9 @@ CURRENT_TRACE: ContextVar[RequestTrace | PassThrough | None] = ContextVar("tideg
 
 _OPERATIONS = {Endpoint.CHAT: "chat", Endpoint.COMPLETIONS: "text_completion", Endpoint.EMBEDDINGS: "embeddings"}
 _ROUTES = {operation: "/v1" + endpoint.value for endpoint, operation in _OPERATIONS.items()}
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _RUNG = re.compile(DEGRADATION_HEADER.encode() + rb": ([a-z_]+)")
 _LOW64 = 0xFFFF_FFFF_FFFF_FFFF
+_ALL_SAMPLED = 2**64  # a ratio bound every trace id's low 64 bits fall under
 _ATTRIBUTE_SETS = 4096  # distinct attribute sets kept; past it they are made anew
 # A request's span ids: 7 random bytes of its own (its `span_base`) and a last byte that says which
 # span: unique within the request, random across requests, and one draw of randomness a request, not
@@ -225,15 +225,9 @@ class RequestTrace:
     def answered(self, body: bytes) -> None:
         """A whole answer: the token counts of its `usage`, which closes an OpenAI answer (found from
         the end: a long answer is not scanned)."""
-        at = body.rfind(b'"prompt_tokens"')
-        found = _PROMPT_TOKENS.match(body, at) if at >= 0 else None
-        if found is not None:
-            self.input_tokens = int(found.group(1))
+        self.input_tokens = _usage_count(body, b'"prompt_tokens"')
         if self.usage is None:  # overload control's `_Usage` reads completion_tokens already
-            at = body.rfind(b'"completion_tokens"')
-            found = _COMPLETION_TOKENS.match(body, at) if at >= 0 else None
-            if found is not None:
-                self.output_tokens = int(found.group(1))
+            self.output_tokens = _usage_count(body, b'"completion_tokens"')
 
     def end(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None) -> None:
         """The request is answered: the record goes to the sink as it is (what the spans need of the
@@ -429,6 +423,16 @@ def attempt_attributes(key: tuple) -> dict[str, AttributeValue]:
             "tidegate.attempt": number, "tidegate.outcome": outcome}
 
 
+def _usage_count(body: bytes, name: bytes) -> int | None:
+    """The count `"name": 123` of an answer's usage, found from its end; None when it has none."""
+    at = body.rfind(name)
+    if at < 0:
+        return None
+    at += len(name)
+    digits = body[at:at + 24].split(b",", 1)[0].split(b"}", 1)[0].lstrip(b" \t\r\n:")
+    return int(digits) if digits.isdigit() else None
+
+
 def _rung(headers: bytes) -> str | None:
     found = _RUNG.search(headers)
     return found.group(1).decode() if found is not None else None
@@ -469,6 +473,18 @@ class Tracing:
             found = self._attribute_sets[key] = build(key)
         return found
 
+    def start(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes, started_s: float
+              ) -> RequestTrace | PassThrough:
+        """The request's trace (`begin`), made current for its task (and the tasks it starts); `end` it in
+        a `finally`. A request without a client's trace, every trace sampled: the short way."""
+        if request.traceparent is None and self._ratio_bound >= _ALL_SAMPLED:
+            trace: RequestTrace | PassThrough = RequestTrace(self, random_bits(128) or 1, 0, None,
+                                                             _OPERATIONS[endpoint], request_id, started_s)
+        else:
+            trace = self.begin(request, endpoint, request_id, started_s)
+        trace.token = CURRENT_TRACE.set(trace)
+        return trace
+
     def begin(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes, started_s: float
               ) -> RequestTrace | PassThrough:
         settings = self.settings
@@ -505,7 +521,9 @@ def _pass_through(request: HttpRequest) -> PassThrough | None:
 def start_trace(tracing: Tracing | None, request: HttpRequest, endpoint: Endpoint, request_id: bytes,
                 started_s: float) -> RequestTrace | PassThrough | None:
     """The request's trace, made current for its task (and the tasks it starts); `end` it in a `finally`."""
-    trace = tracing.begin(request, endpoint, request_id, started_s) if tracing is not None else _pass_through(request)
+    if tracing is not None:
+        return tracing.start(request, endpoint, request_id, started_s)
+    trace = _pass_through(request)
     if trace is not None:
         trace.token = CURRENT_TRACE.set(trace)
     return trace

@@ -12,12 +12,13 @@ import random
 from dataclasses import dataclass
 
 __all__ = ["TraceParent", "parse_traceparent", "clean_tracestate", "format_traceparent", "sampled_by_ratio",
-           "new_trace_id", "new_span_id", "new_span_base", "FLAG_SAMPLED"]
+           "new_trace_id", "new_span_id", "new_span_base", "random_bits", "FLAG_SAMPLED"]
 
 FLAG_SAMPLED = 0x01
 _HEX = frozenset(b"0123456789abcdef")
 _MAX_TRACESTATE_BYTES = 512  # the spec lets a vendor drop a longer one rather than truncate it badly
 _RANDOM = random.Random()  # OpenTelemetry's own id generator draws from `random` too: ids need no crypto
+random_bits = _RANDOM.getrandbits  # where ids come from, for a caller that draws its own
 
 
 @dataclass(frozen=True, slots=True)
