@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from prometheus_client import CollectorRegistry  # noqa: E402
 
 from tidegate.gateway.trace_export import OtlpHttpExporter  # noqa: E402
-from tidegate.gateway.tracing import CURRENT_TRACE, Tracing, TracingSettings, start_trace  # noqa: E402
+from tidegate.gateway.tracing import CURRENT_TRACE, Tracing, TracingSettings  # noqa: E402
 from tidegate.gateway.validation import Endpoint  # noqa: E402
 
 ANSWER = (b'{"id":"chatcmpl-1","object":"chat.completion","created":0,"model":"mock","choices":[{"index":0,'
@@ -73,7 +73,7 @@ def run(requests: int, upto: str = "encode") -> tuple[float, float, int]:
                                  predicted_wait_s=None, dispatched_s=clock())
         if last < 1:
             continue
-        trace = start_trace(tracing, request, Endpoint.CHAT, b"5f3a9c1e-%x" % number, clock())
+        trace = tracing.start(request, Endpoint.CHAT, b"5f3a9c1e-%x" % number, clock())
         replica = replicas[number % 4]
         for stage in STAGES[2:last + 1]:
             if stage == "admitted":

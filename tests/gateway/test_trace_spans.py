@@ -172,7 +172,7 @@ def test_the_official_classes_read_the_spans(tracing) -> None:
     assert {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in queue.attributes} == {
         "tidegate.tier": "gold", "tidegate.queue.predicted_wait_s": 0.012346}
     # the attempt's span id is the one its upstream was sent in traceparent
-    assert spans[8].span_id == queued.attempts[0].span_id.to_bytes(8, "big")
+    assert spans[8].span_id == queued.span_id(queued.attempts[0].span_byte).to_bytes(8, "big")
 
 
 def _exporter(**limits: int) -> OtlpHttpExporter:

@@ -155,8 +155,10 @@ class Proxy:
                     return
                 status = self._handle_other(conn, request, request_id)
                 return
-            if self.tracing is not None or request.traceparent is not None:
-                trace = start_trace(self.tracing, request, endpoint, request_id, started)
+            if self.tracing is not None:
+                trace = self.tracing.start(request, endpoint, request_id, started)
+            elif request.traceparent is not None:  # tracing off: passed on as it came
+                trace = start_trace(None, request, endpoint, request_id, started)
             if identity is None:
                 identity = self._authenticate(request)
             try:

@@ -1,28 +1,30 @@
 """Ended request traces (gateway/tracing.py) straight into OTLP span bytes, many at a time.
 
-Why its own encoder: a traced request's spans are few and always of the same four kinds, and most of
-each span repeats across requests (its name, kind and attributes: model, tenant, tier, replica,
-status). A `SpanShape` holds those parts of one span, encoded once per distinct set; a span is then
-its ids and times packed with `struct`, between the shape's bytes, plus the few attributes that are
-the request's own (its id, token counts). No `SpanRecord`, attribute dict or protobuf object is made
-per request.
+Why its own encoder: a traced request's spans are few, and what they carry repeats from request to
+request: names, kinds and attributes (model, tenant, tier, replica, status), which spans there are, and
+even their sizes. What differs is a handful of values: the ids, the times, the request's own
+attributes (its id, token counts). So the encoder keeps, per distinct arrangement of a request's spans
+(a `_Layout`), the bytes of all of them as a template with holes, and fills the holes of one request
+with one `struct` call. No span object, attribute dict or protobuf object is made per request, and
+each request costs a few dozen interpreter steps whatever its number of spans.
 
 Why in batches: the exporter's task encodes the requests ended since its last export in one loop,
-off the requests' way. Interleaved with the request path, the same Python work costs 2.5-3x what it
-costs in a loop of its own here (caches and branch predictors cold after a request's other work);
-in a batch the encoder's code and shapes stay warm.
+off the requests' way, with the encoder's code and layouts warm.
 
-The bytes are exactly those of `telemetry.otlp.encode_span` for the spans `RequestTrace.spans`
-builds (tests/gateway/test_trace_spans.py checks it, and decodes them with the official classes).
+The bytes are exactly those of `telemetry.otlp.encode_span` for the spans `RequestTrace.spans` builds
+(tests/gateway/test_trace_spans.py checks it, and decodes them with the official classes).
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from tidegate.gateway.tracing import (
+    ADMISSION_SPAN,
+    QUEUE_SPAN,
+    ROOT_SPAN,
     admission_attributes,
     admission_decided_s,
     admission_key,
@@ -31,71 +33,67 @@ from tidegate.gateway.tracing import (
     queue_attributes,
     root_attributes,
     root_key,
+    unix_offset_ns,
 )
 from tidegate.telemetry.otlp import SpanKind, key_field, length_field, span_attribute, span_attributes, varint
 
 if TYPE_CHECKING:
     from tidegate.gateway.tracing import RequestTrace
 
-__all__ = ["SpanShape", "TraceEncoder"]
+__all__ = ["TraceEncoder"]
 
-_IDS = struct.Struct(">BBQQBBQ").pack  # trace_id (1, 16 bytes) and span_id (2, 8 bytes), big-endian
-_PARENT = struct.Struct(">BBQ").pack  # parent_span_id (4)
-_TIMES = struct.Struct("<BQBQ").pack  # start (7) and end (8) time, fixed64
-_FLAGS = struct.Struct("<BBI").pack  # flags (16), fixed32
-_FIRST_TOKEN = struct.Struct("<BBBQ").pack  # an event (11): its time (1), then its name (below)
 _FIRST_TOKEN_NAME = length_field(b"\x12", b"first_token")
-_DOUBLE = struct.Struct("<d").pack
-_LOW64 = 0xFFFF_FFFF_FFFF_FFFF
-# Span.flags: sampled, and whether the parent's context came from another process (0x100 says the
-# bit 0x200 is set on purpose): only a root under a client's span has a remote parent
-_LOCAL_FLAGS = _FLAGS(0x85, 0x01, 0x101)
-_REMOTE_FLAGS = _FLAGS(0x85, 0x01, 0x301)
-_PREDICTED_WAIT = b"tidegate.queue.predicted_wait_s"
-_SHAPES = 4096  # distinct shapes kept; past it they are made anew
-# a span's frame as an element of ScopeSpans.spans (field 2), by the span's size: spans are a few
-# hundred bytes; one past the table is framed as it comes
-_FRAMES = [b"\x12" + varint(size) for size in range(4096)]
-_OWN = 4096  # encoded (name, integer) attributes kept
+# Span.flags (16), fixed32: sampled, and whether the parent's context came from another process (0x100
+# says the bit 0x200 is set on purpose): only a root under a client's span has a remote parent
+_LOCAL_FLAGS = struct.pack("<BBI", 0x85, 0x01, 0x101)
+_REMOTE_FLAGS = struct.pack("<BBI", 0x85, 0x01, 0x301)
+_PREDICTED_WAIT = "tidegate.queue.predicted_wait_s"
+_LAYOUTS = 4096  # distinct layouts kept; past it they are made anew
+_REQUEST_ID = "tidegate.request_id"
+_VARINTS_KEPT = 1 << 14  # token counts below it take their varint from a table (2 bytes at most)
+_VARINTS = [varint(value) for value in range(_VARINTS_KEPT)]
+
+# a hole's struct code by what fills it: a trace id, a span base (7 of a span id's 8 bytes), a
+# parent span id, a time (fixed64 Unix nanoseconds), a double; bytes of a length the layout knows
+_TRACE_ID, _BASE, _PARENT, _TIME, _DOUBLE = "16s", "7s", "8s", "Q", "d"
+_SIZES = {_TRACE_ID: 16, _BASE: 7, _PARENT: 8, _TIME: 8, _DOUBLE: 8}
 
 
-class SpanShape:
-    """What spans with the same attributes share: the encoded name and kind (fields 5, 6) and the
-    encoded attributes (field 9)."""
+class _Layout:
+    """The spans of requests that share everything but ids, times and their own attributes' bytes: a
+    template of constant bytes with holes between them, filled by `pack` (holes at the odd places)."""
 
-    __slots__ = ("named", "attributes")
+    __slots__ = ("pack", "template", "holes")
 
-    def __init__(self, name: str, kind: SpanKind, attributes: bytes) -> None:
-        self.named = length_field(b"\x2a", name.encode()) + bytes((0x30, kind))
-        self.attributes = attributes
+    def __init__(self, spans: list[list[bytes | str]]) -> None:
+        fmt, template, constant = ["<"], [], b""
+        for segments in spans:
+            size = sum(len(part) if isinstance(part, bytes) else _hole_size(part) for part in segments)
+            for part in [b"\x12" + varint(size)] + segments:  # framed as an element of ScopeSpans.spans
+                if isinstance(part, bytes):
+                    constant += part
+                else:
+                    fmt += (f"{len(constant)}s", part)
+                    template += (constant, None)
+                    constant = b""
+        fmt.append(f"{len(constant)}s")
+        template.append(constant)
+        self.pack = struct.Struct("".join(fmt)).pack
+        self.template = template
+        self.holes = len(template) // 2
+
+
+def _hole_size(code: str) -> int:
+    return _SIZES.get(code) or int(code[:-1])
 
 
 class TraceEncoder:
-    """Encodes ended `RequestTrace`s; holds the shapes seen (bounded)."""
+    """Encodes ended `RequestTrace`s; holds the layouts and shapes seen (bounded)."""
 
     def __init__(self) -> None:
-        self._shapes: dict[Hashable, SpanShape] = {}
-        self._own: dict[tuple[bytes, int], bytes] = {}
-        self._request_id_key = key_field("tidegate.request_id")
-        self._predicted_wait_head = (b"\x4a" + varint(len(key_field(_PREDICTED_WAIT.decode())) + 11)
-                                     + key_field(_PREDICTED_WAIT.decode()) + b"\x12\x09\x21")
-
-    def _shape(self, key: Hashable, name: str, kind: SpanKind, build: Callable[[tuple], dict]) -> SpanShape:
-        shape = self._shapes.get(key)
-        if shape is None:
-            if len(self._shapes) >= _SHAPES:
-                self._shapes.clear()
-            shape = self._shapes[key] = SpanShape(name, kind, span_attributes(build(key)))  # type: ignore[arg-type]
-        return shape
-
-    def _integer(self, name: str, value: int) -> bytes:
-        item = (name, value)
-        encoded = self._own.get(item)  # type: ignore[arg-type]
-        if encoded is None:
-            if len(self._own) >= _OWN:
-                self._own.clear()
-            encoded = self._own[item] = span_attribute(name, value)  # type: ignore[index]
-        return encoded
+        self._layouts: dict[Hashable, _Layout] = {}
+        key = key_field(_PREDICTED_WAIT)
+        self._predicted_wait_head = b"\x4a" + varint(len(key) + 11) + key + b"\x12\x09\x21"
 
     def encode(self, traces: list[RequestTrace], anchor_s: float, anchor_ns: int) -> bytes:
         """The spans of `traces`, each framed as an element of `ScopeSpans.spans`, joined. `anchor_s`,
@@ -103,98 +101,164 @@ class TraceEncoder:
         return b"".join(self.encode_chunks(traces, anchor_s, anchor_ns))
 
     def encode_chunks(self, traces: list[RequestTrace], anchor_s: float, anchor_ns: int) -> list[bytes]:
-        """`encode`, in pieces not joined (the exporter joins them once, into its request)."""
+        """`encode`, a request's spans a piece (the exporter joins them once, into its request)."""
         out: list[bytes] = []
         append = out.append
-        frames = _FRAMES
-        shapes = self._shapes
+        layouts = self._layouts
+        varints = _VARINTS
+        offset = unix_offset_ns(anchor_s, anchor_ns)
         for trace in traces:
             trace.settle()
-            # times: monotonic seconds to Unix nanoseconds, as RequestTrace.spans does
-            trace_id, root_id, parent_id = trace.trace_id, trace.span_id, trace.parent_id
-            hi, lo = trace_id >> 64, trace_id & _LOW64
-            state = trace.tracestate
-            state_field = length_field(b"\x1a", state) if state else b""
-            under_root = state_field + _PARENT(0x22, 8, root_id)
-            start_ns = anchor_ns + int((trace.started_s - anchor_s) * 1e9)
-
-            # the root span
-            key = root_key(trace)
-            shape = shapes.get(key)
-            if shape is None:
-                shape = self._shape(key, f"{trace.operation} {trace.model}", SpanKind.SERVER, root_attributes)
+            trace_id = trace.trace_id.to_bytes(16, "big")
+            base = trace.span_base or trace_id  # its first 7 bytes (a hole of 7)
+            parent, state = trace.parent_id, trace.tracestate
+            error = trace.error.encode() if trace.error else None
+            first_token_s, queued_s = trace.first_token_s, trace.queued_s
+            predicted_s = None if queued_s is None else trace.predicted_wait_s
+            ended_ns = int(trace.ended_s * 1e9) + offset
+            # the request's own attributes: its id (as it is, where its length fits one byte) and token counts
             request_id = trace.request_id
-            size = len(request_id)
-            if size < 100 and request_id.isascii():  # one length byte at every level
-                own = (b"\x4a" + bytes((size + 25,)) + self._request_id_key + bytes((0x12, size + 2, 0x0A, size))
-                       + request_id)
+            if len(request_id) >= 100 or not request_id.isascii():
+                request_id = span_attribute(_REQUEST_ID, request_id.decode("latin-1"))
+                request_id_form = -len(request_id)  # the whole attribute, encoded here
             else:
-                own = span_attribute("tidegate.request_id", request_id.decode("latin-1"))
-            if trace.input_tokens is not None:
-                own += self._integer("gen_ai.usage.input_tokens", trace.input_tokens)
-            if trace.output_tokens is not None:
-                own += self._integer("gen_ai.usage.output_tokens", trace.output_tokens)
-            elif trace.output_estimate is not None:
-                own += self._integer("tidegate.output_tokens_estimate", trace.output_estimate)
-            if trace.first_token_s is not None:
-                own += _FIRST_TOKEN(0x5A, 22, 0x09, anchor_ns + int((trace.first_token_s - anchor_s) * 1e9)) \
-                    + _FIRST_TOKEN_NAME
-            if trace.error is not None:
-                own += length_field(b"\x7a", length_field(b"\x12", trace.error.encode()) + b"\x18\x02")
-            body = b"".join((_IDS(0x0A, 16, hi, lo, 0x12, 8, root_id), state_field,
-                             _PARENT(0x22, 8, parent_id) if parent_id else b"", shape.named,
-                             _TIMES(0x39, start_ns, 0x41, anchor_ns + int((trace.ended_s - anchor_s) * 1e9)),
-                             shape.attributes, own, _REMOTE_FLAGS if parent_id else _LOCAL_FLAGS))
-            size = len(body)
-            append(frames[size] if size < 4096 else b"\x12" + varint(size))
-            append(body)
+                request_id_form = len(request_id)
+            tokens = trace.input_tokens
+            input_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
+            tokens = trace.output_tokens
+            if tokens is None:
+                tokens = trace.output_estimate
+                output_form = 0 if tokens is None else -1  # -1: an estimate
+            else:
+                output_form = 1
+            output_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
 
-            if trace.tenant is not None:  # the admission span
-                key = admission_key(trace)
-                shape = shapes.get(key)
-                if shape is None:
-                    shape = self._shape(key, "tidegate.admission", SpanKind.INTERNAL, admission_attributes)
-                decided_ns = anchor_ns + int((admission_decided_s(trace) - anchor_s) * 1e9)
-                body = b"".join((_IDS(0x0A, 16, hi, lo, 0x12, 8, trace.admission_id), under_root, shape.named,
-                                 _TIMES(0x39, start_ns, 0x41, decided_ns), shape.attributes, _LOCAL_FLAGS))
-                size = len(body)
-                append(frames[size] if size < 4096 else b"\x12" + varint(size))
-                append(body)
-
-            if trace.queued_s is not None:  # the queue span
-                key = ("queue", trace.tier)
-                shape = shapes.get(key)
-                if shape is None:
-                    shape = self._shape(key, "tidegate.queue", SpanKind.INTERNAL, queue_attributes)
-                predicted = b"" if trace.predicted_wait_s is None \
-                    else self._predicted_wait_head + _DOUBLE(round(trace.predicted_wait_s, 6))
-                body = b"".join((_IDS(0x0A, 16, hi, lo, 0x12, 8, trace.queue_id), under_root, shape.named,
-                                 _TIMES(0x39, anchor_ns + int((trace.queued_s - anchor_s) * 1e9), 0x41,
-                                        anchor_ns + int((trace.dispatched_s - anchor_s) * 1e9)),
-                                 shape.attributes, predicted, _LOCAL_FLAGS))
-                size = len(body)
-                append(frames[size] if size < 4096 else b"\x12" + varint(size))
-                append(body)
-
-            for number, attempt in enumerate(trace.attempts, 1):  # a CLIENT span per attempt
-                ended_s, outcome = attempt_end(trace, attempt)
-                replica = attempt.replica
-                key = ("attempt", trace.operation, replica, number, outcome)
-                shape = shapes.get(key)
-                if shape is None:
-                    shape = self._shape(key, f"{trace.operation} {replica.upstream_model}", SpanKind.CLIENT,
-                                        attempt_attributes)
-                tail = b""
+            # the attempts' spans, and what shapes them: replica, outcome, a first token
+            attempt_values: list = []
+            attempt_facts: list = []
+            pair = (trace_id, base, state, base) if state else (trace_id, base, base)
+            for attempt in trace.attempts:
+                attempt_ended_s = attempt.ended_s
+                attempt_values += pair
+                if attempt_ended_s is None:
+                    attempt_values += (int(attempt.sent_s * 1e9) + offset, ended_ns)
+                    attempt_facts += (attempt.replica, None)
+                else:
+                    attempt_values += (int(attempt.sent_s * 1e9) + offset, int(attempt_ended_s * 1e9) + offset)
+                    attempt_facts += (attempt.replica, attempt.outcome)
                 if attempt.first_token_s is not None:
-                    tail = _FIRST_TOKEN(0x5A, 22, 0x09, anchor_ns + int((attempt.first_token_s - anchor_s) * 1e9)) \
-                        + _FIRST_TOKEN_NAME
-                if outcome != "ok":
-                    tail += length_field(b"\x7a", length_field(b"\x12", outcome.encode()) + b"\x18\x02")
-                body = b"".join((_IDS(0x0A, 16, hi, lo, 0x12, 8, attempt.span_id), under_root, shape.named,
-                                 _TIMES(0x39, anchor_ns + int((attempt.sent_s - anchor_s) * 1e9), 0x41,
-                                        anchor_ns + int((ended_s - anchor_s) * 1e9)),
-                                 shape.attributes, tail, _LOCAL_FLAGS))
-                size = len(body)
-                append(frames[size] if size < 4096 else b"\x12" + varint(size))
-                append(body)
+                    attempt_values.append(int(attempt.first_token_s * 1e9) + offset)
+                    attempt_facts.append(True)
+
+            # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them);
+            # an attempt that ended with the request ended as the status says
+            key = (trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id,
+                   trace.rung, trace.error_type, trace.verdict, queued_s is None, predicted_s is None,
+                   parent == 0, first_token_s is None, request_id_form, input_tokens and len(input_tokens),
+                   output_form, output_tokens and len(output_tokens), state and len(state), error and len(error),
+                   *attempt_facts)
+            layout = layouts.get(key)
+            if layout is None:
+                if len(layouts) >= _LAYOUTS:
+                    layouts.clear()
+                layout = layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form, output_tokens)
+
+            # the holes, in the layout's order: each span's ids, [its tracestate], [parent], times, then
+            # what is the request's own
+            start_ns = int(trace.started_s * 1e9) + offset
+            values: list = [trace_id, base]
+            if state:
+                values.append(state)
+            if parent:
+                values.append(parent.to_bytes(8, "big"))
+            values += (start_ns, ended_ns, request_id)
+            if input_tokens is not None:
+                values.append(input_tokens)
+            if output_tokens is not None:
+                values.append(output_tokens)
+            if first_token_s is not None:
+                values.append(int(first_token_s * 1e9) + offset)
+            if error:
+                values.append(error)
+            if trace.tenant is not None:
+                values += pair
+                values += (start_ns, int(admission_decided_s(trace) * 1e9) + offset)
+            if queued_s is not None:
+                values += pair
+                values += (int(queued_s * 1e9) + offset, int(trace.dispatched_s * 1e9) + offset)
+                if predicted_s is not None:
+                    values.append(round(predicted_s, 6))
+            values += attempt_values
+            arguments = layout.template.copy()
+            arguments[1::2] = values
+            append(layout.pack(*arguments))
         return out
+
+    def _layout(self, trace: RequestTrace, request_id_form: int, input_tokens: bytes | None, output_form: int,
+                output_tokens: bytes | None) -> _Layout:
+        """The layout of `trace`'s spans; the holes in the order `encode_chunks` fills them."""
+        state = trace.tracestate
+        state_part: list[bytes | str] = [b"\x1a" + varint(len(state)), f"{len(state)}s"] if state else []
+        ids: list[bytes | str] = [b"\x0a\x10", _TRACE_ID, b"\x12\x08", _BASE]
+        under_root: list[bytes | str] = [*state_part, b"\x22\x08", _BASE, bytes((ROOT_SPAN,))]
+        times: list[bytes | str] = [b"\x39", _TIME, b"\x41", _TIME]
+        first_token: list[bytes | str] = [b"\x5a\x16\x09", _TIME, _FIRST_TOKEN_NAME]
+
+        root: list[bytes | str] = [*ids, bytes((ROOT_SPAN,)), *state_part]
+        if trace.parent_id:
+            root += (b"\x22\x08", _PARENT)
+        attributes = span_attributes(trace.tracing.attribute_set(root_key(trace), root_attributes))
+        root += (_named(f"{trace.operation} {trace.model}", SpanKind.SERVER), *times, attributes)
+        if request_id_form < 0:  # encoded whole
+            root.append(f"{-request_id_form}s")
+        else:  # one length byte at every level
+            size = request_id_form
+            root += (b"\x4a" + bytes((size + 25,)) + key_field(_REQUEST_ID) + bytes((0x12, size + 2, 0x0A, size)),
+                     f"{size}s")
+        if input_tokens is not None:
+            root += (_integer_head("gen_ai.usage.input_tokens", len(input_tokens)), f"{len(input_tokens)}s")
+        if output_tokens is not None:
+            name = "gen_ai.usage.output_tokens" if output_form > 0 else "tidegate.output_tokens_estimate"
+            root += (_integer_head(name, len(output_tokens)), f"{len(output_tokens)}s")
+        if trace.first_token_s is not None:
+            root += first_token
+        if trace.error:  # Status: 2 message, 3 code (2 = ERROR)
+            size = len(trace.error.encode())
+            root += (b"\x7a" + varint(1 + len(varint(size)) + size + 2) + b"\x12" + varint(size), f"{size}s", b"\x18\x02")
+        root.append(_REMOTE_FLAGS if trace.parent_id else _LOCAL_FLAGS)
+        spans = [root]
+
+        if trace.tenant is not None:
+            attributes = span_attributes(trace.tracing.attribute_set(admission_key(trace), admission_attributes))
+            spans.append([*ids, bytes((ADMISSION_SPAN,)), *under_root, _named("tidegate.admission", SpanKind.INTERNAL),
+                          *times, attributes, _LOCAL_FLAGS])
+        if trace.queued_s is not None:
+            attributes = span_attributes(trace.tracing.attribute_set(("queue", trace.tier), queue_attributes))
+            span = [*ids, bytes((QUEUE_SPAN,)), *under_root, _named("tidegate.queue", SpanKind.INTERNAL), *times,
+                    attributes]
+            if trace.predicted_wait_s is not None:
+                span += (self._predicted_wait_head, _DOUBLE)
+            spans.append(span + [_LOCAL_FLAGS])
+        for number, attempt in enumerate(trace.attempts, 1):
+            outcome = attempt_end(trace, attempt)[1]
+            key = ("attempt", trace.operation, attempt.replica, number, outcome)
+            attributes = span_attributes(trace.tracing.attribute_set(key, attempt_attributes))
+            span = [*ids, bytes((attempt.span_byte,)), *under_root,
+                    _named(f"{trace.operation} {attempt.replica.upstream_model}", SpanKind.CLIENT), *times, attributes]
+            if attempt.first_token_s is not None:
+                span += first_token
+            if outcome != "ok":
+                span.append(length_field(b"\x7a", length_field(b"\x12", outcome.encode()) + b"\x18\x02"))
+            spans.append(span + [_LOCAL_FLAGS])
+        return _Layout(spans)
+
+
+def _integer_head(name: str, size: int) -> bytes:
+    """An integer attribute up to its value's varint of `size` bytes (KeyValue: key, AnyValue: int_value)."""
+    key = key_field(name)
+    return b"\x4a" + varint(len(key) + 3 + size) + key + bytes((0x12, 1 + size, 0x18))
+
+
+def _named(name: str, kind: SpanKind) -> bytes:
+    """A span's name and kind (fields 5, 6)."""
+    return length_field(b"\x2a", name.encode()) + bytes((0x30, kind))

@@ -34,9 +34,11 @@ from tidegate.telemetry.otlp import AttributeValue, SpanKind, SpanRecord
 from tidegate.telemetry.trace_context import (
     clean_tracestate,
     format_traceparent,
+    new_span_base,
     new_span_id,
     new_trace_id,
     parse_traceparent,
+    random_bits,
 )
 
 if TYPE_CHECKING:
@@ -46,7 +48,7 @@ if TYPE_CHECKING:
     from tidegate.policy.identity import Identity
 
 __all__ = ["CURRENT_TRACE", "Tracing", "TracingSettings", "SpanSink", "RequestTrace", "PassThrough", "start_trace",
-           "root_key", "root_attributes", "root_own_attributes", "admission_key", "admission_decided_s", "attempt_end",
+           "root_key", "unix_offset_ns", "ROOT_SPAN", "ADMISSION_SPAN", "QUEUE_SPAN", "root_attributes", "root_own_attributes", "admission_key", "admission_decided_s", "attempt_end",
            "admission_attributes", "queue_attributes", "attempt_attributes"]
 
 # the trace of the request the running task serves; None when it has none. Read only from the
@@ -56,11 +58,18 @@ CURRENT_TRACE: ContextVar[RequestTrace | PassThrough | None] = ContextVar("tideg
 
 _OPERATIONS = {Endpoint.CHAT: "chat", Endpoint.COMPLETIONS: "text_completion", Endpoint.EMBEDDINGS: "embeddings"}
 _ROUTES = {operation: "/v1" + endpoint.value for endpoint, operation in _OPERATIONS.items()}
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _RUNG = re.compile(DEGRADATION_HEADER.encode() + rb": ([a-z_]+)")
 _LOW64 = 0xFFFF_FFFF_FFFF_FFFF
+_ALL_SAMPLED = 2**64  # a ratio bound every trace id's low 64 bits fall under
 _ATTRIBUTE_SETS = 4096  # distinct attribute sets kept; past it they are made anew
+# A request's span ids: 7 random bytes of its own (its `span_base`) and a last byte that says which
+# span: unique within the request, random across requests, and one draw of randomness a request, not
+# one a span. A trace that starts here takes its span base from its trace id's first 7 bytes (random,
+# and apart from the last 7 that ratio sampling reads); under a client's span it draws its own.
+ROOT_SPAN, ADMISSION_SPAN, QUEUE_SPAN = 0x01, 0x02, 0x03
+FIRST_ATTEMPT_SPAN = 0x11  # then 0x12 for the retry, ...
+_MAX_ATTEMPT_SPAN = 0xFF
+_HEX_BYTE = [b"%02x" % value for value in range(256)]
 
 
 class SpanSink(Protocol):
@@ -111,10 +120,10 @@ class PassThrough:
 
 
 class _Attempt:
-    __slots__ = ("span_id", "replica", "sent_s", "ended_s", "outcome", "first_token_s")
+    __slots__ = ("span_byte", "replica", "sent_s", "ended_s", "outcome", "first_token_s")
 
-    def __init__(self, span_id: int, replica: Replica, sent_s: float) -> None:
-        self.span_id = span_id
+    def __init__(self, span_byte: int, replica: Replica, sent_s: float) -> None:
+        self.span_byte = span_byte  # the last byte of its span id (`RequestTrace.span_id`)
         self.replica = replica
         self.sent_s = sent_s
         self.ended_s: float | None = None
@@ -133,8 +142,9 @@ class RequestTrace:
         "tracing", "token", "trace_id", "parent_id", "tracestate", "operation", "request_id", "started_s",
         "attempts", "first_token_s", "tenant", "tier", "ticket", "admitted_s", "verdict", "input_tokens",
         "output_tokens", "usage",
+        "span_base",
         # set by `end` and `settle`
-        "span_id", "admission_id", "queue_id", "ended_s", "model", "status", "replica_id", "error",
+        "settled", "ended_s", "model", "status", "replica_id", "error",
         "error_type", "rung", "output_estimate", "queued_s", "dispatched_s", "predicted_wait_s", "span_count")
 
     def __init__(self, tracing: Tracing, trace_id: int, parent_id: int, tracestate: bytes | None,
@@ -144,6 +154,8 @@ class RequestTrace:
         self.trace_id = trace_id
         self.parent_id = parent_id  # the client's span; 0: the trace starts here
         self.tracestate = tracestate
+        # None: the first 7 bytes of the trace id (a trace that starts here); else 7 random bytes
+        self.span_base: bytes | None = None if parent_id == 0 else new_span_base()
         self.operation = operation
         self.request_id = request_id
         self.started_s = started_s
@@ -158,7 +170,7 @@ class RequestTrace:
         self.output_tokens: int | None = None
         self.usage: Any = None  # overload control's `_Usage`: a stream's completion tokens
         # read off the request's end: by `end` when it failed, by `settle` after
-        self.span_id = 0  # 0: not settled yet
+        self.settled = False
         self.rung: str | None = None
         self.error: str | None = None
         self.error_type: str | None = None
@@ -180,15 +192,22 @@ class RequestTrace:
 
     def upstream_headers(self, replica: Replica) -> bytes:
         """An attempt starts on `replica`: the trace header lines for its request, with its own span id."""
-        attempt = _Attempt(new_span_id(), replica, self.tracing.clock())
         attempts = self.attempts
+        attempt = _Attempt(min(FIRST_ATTEMPT_SPAN + len(attempts), _MAX_ATTEMPT_SPAN), replica, self.tracing.clock())
         if attempts and attempts[-1].ended_s is None:
             attempts[-1].ended_s = attempt.sent_s  # resent on a fresh connection without a verdict
         attempts.append(attempt)
         if not self.tracing.settings.propagate:
             return b""
-        line = b"traceparent: 00-%032x-%016x-01\r\n" % (self.trace_id, attempt.span_id)
+        trace_hex = b"%032x" % self.trace_id
+        base_hex = trace_hex[:14] if self.span_base is None else self.span_base.hex().encode()
+        line = b"".join((b"traceparent: 00-", trace_hex, b"-", base_hex, _HEX_BYTE[attempt.span_byte], b"-01\r\n"))
         return line if self.tracestate is None else line + b"tracestate: " + self.tracestate + b"\r\n"
+
+    def span_id(self, span_byte: int) -> int:
+        """The id of the request's span that `span_byte` names (ROOT_SPAN, ..., an attempt's `span_byte`)."""
+        base = self.span_base if self.span_base is not None else self.trace_id.to_bytes(16, "big")[:7]
+        return int.from_bytes(base + bytes((span_byte,)), "big")
 
     def attempt_ended(self, failure: str | None) -> None:
         if self.attempts:
@@ -206,15 +225,9 @@ class RequestTrace:
     def answered(self, body: bytes) -> None:
         """A whole answer: the token counts of its `usage`, which closes an OpenAI answer (found from
         the end: a long answer is not scanned)."""
-        at = body.rfind(b'"prompt_tokens"')
-        found = _PROMPT_TOKENS.match(body, at) if at >= 0 else None
-        if found is not None:
-            self.input_tokens = int(found.group(1))
+        self.input_tokens = _usage_count(body, b'"prompt_tokens"')
         if self.usage is None:  # overload control's `_Usage` reads completion_tokens already
-            at = body.rfind(b'"completion_tokens"')
-            found = _COMPLETION_TOKENS.match(body, at) if at >= 0 else None
-            if found is not None:
-                self.output_tokens = int(found.group(1))
+            self.output_tokens = _usage_count(body, b'"completion_tokens"')
 
     def end(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None) -> None:
         """The request is answered: the record goes to the sink as it is (what the spans need of the
@@ -256,9 +269,9 @@ class RequestTrace:
     def settle(self) -> None:
         """The facts the spans need, read off the ticket and usage (which are let go), and the ids of
         the spans no upstream has heard of. Done once, when the spans are built, off the request's way."""
-        if self.span_id:
+        if self.settled:
             return
-        self.span_id = new_span_id()
+        self.settled = True
         ticket, usage, attempts, status = self.ticket, self.usage, self.attempts, self.status
         if ticket is not None:
             headers = ticket.response_headers
@@ -268,7 +281,6 @@ class RequestTrace:
             if usage.reported is None and self.first_token_s is not None:  # a stream without usage: its events
                 self.output_estimate = usage.completion_tokens()
         if self.tenant is not None:
-            self.admission_id = new_span_id()
             if self.verdict is None:  # answered 200 without a ticket: overload control's cached answer
                 self.verdict = _refusal_verdict(None, status, self.rung)
         # the wait for a replica: admitted -> dispatched (overload control; none when it was assigned one
@@ -277,7 +289,6 @@ class RequestTrace:
         queued_s = self.admitted_s if self.verdict == "queued" else (self.started_s if self.tenant is None else None)
         dispatched_s = ticket.dispatched_s if ticket is not None and ticket.dispatched_s is not None else first_sent_s
         if queued_s is not None and dispatched_s is not None:
-            self.queue_id = new_span_id()
             self.queued_s = queued_s
             self.dispatched_s = max(queued_s, dispatched_s)
             self.predicted_wait_s = ticket.predicted_wait_s if ticket is not None else None
@@ -289,10 +300,12 @@ class RequestTrace:
         monotonic clock and of Unix time, side by side (spans need Unix time)."""
         self.settle()
 
-        def ns(at_s: float) -> int:
-            return anchor_ns + int((at_s - anchor_s) * 1e9)
+        offset_ns = unix_offset_ns(anchor_s, anchor_ns)
 
-        tracing, trace_id, root_id, state = self.tracing, self.trace_id, self.span_id, self.tracestate or b""
+        def ns(at_s: float) -> int:
+            return int(at_s * 1e9) + offset_ns
+
+        tracing, trace_id, root_id, state = self.tracing, self.trace_id, self.span_id(ROOT_SPAN), self.tracestate or b""
         key = root_key(self)
         attributes = tracing.attribute_set(key, root_attributes)
         own = root_own_attributes(self)
@@ -303,7 +316,7 @@ class RequestTrace:
                             remote_parent=self.parent_id != 0, attributes_key=key, request_attributes=own)]
         if self.tenant is not None:
             key = admission_key(self)
-            spans.append(SpanRecord("tidegate.admission", trace_id, self.admission_id, root_id, SpanKind.INTERNAL,
+            spans.append(SpanRecord("tidegate.admission", trace_id, self.span_id(ADMISSION_SPAN), root_id, SpanKind.INTERNAL,
                                     start_ns, ns(admission_decided_s(self)),
                                     tracing.attribute_set(key, admission_attributes), tracestate=state,
                                     attributes_key=key))
@@ -312,7 +325,7 @@ class RequestTrace:
             predicted = None
             if self.predicted_wait_s is not None:
                 predicted = {"tidegate.queue.predicted_wait_s": round(self.predicted_wait_s, 6)}
-            spans.append(SpanRecord("tidegate.queue", trace_id, self.queue_id, root_id, SpanKind.INTERNAL,
+            spans.append(SpanRecord("tidegate.queue", trace_id, self.span_id(QUEUE_SPAN), root_id, SpanKind.INTERNAL,
                                     ns(self.queued_s), ns(self.dispatched_s),
                                     tracing.attribute_set(key, queue_attributes), tracestate=state,
                                     attributes_key=key, request_attributes=predicted))
@@ -321,7 +334,8 @@ class RequestTrace:
             key = ("attempt", self.operation, attempt.replica, number, outcome)
             attempt_events = () if attempt.first_token_s is None \
                 else (("first_token", ns(attempt.first_token_s), {}),)
-            spans.append(SpanRecord(f"{self.operation} {attempt.replica.upstream_model}", trace_id, attempt.span_id,
+            spans.append(SpanRecord(f"{self.operation} {attempt.replica.upstream_model}", trace_id,
+                                    self.span_id(attempt.span_byte),
                                     root_id, SpanKind.CLIENT, ns(attempt.sent_s), ns(ended_s),
                                     tracing.attribute_set(key, attempt_attributes), attempt_events,
                                     error=None if outcome == "ok" else outcome, tracestate=state, attributes_key=key))
@@ -329,6 +343,12 @@ class RequestTrace:
 
 
 # -- the facts of an ended RequestTrace, as its spans show them (shared by `spans` and the encoder)
+def unix_offset_ns(anchor_s: float, anchor_ns: int) -> int:
+    """What turns the tracer's clock into Unix nanoseconds, `int(at_s * 1e9) + offset`, from one reading
+    of each side by side."""
+    return anchor_ns - int(anchor_s * 1e9)
+
+
 def root_key(trace: RequestTrace) -> tuple:
     """What names the root span's attribute set. Answered without a replica of its own: the response
     cache, a request it joined, or overload control's cached-answer rung."""
@@ -403,6 +423,16 @@ def attempt_attributes(key: tuple) -> dict[str, AttributeValue]:
             "tidegate.attempt": number, "tidegate.outcome": outcome}
 
 
+def _usage_count(body: bytes, name: bytes) -> int | None:
+    """The count `"name": 123` of an answer's usage, found from its end; None when it has none."""
+    at = body.rfind(name)
+    if at < 0:
+        return None
+    at += len(name)
+    digits = body[at:at + 24].split(b",", 1)[0].split(b"}", 1)[0].lstrip(b" \t\r\n:")
+    return int(digits) if digits.isdigit() else None
+
+
 def _rung(headers: bytes) -> str | None:
     found = _RUNG.search(headers)
     return found.group(1).decode() if found is not None else None
@@ -443,6 +473,18 @@ class Tracing:
             found = self._attribute_sets[key] = build(key)
         return found
 
+    def start(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes, started_s: float
+              ) -> RequestTrace | PassThrough:
+        """The request's trace (`begin`), made current for its task (and the tasks it starts); `end` it in
+        a `finally`. A request without a client's trace, every trace sampled: the short way."""
+        if request.traceparent is None and self._ratio_bound >= _ALL_SAMPLED:
+            trace: RequestTrace | PassThrough = RequestTrace(self, random_bits(128) or 1, 0, None,
+                                                             _OPERATIONS[endpoint], request_id, started_s)
+        else:
+            trace = self.begin(request, endpoint, request_id, started_s)
+        trace.token = CURRENT_TRACE.set(trace)
+        return trace
+
     def begin(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes, started_s: float
               ) -> RequestTrace | PassThrough:
         settings = self.settings
@@ -479,7 +521,9 @@ def _pass_through(request: HttpRequest) -> PassThrough | None:
 def start_trace(tracing: Tracing | None, request: HttpRequest, endpoint: Endpoint, request_id: bytes,
                 started_s: float) -> RequestTrace | PassThrough | None:
     """The request's trace, made current for its task (and the tasks it starts); `end` it in a `finally`."""
-    trace = tracing.begin(request, endpoint, request_id, started_s) if tracing is not None else _pass_through(request)
+    if tracing is not None:
+        return tracing.start(request, endpoint, request_id, started_s)
+    trace = _pass_through(request)
     if trace is not None:
         trace.token = CURRENT_TRACE.set(trace)
     return trace

@@ -17,6 +17,10 @@ MAX_JSON_DEPTH = 64
 
 
 class Endpoint(Enum):
+    # members are singletons: hashed by identity in C, not by Enum's Python-level hash of the name
+    # (a dict keyed by an Endpoint is looked up on the request's way)
+    __hash__ = object.__hash__
+
     CHAT = "/chat/completions"
     COMPLETIONS = "/completions"
     EMBEDDINGS = "/embeddings"

@@ -12,12 +12,13 @@ import random
 from dataclasses import dataclass
 
 __all__ = ["TraceParent", "parse_traceparent", "clean_tracestate", "format_traceparent", "sampled_by_ratio",
-           "new_trace_id", "new_span_id", "FLAG_SAMPLED"]
+           "new_trace_id", "new_span_id", "new_span_base", "random_bits", "FLAG_SAMPLED"]
 
 FLAG_SAMPLED = 0x01
 _HEX = frozenset(b"0123456789abcdef")
 _MAX_TRACESTATE_BYTES = 512  # the spec lets a vendor drop a longer one rather than truncate it badly
 _RANDOM = random.Random()  # OpenTelemetry's own id generator draws from `random` too: ids need no crypto
+random_bits = _RANDOM.getrandbits  # where ids come from, for a caller that draws its own
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,3 +84,8 @@ def new_trace_id() -> int:
 
 def new_span_id() -> int:
     return _RANDOM.getrandbits(64) or 1
+
+
+def new_span_base() -> bytes:
+    """7 random bytes: a request's span ids are these and a byte that names the span (gateway/tracing.py)."""
+    return _RANDOM.getrandbits(56).to_bytes(7, "big")
