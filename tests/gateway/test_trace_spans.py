@@ -38,9 +38,10 @@ class Replica:  # what the tracer reads of a gateway replica; hashable, as repli
 
 
 class Usage:
-    def __init__(self, reported: int | None, events: int) -> None:
+    def __init__(self, reported: int | None, events: int, prompt_tokens: int | None = None) -> None:
         self.reported = reported
         self.events = events
+        self.prompt_tokens = prompt_tokens
 
     def completion_tokens(self) -> int:
         return self.reported if self.reported is not None else max(0, self.events - 1)
@@ -91,7 +92,8 @@ def _traced(tracing: Tracing, sink: Collecting, case: str, number: int) -> Reque
     elif case in ("queued stream", "assigned stream", "stream without usage", "retried"):
         trace.admitted(identity)
         queued = case != "assigned stream"
-        usage = Usage(None if case == "stream without usage" else 40 + number, 17)
+        usage = Usage(None if case == "stream without usage" else 40 + number, 17,
+                      None if case == "stream without usage" else 9 + number)
         trace.admitted(identity, _ticket("gold", queued, dispatched_s=clock() if queued else None), usage)
         replica = Replica(number % 3)
         trace.upstream_headers(replica)

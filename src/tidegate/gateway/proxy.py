@@ -76,6 +76,7 @@ _JSON = b"content-type: application/json\r\n"
 _STATUS_CLIENT_CLOSED = 499  # nginx's convention for "the client left first"
 _COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 _PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_USAGE_REACH = 256  # bytes either side of completion_tokens where its usage object's prompt_tokens is
 # An event that carries generated output: non-empty text, a tool call, or a finish. Engines (vLLM,
 # the embedded one, OpenAI) open a chat stream with a role-only event before any token, so the
 # first event is not the first token.
@@ -586,8 +587,8 @@ class Proxy:
         else:
             self._record(pool, replica, sent_s, usage, None)
             if usage is not None:
-                usage.answered_whole(body)
-            if self.tracing is not None:
+                usage.answered_whole(body)  # its token counts are the trace's too (`RequestTrace.settle`)
+            elif self.tracing is not None:
                 trace = CURRENT_TRACE.get()
                 if trace is not None:
                     trace.answered(body)
@@ -763,7 +764,9 @@ class _Usage:
         found = _COMPLETION_TOKENS.search(text)
         if found is not None:
             self.reported = int(found.group(1))
-            prompt = _PROMPT_TOKENS.search(text)
+            # its neighbour in the same usage object (engines order the two either way): not the whole
+            # answer scanned again
+            prompt = _PROMPT_TOKENS.search(text, max(0, found.start() - _USAGE_REACH), found.end() + _USAGE_REACH)
             if prompt is not None:
                 self.prompt_tokens = int(prompt.group(1))
 

@@ -223,11 +223,11 @@ class RequestTrace:
             self.attempts[-1].first_token_s = now_s
 
     def answered(self, body: bytes) -> None:
-        """A whole answer: the token counts of its `usage`, which closes an OpenAI answer (found from
-        the end: a long answer is not scanned)."""
+        """A whole answer without overload control (with it, its `_Usage` reads them, and `settle` takes
+        them from there): the token counts of its `usage`, which closes an OpenAI answer (found from the
+        end: a long answer is not scanned)."""
         self.input_tokens = _usage_count(body, b'"prompt_tokens"')
-        if self.usage is None:  # overload control's `_Usage` reads completion_tokens already
-            self.output_tokens = _usage_count(body, b'"completion_tokens"')
+        self.output_tokens = _usage_count(body, b'"completion_tokens"')
 
     def end(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None) -> None:
         """The request is answered: the record goes to the sink as it is (what the spans need of the
@@ -276,6 +276,8 @@ class RequestTrace:
         if ticket is not None:
             headers = ticket.response_headers
             self.rung = _rung(headers) if headers and b"degradation" in headers else None
+        if usage is not None and self.input_tokens is None:
+            self.input_tokens = usage.prompt_tokens
         if usage is not None and self.output_tokens is None:
             self.output_tokens = usage.reported
             if usage.reported is None and self.first_token_s is not None:  # a stream without usage: its events
