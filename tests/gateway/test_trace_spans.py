@@ -18,16 +18,19 @@ from tidegate.gateway.tracing import RequestTrace, Tracing, TracingSettings
 from tidegate.gateway.validation import Endpoint
 from tidegate.telemetry.otlp import encode_export_request, encode_span
 
-ANCHOR_S, ANCHOR_NS = 1000.0, 1_700_000_000_000_000_000
+ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS = 1_000_000_000_000, 1_700_000_000_000_000_000
 
 
-class FakeClock:
+class FakeClock:  # the tracer's monotonic nanoseconds; `seconds` the same clock as the proxy reads it
     def __init__(self) -> None:
-        self.now_s = 999.5
+        self.now_ns = 999_500_000_000
 
-    def __call__(self) -> float:
-        self.now_s += 0.0015
-        return self.now_s
+    def __call__(self) -> int:
+        self.now_ns += 1_500_000
+        return self.now_ns
+
+    def seconds(self) -> float:
+        return self() / 1e9
 
 
 class Replica:  # what the tracer reads of a gateway replica; hashable, as replicas are
@@ -67,7 +70,7 @@ def _ticket(tier: str, queued: bool, headers: bytes = b"", predicted_wait_s: flo
 
 def _traced(tracing: Tracing, sink: Collecting, case: str, number: int) -> RequestTrace:
     """One request through the hooks, as the proxy calls them, in one of the ways a request goes."""
-    clock = tracing.clock
+    clock = tracing.clock_ns.seconds
     parent = case in ("client parent", "retried") and b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     trace = tracing.begin(_request(parent or None, b"vendor=abc" if parent else None),
                           Endpoint.COMPLETIONS if case == "completion" else Endpoint.CHAT,
@@ -127,7 +130,7 @@ CASES = ("fifo", "completion", "odd id", "client parent", "refused", "rate limit
 @pytest.fixture
 def tracing() -> tuple[Tracing, Collecting]:
     sink = Collecting()
-    return Tracing(TracingSettings(), sink, clock=FakeClock()), sink
+    return Tracing(TracingSettings(), sink, clock_ns=FakeClock()), sink
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -136,16 +139,16 @@ def test_same_bytes_as_the_general_encoder(tracing, case) -> None:
     encoder = TraceEncoder()
     for number in range(4):  # shapes made, then found again
         trace = _traced(tracer, sink, case, number)
-        spans = trace.spans(ANCHOR_S, ANCHOR_NS)
+        spans = trace.spans(ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS)
         assert len(spans) == trace.span_count
-        assert encoder.encode([trace], ANCHOR_S, ANCHOR_NS) == b"".join(encode_span(span) for span in spans)
+        assert encoder.encode([trace], ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS) == b"".join(encode_span(span) for span in spans)
 
 
 def test_a_batch_is_its_requests_spans_in_order(tracing) -> None:
     tracer, sink = tracing
     traces = [_traced(tracer, sink, case, number) for number in range(3) for case in CASES]
-    batch = TraceEncoder().encode(traces, ANCHOR_S, ANCHOR_NS)
-    assert batch == b"".join(encode_span(span) for trace in traces for span in trace.spans(ANCHOR_S, ANCHOR_NS))
+    batch = TraceEncoder().encode(traces, ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS)
+    assert batch == b"".join(encode_span(span) for trace in traces for span in trace.spans(ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS))
 
 
 def test_the_official_classes_read_the_spans(tracing) -> None:
@@ -154,7 +157,7 @@ def test_the_official_classes_read_the_spans(tracing) -> None:
     retried = _traced(tracer, sink, "retried", 1)
     queued = _traced(tracer, sink, "queued stream", 2)
     body = encode_export_request({"service.name": "tidegate"}, "tidegate", "0.1.0",
-                                 [TraceEncoder().encode([retried, queued], ANCHOR_S, ANCHOR_NS)])
+                                 [TraceEncoder().encode([retried, queued], ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS)])
     spans = trace_pb2.ExportTraceServiceRequest.FromString(body).resource_spans[0].scope_spans[0].spans
     assert [span.name for span in spans] == ["chat m", "tidegate.admission", "tidegate.queue", "chat upstream-model",
                                              "chat upstream-model"] + ["chat m", "tidegate.admission",

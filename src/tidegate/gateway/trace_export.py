@@ -100,7 +100,7 @@ class OtlpHttpExporter:
         while self._pending_spans >= (1 if partial else self._max_batch_spans):
             batch, count = self._take_batch()
             try:
-                spans = self._encoder.encode_chunks(batch, batch[0].tracing.clock(), time.time_ns())
+                spans = self._encoder.encode_chunks(batch, batch[0].tracing.clock_ns(), time.time_ns())
             except Exception:  # a tracing fault: those spans are lost, counted, and the loop goes on
                 log.exception("span encoding failed")
                 self._failed.inc(count)

@@ -26,14 +26,13 @@ from tidegate.gateway.tracing import (
     QUEUE_SPAN,
     ROOT_SPAN,
     admission_attributes,
-    admission_decided_s,
+    admission_decided_ns,
     admission_key,
     attempt_attributes,
     attempt_end,
     queue_attributes,
     root_attributes,
     root_key,
-    unix_offset_ns,
 )
 from tidegate.telemetry.otlp import SpanKind, key_field, length_field, span_attribute, span_attributes, varint
 
@@ -95,27 +94,27 @@ class TraceEncoder:
         key = key_field(_PREDICTED_WAIT)
         self._predicted_wait_head = b"\x4a" + varint(len(key) + 11) + key + b"\x12\x09\x21"
 
-    def encode(self, traces: list[RequestTrace], anchor_s: float, anchor_ns: int) -> bytes:
-        """The spans of `traces`, each framed as an element of `ScopeSpans.spans`, joined. `anchor_s`,
-        `anchor_ns`: one reading of the tracer's monotonic clock and of Unix time, side by side."""
-        return b"".join(self.encode_chunks(traces, anchor_s, anchor_ns))
+    def encode(self, traces: list[RequestTrace], monotonic_ns: int, unix_ns: int) -> bytes:
+        """The spans of `traces`, each framed as an element of `ScopeSpans.spans`, joined. `monotonic_ns`,
+        `unix_ns`: one reading of the tracer's monotonic clock and of Unix time, side by side."""
+        return b"".join(self.encode_chunks(traces, monotonic_ns, unix_ns))
 
-    def encode_chunks(self, traces: list[RequestTrace], anchor_s: float, anchor_ns: int) -> list[bytes]:
+    def encode_chunks(self, traces: list[RequestTrace], monotonic_ns: int, unix_ns: int) -> list[bytes]:
         """`encode`, a request's spans a piece (the exporter joins them once, into its request)."""
         out: list[bytes] = []
         append = out.append
         layouts = self._layouts
         varints = _VARINTS
-        offset = unix_offset_ns(anchor_s, anchor_ns)
+        offset = unix_ns - monotonic_ns  # the tracer's times to Unix time
         for trace in traces:
             trace.settle()
             trace_id = trace.trace_id.to_bytes(16, "big")
             base = trace.span_base or trace_id  # its first 7 bytes (a hole of 7)
             parent, state = trace.parent_id, trace.tracestate
             error = trace.error.encode() if trace.error else None
-            first_token_s, queued_s = trace.first_token_s, trace.queued_s
-            predicted_s = None if queued_s is None else trace.predicted_wait_s
-            ended_ns = int(trace.ended_s * 1e9) + offset
+            first_token_ns, queued_ns = trace.first_token_ns, trace.queued_ns
+            predicted_s = None if queued_ns is None else trace.predicted_wait_s
+            ended_ns = trace.ended_ns + offset
             # the request's own attributes: its id (as it is, where its length fits one byte) and token counts
             request_id = trace.request_id
             if len(request_id) >= 100 or not request_id.isascii():
@@ -138,23 +137,23 @@ class TraceEncoder:
             attempt_facts: list = []
             pair = (trace_id, base, state, base) if state else (trace_id, base, base)
             for attempt in trace.attempts:
-                attempt_ended_s = attempt.ended_s
+                attempt_ended_ns = attempt.ended_ns
                 attempt_values += pair
-                if attempt_ended_s is None:
-                    attempt_values += (int(attempt.sent_s * 1e9) + offset, ended_ns)
+                if attempt_ended_ns is None:
+                    attempt_values += (attempt.sent_ns + offset, ended_ns)
                     attempt_facts += (attempt.replica, None)
                 else:
-                    attempt_values += (int(attempt.sent_s * 1e9) + offset, int(attempt_ended_s * 1e9) + offset)
+                    attempt_values += (attempt.sent_ns + offset, attempt_ended_ns + offset)
                     attempt_facts += (attempt.replica, attempt.outcome)
-                if attempt.first_token_s is not None:
-                    attempt_values.append(int(attempt.first_token_s * 1e9) + offset)
+                if attempt.first_token_ns is not None:
+                    attempt_values.append(attempt.first_token_ns + offset)
                     attempt_facts.append(True)
 
             # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them);
             # an attempt that ended with the request ended as the status says
             key = (trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id,
-                   trace.rung, trace.error_type, trace.verdict, queued_s is None, predicted_s is None,
-                   parent == 0, first_token_s is None, request_id_form, input_tokens and len(input_tokens),
+                   trace.rung, trace.error_type, trace.verdict, queued_ns is None, predicted_s is None,
+                   parent == 0, first_token_ns is None, request_id_form, input_tokens and len(input_tokens),
                    output_form, output_tokens and len(output_tokens), state and len(state), error and len(error),
                    *attempt_facts)
             layout = layouts.get(key)
@@ -176,16 +175,16 @@ class TraceEncoder:
                 values.append(input_tokens)
             if output_tokens is not None:
                 values.append(output_tokens)
-            if first_token_s is not None:
-                values.append(int(first_token_s * 1e9) + offset)
+            if first_token_ns is not None:
+                values.append(first_token_ns + offset)
             if error:
                 values.append(error)
             if trace.tenant is not None:
                 values += pair
-                values += (start_ns, int(admission_decided_s(trace) * 1e9) + offset)
-            if queued_s is not None:
+                values += (start_ns, admission_decided_ns(trace) + offset)
+            if queued_ns is not None:
                 values += pair
-                values += (int(queued_s * 1e9) + offset, int(trace.dispatched_s * 1e9) + offset)
+                values += (queued_ns + offset, trace.dispatched_ns + offset)
                 if predicted_s is not None:
                     values.append(round(predicted_s, 6))
             values += attempt_values
@@ -220,7 +219,7 @@ class TraceEncoder:
         if output_tokens is not None:
             name = "gen_ai.usage.output_tokens" if output_form > 0 else "tidegate.output_tokens_estimate"
             root += (_integer_head(name, len(output_tokens)), f"{len(output_tokens)}s")
-        if trace.first_token_s is not None:
+        if trace.first_token_ns is not None:
             root += first_token
         if trace.error:  # Status: 2 message, 3 code (2 = ERROR)
             size = len(trace.error.encode())
@@ -232,7 +231,7 @@ class TraceEncoder:
             attributes = span_attributes(trace.tracing.attribute_set(admission_key(trace), admission_attributes))
             spans.append([*ids, bytes((ADMISSION_SPAN,)), *under_root, _named("tidegate.admission", SpanKind.INTERNAL),
                           *times, attributes, _LOCAL_FLAGS])
-        if trace.queued_s is not None:
+        if trace.queued_ns is not None:
             attributes = span_attributes(trace.tracing.attribute_set(("queue", trace.tier), queue_attributes))
             span = [*ids, bytes((QUEUE_SPAN,)), *under_root, _named("tidegate.queue", SpanKind.INTERNAL), *times,
                     attributes]
@@ -245,7 +244,7 @@ class TraceEncoder:
             attributes = span_attributes(trace.tracing.attribute_set(key, attempt_attributes))
             span = [*ids, bytes((attempt.span_byte,)), *under_root,
                     _named(f"{trace.operation} {attempt.replica.upstream_model}", SpanKind.CLIENT), *times, attributes]
-            if attempt.first_token_s is not None:
+            if attempt.first_token_ns is not None:
                 span += first_token
             if outcome != "ok":
                 span.append(length_field(b"\x7a", length_field(b"\x12", outcome.encode()) + b"\x18\x02"))

@@ -48,7 +48,7 @@ if TYPE_CHECKING:
     from tidegate.policy.identity import Identity
 
 __all__ = ["CURRENT_TRACE", "Tracing", "TracingSettings", "SpanSink", "RequestTrace", "PassThrough", "start_trace",
-           "root_key", "unix_offset_ns", "ROOT_SPAN", "ADMISSION_SPAN", "QUEUE_SPAN", "root_attributes", "root_own_attributes", "admission_key", "admission_decided_s", "attempt_end",
+           "root_key", "ROOT_SPAN", "ADMISSION_SPAN", "QUEUE_SPAN", "root_attributes", "root_own_attributes", "admission_key", "admission_decided_ns", "attempt_end",
            "admission_attributes", "queue_attributes", "attempt_attributes"]
 
 # the trace of the request the running task serves; None when it has none. Read only from the
@@ -120,15 +120,15 @@ class PassThrough:
 
 
 class _Attempt:
-    __slots__ = ("span_byte", "replica", "sent_s", "ended_s", "outcome", "first_token_s")
+    __slots__ = ("span_byte", "replica", "sent_ns", "ended_ns", "outcome", "first_token_ns")
 
-    def __init__(self, span_byte: int, replica: Replica, sent_s: float) -> None:
+    def __init__(self, span_byte: int, replica: Replica, sent_ns: int) -> None:
         self.span_byte = span_byte  # the last byte of its span id (`RequestTrace.span_id`)
         self.replica = replica
-        self.sent_s = sent_s
-        self.ended_s: float | None = None
+        self.sent_ns = sent_ns
+        self.ended_ns: int | None = None
         self.outcome = "ok"
-        self.first_token_s: float | None = None
+        self.first_token_ns: int | None = None
 
 
 class RequestTrace:
@@ -140,12 +140,12 @@ class RequestTrace:
     __slots__ = (
         # set on the request's way
         "tracing", "token", "trace_id", "parent_id", "tracestate", "operation", "request_id", "started_s",
-        "attempts", "first_token_s", "tenant", "tier", "ticket", "admitted_s", "verdict", "input_tokens",
+        "attempts", "first_token_ns", "tenant", "tier", "ticket", "admitted_ns", "verdict", "input_tokens",
         "output_tokens", "usage",
         "span_base",
         # set by `end` and `settle`
-        "settled", "ended_s", "model", "status", "replica_id", "error",
-        "error_type", "rung", "output_estimate", "queued_s", "dispatched_s", "predicted_wait_s", "span_count")
+        "settled", "ended_ns", "model", "status", "replica_id", "error",
+        "error_type", "rung", "output_estimate", "queued_ns", "dispatched_ns", "predicted_wait_s", "span_count")
 
     def __init__(self, tracing: Tracing, trace_id: int, parent_id: int, tracestate: bytes | None,
                  operation: str, request_id: bytes, started_s: float) -> None:
@@ -160,11 +160,11 @@ class RequestTrace:
         self.request_id = request_id
         self.started_s = started_s
         self.attempts: list[_Attempt] = []
-        self.first_token_s: float | None = None
+        self.first_token_ns: int | None = None
         self.tenant: str | None = None
         self.tier: str | None = None  # None: the default tier, until a ticket names it
         self.ticket: Ticket | None = None
-        self.admitted_s: float | None = None
+        self.admitted_ns: int | None = None
         self.verdict: str | None = None
         self.input_tokens: int | None = None  # as the upstream reported them
         self.output_tokens: int | None = None
@@ -175,7 +175,7 @@ class RequestTrace:
         self.error: str | None = None
         self.error_type: str | None = None
         self.output_estimate: int | None = None
-        self.queued_s: float | None = None
+        self.queued_ns: int | None = None
 
     # -- hooks on the request's way (Proxy)
     def admitted(self, identity: Identity, ticket: Ticket | None = None, usage: Any = None) -> None:
@@ -187,15 +187,15 @@ class RequestTrace:
             self.ticket = ticket
             self.tier = ticket.tier
             self.usage = usage
-            self.admitted_s = self.tracing.clock()
+            self.admitted_ns = self.tracing.clock_ns()
             self.verdict = "queued" if ticket.future is not None else "assigned"
 
     def upstream_headers(self, replica: Replica) -> bytes:
         """An attempt starts on `replica`: the trace header lines for its request, with its own span id."""
         attempts = self.attempts
-        attempt = _Attempt(min(FIRST_ATTEMPT_SPAN + len(attempts), _MAX_ATTEMPT_SPAN), replica, self.tracing.clock())
-        if attempts and attempts[-1].ended_s is None:
-            attempts[-1].ended_s = attempt.sent_s  # resent on a fresh connection without a verdict
+        attempt = _Attempt(min(FIRST_ATTEMPT_SPAN + len(attempts), _MAX_ATTEMPT_SPAN), replica, self.tracing.clock_ns())
+        if attempts and attempts[-1].ended_ns is None:
+            attempts[-1].ended_ns = attempt.sent_ns  # resent on a fresh connection without a verdict
         attempts.append(attempt)
         if not self.tracing.settings.propagate:
             return b""
@@ -212,15 +212,15 @@ class RequestTrace:
     def attempt_ended(self, failure: str | None) -> None:
         if self.attempts:
             attempt = self.attempts[-1]
-            attempt.ended_s = self.tracing.clock()
+            attempt.ended_ns = self.tracing.clock_ns()
             attempt.outcome = failure or "ok"
 
     def first_token(self) -> None:
-        now_s = self.tracing.clock()
-        if self.first_token_s is None:
-            self.first_token_s = now_s
-        if self.attempts and self.attempts[-1].first_token_s is None:
-            self.attempts[-1].first_token_s = now_s
+        now_ns = self.tracing.clock_ns()
+        if self.first_token_ns is None:
+            self.first_token_ns = now_ns
+        if self.attempts and self.attempts[-1].first_token_ns is None:
+            self.attempts[-1].first_token_ns = now_ns
 
     def answered(self, body: bytes) -> None:
         """A whole answer without overload control (with it, its `_Usage` reads them, and `settle` takes
@@ -237,7 +237,7 @@ class RequestTrace:
             self.token = None
         tracing = self.tracing
         try:
-            self.ended_s = tracing.clock()
+            self.ended_ns = tracing.clock_ns()
             self.model = model or "unknown"
             self.status = status
             self.replica_id = replica_id
@@ -280,77 +280,76 @@ class RequestTrace:
             self.input_tokens = usage.prompt_tokens
         if usage is not None and self.output_tokens is None:
             self.output_tokens = usage.reported
-            if usage.reported is None and self.first_token_s is not None:  # a stream without usage: its events
+            if usage.reported is None and self.first_token_ns is not None:  # a stream without usage: its events
                 self.output_estimate = usage.completion_tokens()
         if self.tenant is not None:
             if self.verdict is None:  # answered 200 without a ticket: overload control's cached answer
                 self.verdict = _refusal_verdict(None, status, self.rung)
         # the wait for a replica: admitted -> dispatched (overload control; none when it was assigned one
         # at arrival), or, without overload control, arrival -> first attempt (the wait for a free slot)
-        first_sent_s = attempts[0].sent_s if attempts else None
-        queued_s = self.admitted_s if self.verdict == "queued" else (self.started_s if self.tenant is None else None)
-        dispatched_s = ticket.dispatched_s if ticket is not None and ticket.dispatched_s is not None else first_sent_s
-        if queued_s is not None and dispatched_s is not None:
-            self.queued_s = queued_s
-            self.dispatched_s = max(queued_s, dispatched_s)
+        if self.verdict == "queued":
+            queued_ns = self.admitted_ns
+        else:
+            queued_ns = int(self.started_s * 1e9) if self.tenant is None else None
+        if ticket is not None and ticket.dispatched_s is not None:
+            dispatched_ns = int(ticket.dispatched_s * 1e9)  # overload control's clock: the same, in seconds
+        else:
+            dispatched_ns = attempts[0].sent_ns if attempts else None
+        if queued_ns is not None and dispatched_ns is not None:
+            self.queued_ns = queued_ns
+            self.dispatched_ns = max(queued_ns, dispatched_ns)
             self.predicted_wait_s = ticket.predicted_wait_s if ticket is not None else None
         self.ticket = self.usage = None
 
     # -- spans, as records (the SDK's sink, and the tests that check the encoder against it)
-    def spans(self, anchor_s: float, anchor_ns: int) -> list[SpanRecord]:
-        """The request's spans, once `end`ed. `anchor_s` and `anchor_ns`: one reading of the gateway's
+    def spans(self, monotonic_ns: int, unix_ns: int) -> list[SpanRecord]:
+        """The request's spans, once `end`ed. `monotonic_ns` and `unix_ns`: one reading of the tracer's
         monotonic clock and of Unix time, side by side (spans need Unix time)."""
         self.settle()
 
-        offset_ns = unix_offset_ns(anchor_s, anchor_ns)
+        offset_ns = unix_ns - monotonic_ns
 
-        def ns(at_s: float) -> int:
-            return int(at_s * 1e9) + offset_ns
+        def ns(at_ns: int) -> int:
+            return at_ns + offset_ns
 
         tracing, trace_id, root_id, state = self.tracing, self.trace_id, self.span_id(ROOT_SPAN), self.tracestate or b""
         key = root_key(self)
         attributes = tracing.attribute_set(key, root_attributes)
         own = root_own_attributes(self)
-        start_ns = ns(self.started_s)
-        events = () if self.first_token_s is None else (("first_token", ns(self.first_token_s), {}),)
+        start_ns = int(self.started_s * 1e9) + offset_ns
+        events = () if self.first_token_ns is None else (("first_token", ns(self.first_token_ns), {}),)
         spans = [SpanRecord(f"{self.operation} {self.model}", trace_id, root_id, self.parent_id, SpanKind.SERVER,
-                            start_ns, ns(self.ended_s), attributes, events, error=self.error, tracestate=state,
+                            start_ns, ns(self.ended_ns), attributes, events, error=self.error, tracestate=state,
                             remote_parent=self.parent_id != 0, attributes_key=key, request_attributes=own)]
         if self.tenant is not None:
             key = admission_key(self)
             spans.append(SpanRecord("tidegate.admission", trace_id, self.span_id(ADMISSION_SPAN), root_id, SpanKind.INTERNAL,
-                                    start_ns, ns(admission_decided_s(self)),
+                                    start_ns, ns(admission_decided_ns(self)),
                                     tracing.attribute_set(key, admission_attributes), tracestate=state,
                                     attributes_key=key))
-        if self.queued_s is not None:
+        if self.queued_ns is not None:
             key = ("queue", self.tier)
             predicted = None
             if self.predicted_wait_s is not None:
                 predicted = {"tidegate.queue.predicted_wait_s": round(self.predicted_wait_s, 6)}
             spans.append(SpanRecord("tidegate.queue", trace_id, self.span_id(QUEUE_SPAN), root_id, SpanKind.INTERNAL,
-                                    ns(self.queued_s), ns(self.dispatched_s),
+                                    ns(self.queued_ns), ns(self.dispatched_ns),
                                     tracing.attribute_set(key, queue_attributes), tracestate=state,
                                     attributes_key=key, request_attributes=predicted))
         for number, attempt in enumerate(self.attempts, 1):
-            ended_s, outcome = attempt_end(self, attempt)
+            ended_ns, outcome = attempt_end(self, attempt)
             key = ("attempt", self.operation, attempt.replica, number, outcome)
-            attempt_events = () if attempt.first_token_s is None \
-                else (("first_token", ns(attempt.first_token_s), {}),)
+            attempt_events = () if attempt.first_token_ns is None \
+                else (("first_token", ns(attempt.first_token_ns), {}),)
             spans.append(SpanRecord(f"{self.operation} {attempt.replica.upstream_model}", trace_id,
                                     self.span_id(attempt.span_byte),
-                                    root_id, SpanKind.CLIENT, ns(attempt.sent_s), ns(ended_s),
+                                    root_id, SpanKind.CLIENT, ns(attempt.sent_ns), ns(ended_ns),
                                     tracing.attribute_set(key, attempt_attributes), attempt_events,
                                     error=None if outcome == "ok" else outcome, tracestate=state, attributes_key=key))
         return spans
 
 
 # -- the facts of an ended RequestTrace, as its spans show them (shared by `spans` and the encoder)
-def unix_offset_ns(anchor_s: float, anchor_ns: int) -> int:
-    """What turns the tracer's clock into Unix nanoseconds, `int(at_s * 1e9) + offset`, from one reading
-    of each side by side."""
-    return anchor_ns - int(anchor_s * 1e9)
-
-
 def root_key(trace: RequestTrace) -> tuple:
     """What names the root span's attribute set. Answered without a replica of its own: the response
     cache, a request it joined, or overload control's cached-answer rung."""
@@ -376,18 +375,18 @@ def admission_key(trace: RequestTrace) -> tuple:
     return ("admission", trace.tenant, trace.tier, trace.verdict, trace.rung)
 
 
-def admission_decided_s(trace: RequestTrace) -> float:
+def admission_decided_ns(trace: RequestTrace) -> int:
     """Overload control's verdict: admitted, or (refusals end there) the first attempt, or the end."""
-    if trace.admitted_s is not None:
-        return trace.admitted_s
-    return trace.attempts[0].sent_s if trace.attempts else trace.ended_s
+    if trace.admitted_ns is not None:
+        return trace.admitted_ns
+    return trace.attempts[0].sent_ns if trace.attempts else trace.ended_ns
 
 
-def attempt_end(trace: RequestTrace, attempt: _Attempt) -> tuple[float, str]:
+def attempt_end(trace: RequestTrace, attempt: _Attempt) -> tuple[int, str]:
     """When an attempt ended and how: one the request outlived without a verdict ended with it."""
-    if attempt.ended_s is not None:
-        return attempt.ended_s, attempt.outcome
-    return trace.ended_s, "cancelled" if trace.status == 499 else "ok"
+    if attempt.ended_ns is not None:
+        return attempt.ended_ns, attempt.outcome
+    return trace.ended_ns, "cancelled" if trace.status == 499 else "ok"
 
 
 def root_attributes(key: tuple) -> dict[str, AttributeValue]:
@@ -456,10 +455,13 @@ def _refusal_verdict(error: BaseException | None, status: int, rung: str | None)
 class Tracing:
     """The gateway's tracer: samples requests, starts their traces, sends their spans to the sink."""
 
-    def __init__(self, settings: TracingSettings, sink: SpanSink, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: TracingSettings, sink: SpanSink,
+                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.settings = settings
         self.sink = sink
-        self.clock = clock
+        # the spans' times: the monotonic clock the gateway's `started` and overload control's times read
+        # (time.monotonic), in integer nanoseconds, which the encoder shifts to Unix time by one addition
+        self.clock_ns = clock_ns
         self.failed = 0  # spans of requests whose export hand-off raised
         # threshold of TraceIdRatioBased: a trace id's low 64 bits below it are sampled
         self._ratio_bound = round(settings.sampling_ratio * 2**64)

@@ -52,7 +52,7 @@ class SdkSpanSink:
 
     def submit_trace(self, trace: Any) -> None:
         """An ended request's trace (gateway/tracing.py `RequestTrace`): its spans, built now."""
-        self.submit(trace.spans(trace.tracing.clock(), time.time_ns()))
+        self.submit(trace.spans(trace.tracing.clock_ns(), time.time_ns()))
 
     def submit(self, spans: list[SpanRecord]) -> None:
         api = self._api
