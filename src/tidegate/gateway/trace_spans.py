@@ -50,7 +50,8 @@ _PREDICTED_WAIT = "tidegate.queue.predicted_wait_s"
 _LAYOUTS = 4096  # distinct layouts kept; past it they are made anew
 _REQUEST_ID = "tidegate.request_id"
 _VARINTS_KEPT = 1 << 14  # token counts below it take their varint from a table (2 bytes at most)
-_VARINTS = [varint(value) for value in range(_VARINTS_KEPT)]
+_VARINTS = [bytes((value,)) for value in range(0x80)] + [bytes(((value & 0x7F) | 0x80, value >> 7))
+                                                        for value in range(0x80, _VARINTS_KEPT)]
 
 # a hole's struct code by what fills it: a trace id, a span base (7 of a span id's 8 bytes), a
 # parent span id, a time (fixed64 Unix nanoseconds), a double; bytes of a length the layout knows
