@@ -52,7 +52,7 @@ def stop(*_):
     profiler.dump_stats(sys.argv[1])
 signal.signal(signal.SIGUSR1, start)
 signal.signal(signal.SIGUSR2, stop)
-sys.exit(main(["serve", *sys.argv[2:]]))
+sys.exit(main(sys.argv[2:]))
 """
 
 
@@ -109,6 +109,20 @@ def _config(workdir: str, name: str, port: int, mock_port: int, overload: bool) 
     return str(path)
 
 
+def _wait_ready(gateway: subprocess.Popen, port: int, timeout_s: float = 600.0) -> None:
+    """Until the gateway answers /ready (minutes under valgrind); raises at once if it exited."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if gateway.poll() is not None:
+            raise RuntimeError(f"the gateway exited ({gateway.returncode}) before it was ready")
+        try:
+            wait_ok(f"http://127.0.0.1:{port}/ready", timeout_s=1.0)
+            return
+        except TimeoutError:
+            continue
+    raise TimeoutError(f"the gateway on port {port} was not ready in {timeout_s:.0f} s")
+
+
 def _callgrind_total(dump: Path) -> int:
     """Instructions of one callgrind dump (its `summary:` or `totals:` line)."""
     text = dump.read_text(errors="replace")
@@ -132,7 +146,7 @@ def measure(name: str, overload: bool, args: argparse.Namespace, workdir: str, m
     gateway = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     body = request_body(False, "mock")
     try:
-        wait_ok(f"http://127.0.0.1:{port}/ready", timeout_s=600)
+        _wait_ready(gateway, port)
         send(port, body, args.concurrency, args.warmup)
         if args.profile:
             gateway.send_signal(signal.SIGUSR1)
