@@ -1,7 +1,7 @@
 """Overload control's own work per request, in one process, as the proxy calls it, stage by stage.
 
     python bench/overload_work.py [--requests 20000] [--rounds 5]
-    python bench/overload_work.py --instructions      # instructions a request, by stage (needs valgrind)
+    python bench/overload_work.py --instructions [--stages loop settle]  # instructions a request, by stage
 
 Builds a gateway from the same configuration as bench/gateway_overhead.py's (overload control on, no
 tenants, one upstream replica; nothing is started) and drives its `OverloadRuntime` as the proxy does
@@ -22,9 +22,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from tidegate.config import parse_config  # noqa: E402
 from tidegate.gateway.app import Gateway  # noqa: E402
@@ -84,10 +81,10 @@ def _instructions(requests: int, upto: str) -> int:
     return int(re.search(r"I\s+refs:\s+([\d,]+)", output).group(1).replace(",", ""))
 
 
-def instructions_main(small: int, large: int) -> int:
+def instructions_main(small: int, large: int, stages: list[str]) -> int:
     print(f"instructions a request, callgrind, ({large} requests - {small}) / {large - small}; stages cumulative:")
     previous = 0.0
-    for stage in STAGES:
+    for stage in stages:
         per_request = (_instructions(large, stage) - _instructions(small, stage)) / (large - small)
         print(f"  up to {stage:<14} {per_request:9,.0f}   this stage {per_request - previous:+9,.0f}")
         previous = per_request
@@ -100,9 +97,10 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--upto", choices=STAGES, default=STAGES[-1], help="stop each request after this stage")
     parser.add_argument("--instructions", action="store_true", help="instructions a request by stage (valgrind)")
+    parser.add_argument("--stages", nargs="+", choices=STAGES, help="--instructions: only up to these stages")
     args = parser.parse_args()
     if args.instructions:
-        return instructions_main(2000, 6000)
+        return instructions_main(2000, 6000, args.stages or list(STAGES))
     seconds = min(asyncio.run(run(args.requests, args.upto)) for _ in range(args.rounds))
     print(f"{args.requests} requests up to {args.upto}, best of {args.rounds}: "
           f"{seconds / args.requests * 1e6:.2f} us a request")
