@@ -16,7 +16,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 
 from tidegate.policy.ttft_model import TtftFit
 
-__all__ = ["OverloadMetrics", "FirstTokens", "WorkTokens", "Buckets", "quantile_from_buckets", "bucket_increase"]
+__all__ = ["OverloadMetrics", "PlainCounter", "PlainHistogram", "FirstTokens", "WorkTokens", "Buckets", "quantile_from_buckets", "bucket_increase"]
 
 Buckets = list[tuple[float, float]]  # a histogram's cumulative (upper bound, count) pairs, +Inf last
 
@@ -38,16 +38,19 @@ class OverloadMetrics:
         self.oldest_wait = Gauge("tidegate_overload_queue_oldest_wait_seconds",
                                  "Wait so far of the oldest waiting request, by pool and tier", ["pool", "tier"],
                                  registry=r)
-        self.queue_wait = Histogram("tidegate_overload_queue_wait_seconds",
-                                    "Arrival to dispatch of dispatched requests, by pool and tier",
-                                    ["pool", "tier"], buckets=_WAIT_BUCKETS_S, registry=r)
+        # observed, and counted, once a request: plain numbers (`PlainHistogram`, `PlainCounter`)
+        self.queue_wait = PlainHistogram("tidegate_overload_queue_wait_seconds",
+                                         "Arrival to dispatch of dispatched requests, by pool and tier",
+                                         ("pool", "tier"), _WAIT_BUCKETS_S)
+        r.register(self.queue_wait)
         self.predicted_wait = Histogram("tidegate_overload_predicted_wait_seconds",
                                         "Wait predicted at arrival for requests that queued and were later "
                                         "dispatched (compare with tidegate_overload_queue_wait_seconds, which also "
                                         "counts, with 0, those sent at arrival)", ["pool", "tier"],
                                         buckets=_WAIT_BUCKETS_S, registry=r)
-        self.admissions = Counter("tidegate_overload_admissions", "Arrivals by outcome (queued, rate_limited, "
-                                  "too_large, preset_reply, fallback_pool)", ["pool", "tier", "outcome"], registry=r)
+        self.admissions = PlainCounter("tidegate_overload_admissions", "Arrivals by outcome (queued, rate_limited, "
+                                       "too_large, preset_reply, fallback_pool)", ("pool", "tier", "outcome"))
+        r.register(self.admissions)
         # the work arriving, for the autoscaler's work demand (`gateway.scaling`): prompt tokens as each
         # request arrives (refused ones too: demand the fleet did not hold), output tokens as generated
         self.work_tokens = WorkTokens()
@@ -123,6 +126,77 @@ class OverloadMetrics:
             self.prefix_index.labels(pool, replica).set_function(prefix_index_chars)
         self.ttft_fit.labels(pool, replica, "fixed").set_function(coefficient("fixed_s"))
         self.ttft_fit.labels(pool, replica, "per_token").set_function(coefficient("s_per_token"))
+
+
+class _Count:
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0.0
+
+    def inc(self, amount: float = 1.0) -> None:
+        self.value += amount
+
+
+class PlainCounter:
+    """A labelled counter in plain numbers, exported as `<name>_total` at scrape time: a
+    prometheus-client child's `inc` takes a lock and three calls, this one addition. Single-threaded
+    by design, like `FirstTokens`: counted and collected on the gateway's loop."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...]) -> None:
+        self._name, self._documentation, self._labelnames = name, documentation, labelnames
+        self._children: dict[tuple[str, ...], _Count] = {}
+
+    def labels(self, *values: str) -> _Count:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _Count()
+        return child
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        for values, child in sorted(self._children.items()):
+            family.add_metric(values, child.value)
+        yield family
+
+
+class _Series:
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0.0] * (len(bounds) + 1)  # per bucket, +Inf last
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+
+class PlainHistogram:
+    """A labelled histogram in plain numbers, exported at scrape time (`PlainCounter`'s reasons:
+    a prometheus-client observation takes two locks and five calls, this a bisect and two additions)."""
+
+    def __init__(self, name: str, documentation: str, labelnames: tuple[str, ...], buckets: tuple[float, ...]) -> None:
+        self._name, self._documentation, self._labelnames = name, documentation, labelnames
+        self._bounds = tuple(buckets)
+        self._children: dict[tuple[str, ...], _Series] = {}
+
+    def labels(self, *values: str) -> _Series:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = _Series(self._bounds)
+        return child
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self._name, self._documentation, labels=self._labelnames)
+        for values, series in sorted(self._children.items()):
+            running, buckets = 0.0, []
+            for bound, count in zip((*self._bounds, math.inf), series.counts):
+                running += count
+                buckets.append(("+Inf" if math.isinf(bound) else repr(float(bound)), running))
+            family.add_metric(values, buckets, series.sum)
+        yield family
 
 
 def quantile_from_buckets(q: float, buckets: Buckets) -> float:

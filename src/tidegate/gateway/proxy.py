@@ -183,8 +183,10 @@ class Proxy:
                 status, replica_id = await self._forward_cached(cache, conn, request, pool, endpoint, body, stream,
                                                                 request_id, started, identity, timeout_s)
             else:
-                status, replica_id = await self._forward(conn, pool, endpoint, body, request.body, stream,
-                                                         request_id, started, identity, timeout_s)
+                # straight to the way with overload control: one coroutine less to resume a request
+                forward = self._forward if identity is None or self.overload is None else self._forward_controlled
+                status, replica_id = await forward(conn, pool, endpoint, body, request.body, stream,
+                                                   request_id, started, identity, timeout_s)
         except TidegateError as refused:
             status = refused.status
             if trace is not None:
@@ -405,7 +407,8 @@ class Proxy:
             trace.admitted(identity, ticket, usage)
         try:
             try:
-                replica = await overload.acquire(ticket)
+                # assigned at arrival (the common case): no coroutine to create and await
+                replica = ticket.replica if ticket.future is None else await overload.acquire(ticket)
             except CachedAnswerRung as rung:  # shed while it waited
                 assert cached_fallback is not None
                 metrics.count(200)

@@ -147,6 +147,7 @@ __all__ = ["ServiceClass", "PoolReplica", "PoolSettings", "ReplicaSnapshot", "Po
            "REFUSED_UNKNOWN_TIER", "REFUSED_NO_REPLICA", "REFUSED_PREDICTED_MISS", "REFUSED_EARLY_RESEND"]
 
 REFUSED_UNKNOWN_TIER = "unknown_tier"
+_NO_REPLICAS: frozenset[str] = frozenset()  # none excluded
 # A request with a prompt prefix prefers a replica only while it holds at most this many times the
 # requests of the least busy one (+1), or `PILE_UP_SLOT_SHARE` of its slots if that is more. The
 # predicted time to first token counts prefill work, not the decodes a replica already runs: with
@@ -670,7 +671,7 @@ class PoolController:
             self._demote_slots_of_new_floods(now_s)
         queued = QueuedRequest(request.request_id, request.tenant, tier.name, request.prompt_tokens,  # type: ignore[arg-type]
                                request.max_output_tokens, now_s, math.inf)
-        assignment = self._try_assign(now_s, queued, frozenset(), whole=not request.streamed, prefix=request.prefix)
+        assignment = self._try_assign(now_s, queued, _NO_REPLICAS, whole=not request.streamed, prefix=request.prefix)
         if assignment is None:
             return None
         if not request.streamed:
@@ -693,7 +694,9 @@ class PoolController:
         if prefix is None:
             prefix = self._prefixes.get(request.request_id, ())
         tier = self.tiers[request.tier]
-        level = self.engine_level(tier.name, self.service_class(now_s, tier.name, request.tenant))
+        shares = self._shares
+        # `engine_level(service_class(...))` inline: this runs for every request
+        level = 2 * tier.rank + (shares is not None and request.tenant in shares.over_share(now_s, tier.name))
         # what is left of its TTFT target after its wait so far (rule 3): an engine that would
         # start it later has no use for it now
         left_s = request.enqueued_at_s + tier.ttft_target_s - now_s
