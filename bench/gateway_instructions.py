@@ -3,6 +3,7 @@
     python bench/gateway_instructions.py [--requests 3000] [--warmup 1000] [--concurrency 64]
     python bench/gateway_instructions.py --annotate 40     # + the top C functions, inclusive
     python bench/gateway_instructions.py --profile         # Python functions: calls a request (cProfile)
+    python bench/gateway_instructions.py --tracing         # overload control on, tracing off and on
 
 CPU time per request on a shared machine moves by a third between rounds; instructions do not. Each
 gateway (`tidegate serve` over a 0 ms mock upstream, non-streaming, no tenants, access log off, as in
@@ -18,6 +19,12 @@ the event loop's handles and futures, and C extensions (httptools, orjson, uvloo
 --profile: no valgrind. Each gateway runs under cProfile, switched on for the measured requests only
 (SIGUSR1 / SIGUSR2), and prints the Python functions by calls a request and by own time. Times under
 a profiler are inflated and only their order means much; the call counts are exact.
+
+--tracing: two gateways with overload control on, tracing off and on (sampling 1.0, the built-in
+exporter sending every span to a loopback sink, bench/otlp_sink.py), as bench/gateway_overhead.py
+--tracing runs them. Each waits `--settle-s` after the warm-up and after the measured requests, so
+that the window holds the export task's encoding of the measured requests' spans and not of the
+warm-up's; the gateway without tracing waits alike.
 """
 
 from __future__ import annotations
@@ -104,11 +111,14 @@ def send(port: int, body: bytes, concurrency: int, requests: int) -> None:
         raise RuntimeError(f"answers by status: {statuses} (of {requests} requests)")
 
 
-def _config(workdir: str, name: str, port: int, mock_port: int, overload: bool) -> str:
+def _config(workdir: str, name: str, port: int, mock_port: int, overload: bool, sink_port: int | None = None
+            ) -> str:
     path = Path(workdir, f"{name}.yaml")
+    tracing = "" if sink_port is None else (f"tracing:\n  enabled: true\n  sampling_ratio: 1.0\n"
+                                            f"  endpoint: http://127.0.0.1:{sink_port}\n")
     path.write_text(f"overload_control: {'true' if overload else 'false'}\nserver:\n  port: {port}\n"
-                    f"  access_log: false\nhealth:\n  timeout_s: {HEALTH_TIMEOUT_S}\npools:\n  - name: mock\n    backends:\n      - type: upstream\n"
-                    f"        url: http://127.0.0.1:{mock_port}/v1\n")
+                    f"  access_log: false\nhealth:\n  timeout_s: {HEALTH_TIMEOUT_S}\n{tracing}pools:\n  - name: mock\n"
+                    f"    backends:\n      - type: upstream\n        url: http://127.0.0.1:{mock_port}/v1\n")
     return str(path)
 
 
@@ -135,9 +145,10 @@ def _callgrind_total(dump: Path) -> int:
     return int(found.group(1))
 
 
-def measure(name: str, overload: bool, args: argparse.Namespace, workdir: str, mock_port: int) -> None:
+def measure(name: str, overload: bool, args: argparse.Namespace, workdir: str, mock_port: int,
+            sink_port: int | None = None) -> None:
     port = free_port()
-    config = _config(workdir, name, port, mock_port, overload)
+    config = _config(workdir, name, port, mock_port, overload, sink_port)
     serve = ["serve", "--config", config, "--log-level", "warning"]
     profile_out = os.path.join(workdir, f"{name}.prof")
     if args.profile:
@@ -151,12 +162,14 @@ def measure(name: str, overload: bool, args: argparse.Namespace, workdir: str, m
     try:
         _wait_ready(gateway, port)
         send(port, body, args.concurrency, args.warmup)
+        time.sleep(args.settle_s)
         if args.profile:
             gateway.send_signal(signal.SIGUSR1)
             time.sleep(0.2)
         else:
             subprocess.run(["callgrind_control", "--zero", str(gateway.pid)], check=True, capture_output=True)
         send(port, body, args.concurrency, args.requests)
+        time.sleep(args.settle_s)
         if args.profile:
             gateway.send_signal(signal.SIGUSR2)
             for _ in range(100):
@@ -211,21 +224,39 @@ def main() -> int:
     parser.add_argument("--annotate", type=int, default=0, help="print the top N C functions (inclusive)")
     parser.add_argument("--profile", action="store_true", help="cProfile instead of callgrind")
     parser.add_argument("--top", type=int, default=40, help="--profile: rows printed")
-    parser.add_argument("--only", choices=("on", "off"), help="measure only the gateway with overload control on/off")
+    parser.add_argument("--only", choices=("on", "off"),
+                        help="measure only the gateway with overload control (--tracing: tracing) on/off")
+    parser.add_argument("--tracing", action="store_true", help="overload control on, tracing off and on")
+    parser.add_argument("--settle-s", type=float, default=0.0,
+                        help="wait after the warm-up and after the requests (--tracing: 10 unless set)")
     args = parser.parse_args()
+    if args.tracing and not args.settle_s:
+        args.settle_s = 10.0  # the exporter's 1 s interval, some 50x slower under valgrind
     workdir = tempfile.mkdtemp(prefix="tidegate-instructions-")
     mock_port = free_port()
     mock = subprocess.Popen([sys.executable, "-m", "tidegate", "mock-upstream", "--port", str(mock_port), "--tokens",
                              str(TOKENS), "--ttft-ms", "0", "--itl-ms", "0"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    sink = sink_port = None
     try:
         wait_ok(f"http://127.0.0.1:{mock_port}/health")
+        if args.tracing:
+            sink_port = free_port()
+            sink = subprocess.Popen([sys.executable, str(HERE / "otlp_sink.py"), "--port", str(sink_port)],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+            wait_ok(f"http://127.0.0.1:{sink_port}/stats")
+            for name, traced in (("tracing off", None), ("tracing on", sink_port)):
+                if args.only is None or args.only == name.split()[-1]:
+                    measure(name.replace(" ", "-"), True, args, workdir, mock_port, traced)
+            return 0
         for name, overload in (("overload on", True), ("overload off", False)):
             if args.only is None or args.only == name.split()[-1]:
                 measure(name.replace(" ", "-"), overload, args, workdir, mock_port)
     finally:
-        mock.send_signal(signal.SIGTERM)
-        mock.wait(timeout=10)
+        for process in (sink, mock):
+            if process is not None:
+                process.send_signal(signal.SIGTERM)
+                process.wait(timeout=10)
     return 0
 
 
