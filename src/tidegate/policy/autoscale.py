@@ -34,7 +34,12 @@ window), one step per stable window (`test_scale_in_waits_its_window_then_goes_a
 what the lower bound needs and in only to what the upper bound needs, so a need on a replica's
 boundary neither flaps nor holds the replica above it
 (`test_a_need_on_a_boundary_neither_flaps_nor_holds_the_replica_above`,
-`test_a_noisy_flat_work_demand_never_scales_in`). The body drains a replica before it
+`test_a_noisy_flat_work_demand_never_scales_in`). With `edge_utilisation`, the latency feedback:
+on work demand the pool runs at that utilisation while every tick's P99 TTFT has stayed under its
+target for `edge_hold_s`, else at `target_utilisation`, so it scales in to the edge only while the
+latency has margin and backs off at a miss
+(`test_latency_with_margin_lets_one_replica_run_near_its_edge`, `test_a_scale_in_waits_for_latency_margin`,
+`test_a_latency_miss_holds_the_floor_and_its_replica`). The body drains a replica before it
 stops it: no request is aborted by a scale-in
 (`tests/sim/test_scaling.py::test_the_pool_grows_for_a_surge_and_shrinks_by_draining_after_it`).
 """
