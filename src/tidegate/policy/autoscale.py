@@ -162,6 +162,9 @@ class FixedFleet:
 # the share of the stable window's ticks whose P99 TTFT may reach its target before the window
 # counts as a miss (`Autoscaler._latency_missed`)
 MISSED_TICKS_SHARE = 0.1
+# standard errors by which a window's work must exceed the window's before to count as a rise
+# (`Autoscaler._work_rising`): at 2 a flat hour's noise read as a rise about once an hour
+RISE_SIGMAS = 3.0
 
 
 class _Band(NamedTuple):
@@ -185,7 +188,8 @@ class Autoscaler:
         self._desired: deque[tuple[float, int]] = deque()  # (time, desired before scale-in damping)
         self._panic_until_s = -math.inf
         self._last_scale_in_s = -math.inf
-        self._latency_missed_s = -math.inf  # the last tick the stable window missed its latency target
+        self._latency_missed_s = -math.inf  # the last tick the window missed its latency target or rose
+        self._window_work: deque[tuple[float, float, float]] = deque()  # (time, the window's rate, its standard error)
         self._over_target: deque[tuple[float, bool]] = deque()  # (time, P99 TTFT at its target), the window
         self._target = settings.target_utilisation  # this tick's utilisation target (`_target_at`)
         self._bucket_start_s: float | None = None
@@ -219,6 +223,28 @@ class Autoscaler:
         if now_s - self._over_target[0][0] < window_s / 2:  # a few ticks' share says little, as for the band
             return False
         return sum(over for _, over in self._over_target) > MISSED_TICKS_SHARE * len(self._over_target)
+
+    def _work_rising(self, now_s: float) -> bool:
+        """Whether the stable window's work exceeds the window's before by more than
+        `noise_band_sigmas` standard errors of their difference (changes state). A rise is met at
+        the floor: latency reaches its target only once the fleet is short, a cold start before
+        the replica that restores it, and on the surge's ramp at the edge the P99 was 3,230 ms
+        (`test_a_rise_in_work_is_met_at_the_floor`)."""
+        s = self.settings
+        if s.edge_utilisation is None or self.replica_tokens_per_s is None:
+            return False
+        ticks = [n / c for t, n, _, c in self._work if t > now_s - s.stable_window_s and c > 0]
+        if len(ticks) < 2 or sum(c for t, _, _, c in self._work if t > now_s - s.stable_window_s) < s.stable_window_s / 2:
+            return False
+        mean = sum(ticks) / len(ticks)
+        error = math.sqrt(sum((r - mean) ** 2 for r in ticks) / (len(ticks) - 1) / len(ticks))
+        self._window_work.append((now_s, mean, error))
+        while self._window_work[0][0] < now_s - s.stable_window_s:
+            self._window_work.popleft()
+        then_s, before, before_error = self._window_work[0]
+        if now_s - then_s < s.stable_window_s - 1e-9:  # no whole window before this one yet
+            return False
+        return mean - before > RISE_SIGMAS * math.sqrt(error ** 2 + before_error ** 2)
 
     def _target_at(self, now_s: float) -> float:
         """The utilisation the pool runs at: the edge while its latency has margin (on work demand
@@ -329,7 +355,7 @@ class Autoscaler:
             self._measured.observe(PoolSample(now_s, signals.ready, signals.in_flight, signals.queued,
                                               signals.served_tokens))
         self._record(now_s, demand, signals.arrivals, signals.refused, signals.arrived_tokens)
-        if self._latency_missed(now_s, signals.ttft_ratio):
+        if self._latency_missed(now_s, signals.ttft_ratio) | self._work_rising(now_s):
             self._latency_missed_s = now_s
         self._target = self._target_at(now_s)
         fleet = signals.ready + signals.starting
