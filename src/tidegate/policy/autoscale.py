@@ -162,9 +162,11 @@ class FixedFleet:
 # the share of the stable window's ticks whose P99 TTFT may reach its target before the window
 # counts as a miss (`Autoscaler._latency_missed`)
 MISSED_TICKS_SHARE = 0.1
-# standard errors by which a window's work must exceed the window's before to count as a rise
-# (`Autoscaler._work_rising`): at 2 a flat hour's noise read as a rise about once an hour
-RISE_SIGMAS = 3.0
+# standard errors by which a window's work must exceed the window's `edge_hold_s` before to count
+# as a rise (`Autoscaler._work_rising`). A minute apart, the surge's ramp adds 10 % to its 60
+# requests a second, as much as 3 standard errors of the night's 24 a second, and at 3 a flat hour
+# read as rising 2-27 % of the time; 300 s apart the ramp adds 50 %, clear of 5
+RISE_SIGMAS = 5.0
 
 
 class _Band(NamedTuple):
@@ -225,8 +227,8 @@ class Autoscaler:
         return sum(over for _, over in self._over_target) > MISSED_TICKS_SHARE * len(self._over_target)
 
     def _work_rising(self, now_s: float) -> bool:
-        """Whether the stable window's work exceeds the window's before by more than
-        `noise_band_sigmas` standard errors of their difference (changes state). A rise is met at
+        """Whether the stable window's work exceeds the window's `edge_hold_s` before by more than
+        `RISE_SIGMAS` standard errors of their difference (changes state). A rise is met at
         the floor: latency reaches its target only once the fleet is short, a cold start before
         the replica that restores it, and on the surge's ramp at the edge the P99 was 3,230 ms
         (`test_a_rise_in_work_is_met_at_the_floor`)."""
@@ -239,10 +241,11 @@ class Autoscaler:
         mean = sum(ticks) / len(ticks)
         error = math.sqrt(sum((r - mean) ** 2 for r in ticks) / (len(ticks) - 1) / len(ticks))
         self._window_work.append((now_s, mean, error))
-        while self._window_work[0][0] < now_s - s.stable_window_s:
+        lag_s = max(s.edge_hold_s, s.stable_window_s)
+        while self._window_work[0][0] < now_s - lag_s:
             self._window_work.popleft()
         then_s, before, before_error = self._window_work[0]
-        if now_s - then_s < s.stable_window_s - 1e-9:  # no whole window before this one yet
+        if now_s - then_s < lag_s - 1e-9:  # not that long seen yet
             return False
         return mean - before > RISE_SIGMAS * math.sqrt(error ** 2 + before_error ** 2)
 
