@@ -399,3 +399,16 @@ def test_one_replica_near_its_edge_does_not_panic() -> None:
     surge = _noisy_work_with_latency(Autoscaler(EDGE), 0, 66, 2300.0, ready=1, seed=6,
                                      ttft_ratio=lambda t, ready: 0.5)
     assert any(d.layer is ScaleLayer.PANIC for d in surge)
+
+
+def test_a_rise_in_work_is_met_at_the_floor() -> None:
+    # the surge's ramp: at the edge the 2 replicas hold 47.8 requests/s, which the ramp passes
+    # 178 s in, and the latency misses only once the fleet is short, a cold start before the
+    # replica that restores it (the bench's surge at the edge alone: P99 3,230 ms). The ramp is
+    # seen rising against the window 300 s before, and the pool scales out at the floor, as soon
+    # as without the edge
+    edge = replace(SURGE, edge_utilisation=1.0)
+    for seed in (1, 2, 3):
+        at_floor_s, _ = _first_out_on_the_ramp(Autoscaler(SURGE), seed)
+        with_edge_s, layer = _first_out_on_the_ramp(Autoscaler(edge), seed)
+        assert layer is ScaleLayer.REACTIVE and with_edge_s <= at_floor_s

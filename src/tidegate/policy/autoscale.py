@@ -245,7 +245,7 @@ class Autoscaler:
         while self._window_work[0][0] < now_s - lag_s:
             self._window_work.popleft()
         then_s, before, before_error = self._window_work[0]
-        if now_s - then_s < lag_s - 1e-9:  # not that long seen yet
+        if now_s - then_s < s.stable_window_s - 1e-9:  # under a window apart, they overlap; under the lag, the oldest
             return False
         return mean - before > RISE_SIGMAS * math.sqrt(error ** 2 + before_error ** 2)
 
