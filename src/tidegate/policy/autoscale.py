@@ -164,8 +164,9 @@ class FixedFleet:
 MISSED_TICKS_SHARE = 0.1
 # standard errors by which a window's work must exceed the window's `edge_hold_s` before to count
 # as a rise (`Autoscaler._work_rising`). A minute apart, the surge's ramp adds 10 % to its 60
-# requests a second, as much as 3 standard errors of the night's 24 a second, and at 3 a flat hour
-# read as rising 2-27 % of the time; 300 s apart the ramp adds 50 %, clear of 5
+# requests a second, as much as 3 standard errors of the night's 24 a second, and at 3 the flat
+# night of `test_latency_with_margin_lets_one_replica_run_near_its_edge` sat 10-27 % of the hour at
+# two replicas on three seeds of six; 300 s apart the ramp adds 50 %, clear of 5
 RISE_SIGMAS = 5.0
 
 
