@@ -10,8 +10,11 @@ Scenarios (the seeds'), at 1/100 of their rates so that an hour simulates in abo
          at 120 req/s;
   trace  the Azure conversation trace, one hour, rate-scaled x10 (~54 req/s, bursty).
 Policies: tidegate (`policy.autoscale.Autoscaler` on work demand: tokens arriving over a replica's
-measured token throughput; reactive + triggers + panic + predictive: Holt-Winters on the day, the
-last bucket's rate elsewhere), an HPA-default
+token throughput as the gateway measures it, behind the controller (`--told fifo`: FIFO's at the
+slot limit, the first cut's); reactive + triggers + panic + predictive: Holt-Winters on the day,
+the last bucket's rate elsewhere; at `--edge-utilisation` while each tick's P99 TTFT, reported
+against the bars' 800 ms, has margin and the work is not rising, else at `--target-utilisation`),
+an HPA-default
 rule (`HpaRule`, on requests held: 15 s sync, 10 % tolerance, 300 s scale-down window), static
 provisioning for twice the peak, and the offline oracle (`sim.oracle.schedule_for`: the fewest
 replica-hours for the known future, each minute's arrivals simulated on n replicas and the fewest
