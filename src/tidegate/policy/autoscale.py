@@ -217,8 +217,9 @@ class Autoscaler:
         """Whether more than `MISSED_TICKS_SHARE` of the stable window's ticks had their P99 TTFT at
         its target (changes state). One tick's P99 of a second's few dozen first tokens is their
         slowest: on the working day's night one replica at 0.92 met the SLO over each minute, yet a
-        tick reached it every few minutes, and missing on one tick sent the night to two replicas
-        (2.44 replica-hours, 1.28x the oracle's, against 1.15x on a tenth)."""
+        tick reached it every few minutes, and a miss on one tick sent the night back to two
+        replicas: 2.44 replica-hours (1.28x the oracle's), 2.30 (1.21x) on a tenth, before
+        `_work_rising` (docs/autoscaling.md)."""
         window_s = self.settings.stable_window_s
         self._over_target.append((now_s, (ttft_ratio or 0.0) >= 1.0))
         while self._over_target and self._over_target[0][0] <= now_s - window_s:
@@ -236,8 +237,9 @@ class Autoscaler:
         s = self.settings
         if s.edge_utilisation is None or self.replica_tokens_per_s is None:
             return False
-        ticks = [n / c for t, n, _, c in self._work if t > now_s - s.stable_window_s and c > 0]
-        if len(ticks) < 2 or sum(c for t, _, _, c in self._work if t > now_s - s.stable_window_s) < s.stable_window_s / 2:
+        since_s = now_s - s.stable_window_s
+        ticks = [n / c for t, n, _, c in self._work if t > since_s and c > 0]
+        if len(ticks) < 2 or sum(c for t, _, _, c in self._work if t > since_s) < s.stable_window_s / 2:
             return False
         mean = sum(ticks) / len(ticks)
         error = math.sqrt(sum((r - mean) ** 2 for r in ticks) / (len(ticks) - 1) / len(ticks))
@@ -255,8 +257,9 @@ class Autoscaler:
         only: requests held read full slots whatever the work), else the floor. Only a pool that
         checks its latency can run near a replica's edge: on the working day a fixed 0.95 missed
         the P99 on the rising peak, and 0.85 kept two replicas all night where one meets the SLO.
-        The floor holds for `edge_hold_s` after a miss, so the replica a miss added is not taken
-        away by the latency it restored (`test_a_latency_miss_holds_the_floor_and_its_replica`)."""
+        The floor holds for `edge_hold_s` after a miss or a rise (`_work_rising`), so the replica a
+        miss added is not taken away by the latency it restored
+        (`test_a_latency_miss_holds_the_floor_and_its_replica`)."""
         s = self.settings
         if s.edge_utilisation is None or self.replica_tokens_per_s is None:
             return s.target_utilisation
