@@ -246,6 +246,10 @@ class AutoscaleConfig(_Strict):
     # work demand: the fleet moves only when the work's mean, give or take this many standard
     # errors, needs another count (0: the mean alone; docs/autoscaling.md)
     noise_band_sigmas: float = Field(2.0, ge=0)
+    # work demand: the utilisation the pool may run at while every tick's P99 TTFT is under its
+    # tier's target, for edge_hold_s after the last miss (null: target_utilisation always)
+    edge_utilisation: float | None = Field(None, gt=0, le=1)
+    edge_hold_s: float = Field(300.0, ge=0)
     # embedded pools: workers kept loaded and out of traffic, taken at once by a scale-out (seconds
     # instead of a cold start) and refilled in the background
     standby: int = Field(0, ge=0)
@@ -259,6 +263,8 @@ class AutoscaleConfig(_Strict):
             raise ValueError("autoscale: min_replicas must be <= max_replicas")
         if self.panic_window_s > self.stable_window_s:
             raise ValueError("autoscale: panic_window_s must be <= stable_window_s")
+        if self.edge_utilisation is not None and self.edge_utilisation < self.target_utilisation:
+            raise ValueError("autoscale: edge_utilisation must be >= target_utilisation")
         return self
 
 

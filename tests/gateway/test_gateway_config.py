@@ -161,6 +161,20 @@ def test_autoscale_parses_and_an_embedded_pool_cannot_want_more_workers_than_it_
                      "    backends:\n      - {type: upstream, url: 'http://127.0.0.1:9/v1'}\n", environ={})
 
 
+def test_autoscale_edge_reaches_the_policy_and_cannot_sit_under_the_target() -> None:
+    from tidegate.gateway.scaling import autoscale_settings
+
+    pool = ("pools:\n  - name: m\n    autoscale: {max_replicas: 4, target_utilisation: 0.85, %s}\n"
+            "    backends:\n      - {type: upstream, url: 'http://127.0.0.1:9/v1'}\n")
+    autoscale = parse_config(pool % "edge_utilisation: 1.0, edge_hold_s: 120", environ={}).pools[0].autoscale
+    assert autoscale is not None
+    replica = type("Replica", (), {"slot_limit": 8})()
+    settings = autoscale_settings(autoscale, type("Pool", (), {"replicas": [replica]})())
+    assert settings.edge_utilisation == 1.0 and settings.edge_hold_s == 120
+    with pytest.raises(ConfigError, match="edge_utilisation must be >= target_utilisation"):
+        parse_config(pool % "edge_utilisation: 0.8", environ={})
+
+
 def test_autoscale_forecast_configures_the_predictive_layer() -> None:
     from tidegate.gateway.scaling import autoscale_settings, forecaster_for
     from tidegate.policy.forecast import HoltWinters, SeasonalNaive

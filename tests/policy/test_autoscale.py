@@ -316,3 +316,99 @@ def test_a_slow_ramp_scales_out_as_the_fleets_room_runs_out_and_not_sooner_even_
         exact_s, layer = _first_out_on_the_ramp(Autoscaler(replace(SURGE, noise_band_sigmas=0.0), ExactFuture()), seed)
         exact_banded_s, _ = _first_out_on_the_ramp(Autoscaler(SURGE, ExactFuture()), seed)
         assert layer is ScaleLayer.PREDICTIVE and 10 < exact_s <= exact_banded_s <= 45
+
+
+# the latency feedback (`edge_utilisation`): the working day's night of bench/autoscale_sim.py in
+# miniature, one replica of 1,000 tokens/s asked for 920 (0.92 of it: the night's 0.90-0.95)
+EDGE = replace(BAND, target_utilisation=0.85, edge_utilisation=1.0, edge_hold_s=300.0)
+NIGHT_TOKENS_PER_S = 920.0
+
+
+def _noisy_work_with_latency(scaler, start_s: float, end_s: float, mean_tokens_per_s: float, *, ready: int,
+                             seed: int, ttft_ratio, rate: int = 24):
+    """`_noisy_work` with the fleet following each decision and each tick's P99 TTFT over its
+    target from `ttft_ratio(t_s, ready)`. Returns every decision."""
+    rng = np.random.default_rng(seed)
+    decisions = []
+    for t in range(int(start_s), int(end_s)):
+        arrivals = int(rng.poisson(rate))
+        tokens = int(rng.uniform(0.5, 1.5, arrivals).sum() * mean_tokens_per_s / rate)
+        decisions.append(scaler.on_tick(ScaleSignals(float(t), ready, 0, 20, 0, arrivals, arrived_tokens=tokens,
+                                                     ttft_ratio=ttft_ratio(float(t), ready))))
+        ready = decisions[-1].desired
+    return decisions
+
+
+def test_latency_with_margin_lets_one_replica_run_near_its_edge() -> None:
+    for seed in (1, 2):
+        edge = _noisy_work_with_latency(Autoscaler(EDGE), 0, 3600, NIGHT_TOKENS_PER_S, ready=1, seed=seed,
+                                        ttft_ratio=lambda t, ready: 0.5)
+        assert all(d.desired == 1 for d in edge)
+    # the contrast: at the floor (0.85) the same work keeps a second replica
+    floor = _noisy_work_with_latency(Autoscaler(replace(EDGE, edge_utilisation=None)), 0, 3600, NIGHT_TOKENS_PER_S,
+                                     ready=1, seed=1, ttft_ratio=lambda t, ready: 0.5)
+    assert floor[-1].desired == 2
+
+
+def test_a_latency_miss_holds_the_floor_and_its_replica() -> None:
+    # ten seconds at the target 600 s in, a sixth of a window: the pool goes back to the floor,
+    # where 920 tokens/s need a second replica, and keeps it while the latency that replica
+    # restored has margin: taken away, the miss would come back and the count flap
+    decisions = _noisy_work_with_latency(Autoscaler(EDGE), 0, 2400, NIGHT_TOKENS_PER_S, ready=1, seed=3,
+                                         ttft_ratio=lambda t, ready: 1.0 if 600 <= t < 610 else 0.3)
+    desired = [d.desired for d in decisions]
+    assert set(desired[:606]) == {1}
+    out_s = next(t for t in range(600, 2400) if desired[t] == 2)
+    assert out_s <= 600 + EDGE.stable_window_s
+    # back to the edge once the miss is a hold old; then the band's upper bound, 0.97 of the
+    # replica, must stay under it for a scale-down window: 1,257 s here
+    back_s = next(t for t in range(out_s, 2400) if desired[t] == 1)
+    assert 606 + EDGE.edge_hold_s <= back_s
+    assert set(desired[back_s:]) == {1}
+
+
+def test_a_tick_at_the_target_now_and_then_is_no_miss() -> None:
+    # a tick's P99 of a second's two dozen first tokens is their slowest: the night's one replica
+    # met the SLO over each minute while a tick reached it every few minutes
+    decisions = _noisy_work_with_latency(Autoscaler(EDGE), 0, 3600, NIGHT_TOKENS_PER_S, ready=1, seed=7,
+                                         ttft_ratio=lambda t, ready: 1.1 if t % 180 == 0 else 0.3)
+    assert all(d.desired == 1 for d in decisions)
+
+
+def test_a_scale_in_waits_for_latency_margin() -> None:
+    # two replicas, the work falls to one's 0.92: at the edge one would do, but each minute's P99
+    # reaches its target for ten seconds, so the pool stays at the floor, where one does not
+    missing = Autoscaler(EDGE)
+    _noisy_work_with_latency(missing, 0, 300, 1800.0, ready=2, seed=4, ttft_ratio=lambda t, ready: 0.3)
+    held = _noisy_work_with_latency(missing, 300, 1500, NIGHT_TOKENS_PER_S, ready=2, seed=5,
+                                    ttft_ratio=lambda t, ready: 1.1 if t % 60 < 10 else 0.3)
+    assert all(d.desired == 2 for d in held)
+    with_margin = Autoscaler(EDGE)
+    _noisy_work_with_latency(with_margin, 0, 300, 1800.0, ready=2, seed=4, ttft_ratio=lambda t, ready: 0.3)
+    cut = _noisy_work_with_latency(with_margin, 300, 1500, NIGHT_TOKENS_PER_S, ready=2, seed=5,
+                                   ttft_ratio=lambda t, ready: 0.3)
+    assert cut[-1].desired == 1
+
+
+def test_one_replica_near_its_edge_does_not_panic() -> None:
+    # at one replica a rounded-up count of 2 is any demand over one replica's; the demand itself
+    # must reach twice the ready replicas' (at one replica a 6 s window over 1.0 is noise, not 2x)
+    decisions = _noisy_work_with_latency(Autoscaler(EDGE), 0, 3600, 960.0, ready=1, seed=6,
+                                         ttft_ratio=lambda t, ready: 0.5)
+    assert not any(d.layer is ScaleLayer.PANIC for d in decisions)
+    surge = _noisy_work_with_latency(Autoscaler(EDGE), 0, 66, 2300.0, ready=1, seed=6,
+                                     ttft_ratio=lambda t, ready: 0.5)
+    assert any(d.layer is ScaleLayer.PANIC for d in surge)
+
+
+def test_a_rise_in_work_is_met_at_the_floor() -> None:
+    # the surge's ramp: at the edge the 2 replicas hold 47.8 requests/s, which the ramp passes
+    # 178 s in, and the latency misses only once the fleet is short, a cold start before the
+    # replica that restores it (the bench's surge at the edge alone: P99 3,230 ms). The ramp is
+    # seen rising against the window 300 s before, and the pool scales out at the floor, as soon
+    # as without the edge
+    edge = replace(SURGE, edge_utilisation=1.0)
+    for seed in (1, 2, 3):
+        at_floor_s, _ = _first_out_on_the_ramp(Autoscaler(SURGE), seed)
+        with_edge_s, layer = _first_out_on_the_ramp(Autoscaler(edge), seed)
+        assert layer is ScaleLayer.REACTIVE and with_edge_s <= at_floor_s

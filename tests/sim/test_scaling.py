@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 from tidegate.policy.autoscale import AutoscaleSettings, Autoscaler, FixedFleet
@@ -104,3 +105,33 @@ def test_the_simulated_pool_measures_a_replicas_throughput_while_saturated() -> 
                           for slots in (CEILING, CEILING + HEADROOM))
     assert scaler.replica_tokens_per_s is not None
     assert 0.95 * at_slots <= scaler.replica_tokens_per_s <= 1.05 * at_batch
+
+
+class _Recorder:
+    """A fixed fleet that keeps every tick's signals."""
+
+    def __init__(self, replicas: int) -> None:
+        self.fleet, self.signals = FixedFleet(replicas), []
+
+    def on_tick(self, signals):
+        self.signals.append(signals)
+        return self.fleet.on_tick(signals)
+
+
+def test_each_tick_reports_the_p99_ttft_of_its_first_tokens_against_the_target() -> None:
+    # one replica under 3x its load: the queue grows, and so does each tick's P99 TTFT
+    requests = mixed(3.0 * capacity_rps(1), 60.0, (("a", "standard", 1.0),), seed=5)
+    harness = Harness([replica_spec("r0")], controller(["r0"], default_tiers()))
+    recorder = _Recorder(1)
+    ScalingLoop(harness, recorder, period_s=1.0, ttft_targets_s={"standard": 0.5}).install(60.0, 1)
+    result = harness.run(requests)
+    ratios = [s.ttft_ratio for s in recorder.signals]
+    # the tick ending at 30 s: the first tokens of (29, 30]
+    ttfts = sorted(r.ttft_s for r in result.records if r.first_token_s is not None and 29 < r.first_token_s <= 30)
+    assert ttfts and ratios[30] == ttfts[math.ceil(0.99 * len(ttfts)) - 1] / 0.5
+    assert ratios[55] > ratios[5]  # the queue behind one replica grows
+    # without targets nothing is reported, as before
+    plain, bare = _Recorder(1), Harness([replica_spec("r0")], controller(["r0"], default_tiers()))
+    ScalingLoop(bare, plain, period_s=1.0).install(60.0, 1)
+    bare.run(requests)
+    assert len(plain.signals) == 61 and all(s.ttft_ratio is None for s in plain.signals)

@@ -55,7 +55,8 @@ def autoscale_settings(config: AutoscaleConfig, pool: ModelPool, work_counted: b
                              panic_window_s=config.panic_window_s, scale_up_step=config.scale_up_step,
                              scale_down_window_s=config.scale_down_window_s, queue_trigger=config.queue_trigger,
                              latency_trigger=config.latency_trigger, replica_tokens_per_s=work,
-                             noise_band_sigmas=config.noise_band_sigmas, measure_throughput=work_counted, **ahead)
+                             noise_band_sigmas=config.noise_band_sigmas, measure_throughput=work_counted,
+                             edge_utilisation=config.edge_utilisation, edge_hold_s=config.edge_hold_s, **ahead)
 
 
 def forecaster_for(config: AutoscaleConfig) -> Forecaster | None:

@@ -235,6 +235,7 @@ class Harness:
         self.arrived_tokens = 0  # their prompt + output tokens: the work asked for (`policy.autoscale`)
         self.refused = 0  # requests refused by the dispatcher so far
         self.served_tokens = 0  # prompt + output tokens of the requests answered so far (`policy.throughput`)
+        self.first_tokens: list[tuple[str, float]] = []  # (tier, TTFT s) of each first token, in order
         self.starting: set[str] = set()  # replicas requested and not ready yet
         self.draining: set[str] = set()  # replicas taking no new request, stopped once empty
         self.warming: set[str] = set()  # replicas loading to be standbys
@@ -322,6 +323,7 @@ class Harness:
     # ReplicaListener: a replica reports; the dispatcher hears it, then may fill the freed slot
     def on_first_token(self, now_s: float, replica_id: str, request_id: int) -> None:
         self._update(request_id, first_token_s=now_s)
+        self.first_tokens.append((self._records[request_id].tier, now_s - self._records[request_id].arrival_s))
         self.dispatcher.on_first_token(now_s, request_id)
         self._need_capacity()  # a prefill done frees work budget (`policy.pool`, rule 3)
 

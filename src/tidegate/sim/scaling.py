@@ -12,7 +12,8 @@ replica-seconds paid (a replica costs from its request to its stop; a standby al
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from tidegate.policy.autoscale import ScaleLayer, ScalePolicy, ScaleSignals
@@ -36,9 +37,14 @@ class ScaleEvent:
 
 class ScalingLoop:
     def __init__(self, harness: Harness, autoscaler: ScalePolicy, *, period_s: float = 1.0, standby: int = 0,
-                 promote_s: float = 2.0) -> None:
+                 promote_s: float = 2.0, ttft_targets_s: Mapping[str, float] | None = None) -> None:
+        """`ttft_targets_s`: tier -> the P99 TTFT the pool is held to; given, each tick reports the
+        worst tier's P99 TTFT of the first tokens since the previous tick over its target
+        (`ScaleSignals.ttft_ratio`, as the gateway does against its tiers' targets)."""
         if period_s <= 0 or standby < 0 or promote_s < 0:
             raise ValueError("period_s must be > 0, standby and promote_s >= 0")
+        self.ttft_targets_s = dict(ttft_targets_s or {})
+        self._first_tokens_read = 0
         self.standby = standby  # warm standbys kept (`policy.fleet`)
         self.promote_s = promote_s  # a promoted standby serves this long after the decision
         self.harness = harness
@@ -92,7 +98,7 @@ class ScalingLoop:
         signals = ScaleSignals(now_s, ready=len(up), starting=len(h.starting), in_flight=in_flight, queued=h.queued,
                                arrivals=h.arrived - self._arrived, refused=h.refused - self._refused,
                                arrived_tokens=h.arrived_tokens - self._arrived_tokens,
-                               served_tokens=h.served_tokens - self._served_tokens)
+                               served_tokens=h.served_tokens - self._served_tokens, ttft_ratio=self._ttft_ratio())
         self._arrived, self._refused, self._arrived_tokens = h.arrived, h.refused, h.arrived_tokens
         self._served_tokens = h.served_tokens
         decision = self.autoscaler.on_tick(signals)
@@ -112,6 +118,22 @@ class ScalingLoop:
                 h.keep_drained(replica_id)
         self.events.append(ScaleEvent(now_s, len(self.up()), len(h.starting), len(h.draining), decision.desired,
                                       decision.layer, decision.reason, len(h.standby) + len(h.warming)))
+
+    def _ttft_ratio(self) -> float | None:
+        """The worst tier's P99 TTFT since the previous tick over its target; None without a first
+        token of a tier with a target (changes state: the next tick reads from here)."""
+        h = self.harness
+        by_tier: dict[str, list[float]] = {}
+        for tier, ttft_s in h.first_tokens[self._first_tokens_read:]:
+            if tier in self.ttft_targets_s:
+                by_tier.setdefault(tier, []).append(ttft_s)
+        self._first_tokens_read = len(h.first_tokens)
+        worst: float | None = None
+        for tier, ttfts in by_tier.items():
+            ttfts.sort()
+            ratio = ttfts[math.ceil(0.99 * len(ttfts)) - 1] / self.ttft_targets_s[tier]
+            worst = ratio if worst is None else max(worst, ratio)
+        return worst
 
 
 def oscillations(events: Sequence[ScaleEvent], window_s: float) -> int:
