@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import re
-import subprocess
 import sys
 import time
 
+from stage_instructions import print_stages  # noqa: E402
 from tidegate.config import parse_config  # noqa: E402
 from tidegate.gateway.app import Gateway  # noqa: E402
 from tidegate.types import ReplicaHealth  # noqa: E402
@@ -74,23 +73,6 @@ async def run(requests: int, upto: str) -> float:
     return time.process_time() - started
 
 
-def _instructions(requests: int, upto: str) -> int:
-    argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__,
-            "--requests", str(requests), "--rounds", "1", "--upto", upto]
-    output = subprocess.run(argv, capture_output=True, text=True, check=True).stderr
-    return int(re.search(r"I\s+refs:\s+([\d,]+)", output).group(1).replace(",", ""))
-
-
-def instructions_main(small: int, large: int, stages: list[str]) -> int:
-    print(f"instructions a request, callgrind, ({large} requests - {small}) / {large - small}; stages cumulative:")
-    previous = 0.0
-    for stage in stages:
-        per_request = (_instructions(large, stage) - _instructions(small, stage)) / (large - small)
-        print(f"  up to {stage:<14} {per_request:9,.0f}   this stage {per_request - previous:+9,.0f}")
-        previous = per_request
-    return 0
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20000)
@@ -100,7 +82,7 @@ def main() -> int:
     parser.add_argument("--stages", nargs="+", choices=STAGES, help="--instructions: only up to these stages")
     args = parser.parse_args()
     if args.instructions:
-        return instructions_main(2000, 6000, args.stages or list(STAGES))
+        return print_stages(__file__, args.stages or list(STAGES))
     seconds = min(asyncio.run(run(args.requests, args.upto)) for _ in range(args.rounds))
     print(f"{args.requests} requests up to {args.upto}, best of {args.rounds}: "
           f"{seconds / args.requests * 1e6:.2f} us a request")

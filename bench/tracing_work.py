@@ -17,8 +17,6 @@ of the stages so far, exact and unmoved by other load on the machine (CPU time i
 from __future__ import annotations
 
 import argparse
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from prometheus_client import CollectorRegistry  # noqa: E402
 
+from stage_instructions import print_stages  # noqa: E402
 from tidegate.gateway.trace_export import OtlpHttpExporter  # noqa: E402
 from tidegate.gateway.tracing import CURRENT_TRACE, Tracing, TracingSettings  # noqa: E402
 from tidegate.gateway.validation import Endpoint  # noqa: E402
@@ -108,24 +107,6 @@ def run(requests: int, upto: str = "encode") -> tuple[float, float, int]:
     return request_path_s, encoding_s, spans
 
 
-def _instructions(requests: int, upto: str) -> int:
-    """Instructions callgrind counts for a whole run of `requests` requests up to stage `upto`."""
-    argv = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null", sys.executable, __file__,
-            "--requests", str(requests), "--rounds", "1", "--upto", upto]
-    output = subprocess.run(argv, capture_output=True, text=True, check=True).stderr
-    return int(re.search(r"I\s+refs:\s+([\d,]+)", output).group(1).replace(",", ""))
-
-
-def instructions_main(small: int = 2000, large: int = 6000) -> int:
-    print(f"instructions a request, callgrind, ({large} requests - {small}) / {large - small}; stages cumulative:")
-    previous = 0.0
-    for stage in STAGES:
-        per_request = (_instructions(large, stage) - _instructions(small, stage)) / (large - small)
-        print(f"  up to {stage:<14} {per_request:9,.0f}   this stage {per_request - previous:+9,.0f}")
-        previous = per_request
-    return 0
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=20000)
@@ -134,7 +115,7 @@ def main() -> int:
     parser.add_argument("--instructions", action="store_true", help="instructions a request by stage (valgrind)")
     args = parser.parse_args()
     if args.instructions:
-        return instructions_main()
+        return print_stages(__file__, list(STAGES))
     if args.upto != "encode":
         run(args.requests, args.upto)
         return 0
