@@ -214,3 +214,16 @@ def test_batches_take_whole_requests_up_to_the_batch_size(tracing) -> None:
     assert exported == [8, 8] and exporter._pending_spans == 4
     asyncio.run(exporter.flush())
     assert exported == [8, 8, 4] and exporter._pending_spans == 0
+
+
+@pytest.mark.parametrize("body", [
+    b'{"choices":[],"usage":{"prompt_tokens":12,"completion_tokens":16,"total_tokens":28}}',
+    b'{"choices": [],\n "usage": {\n  "completion_tokens" : 16,\n  "prompt_tokens" : 12\n }\n}'])
+def test_a_whole_answer_without_overload_control_gives_its_token_counts(tracing, body) -> None:
+    tracer, _ = tracing
+    trace = tracer.start(_request(), Endpoint.CHAT, b"req", 1.0)
+    trace.answered(body)
+    assert (trace.input_tokens, trace.output_tokens) == (12, 16)
+    trace.answered(b'{"choices":[]}')  # no usage: nothing read
+    assert (trace.input_tokens, trace.output_tokens) == (None, None)
+    trace.end("m", 200, None, None)  # lets the request's context go

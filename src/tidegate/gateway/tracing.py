@@ -430,7 +430,7 @@ def _usage_count(body: bytes, name: bytes) -> int | None:
     if at < 0:
         return None
     at += len(name)
-    digits = body[at:at + 24].split(b",", 1)[0].split(b"}", 1)[0].lstrip(b" \t\r\n:")
+    digits = body[at:at + 24].split(b",", 1)[0].split(b"}", 1)[0].strip(b" \t\r\n:")
     return int(digits) if digits.isdigit() else None
 
 
