@@ -203,9 +203,11 @@ def measure(name: str, overload: bool, args: argparse.Namespace, workdir: str, m
 def _print_profile(name: str, path: str, requests: int, top: int) -> None:
     stats = pstats.Stats(path)
     rows = []
-    for (filename, line, function), (_, calls, own_s, cumulative_s, _) in stats.stats.items():  # type: ignore[attr-defined]
+    functions = stats.stats.items()  # type: ignore[attr-defined]
+    for (filename, line, function), (_, calls, own_s, cumulative_s, _) in functions:
         where = filename.split("/src/")[-1] if "/src/" in filename else os.path.basename(filename)
-        rows.append((calls / requests, own_s / requests * 1e6, cumulative_s / requests * 1e6, f"{where}:{line} {function}"))
+        rows.append((calls / requests, own_s / requests * 1e6, cumulative_s / requests * 1e6,
+                     f"{where}:{line} {function}"))
     total_us = sum(row[1] for row in rows)
     print(f"\n{name}: {len(rows)} functions, {total_us:.1f} us a request of own time under the profiler")
     print("  by calls a request:            calls    own us   cum us")

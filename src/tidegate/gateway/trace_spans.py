@@ -224,7 +224,8 @@ class TraceEncoder:
             root += first_token
         if trace.error:  # Status: 2 message, 3 code (2 = ERROR)
             size = len(trace.error.encode())
-            root += (b"\x7a" + varint(1 + len(varint(size)) + size + 2) + b"\x12" + varint(size), f"{size}s", b"\x18\x02")
+            status_size = 1 + len(varint(size)) + size + 2
+            root += (b"\x7a" + varint(status_size) + b"\x12" + varint(size), f"{size}s", b"\x18\x02")
         root.append(_REMOTE_FLAGS if trace.parent_id else _LOCAL_FLAGS)
         spans = [root]
 

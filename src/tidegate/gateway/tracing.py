@@ -48,7 +48,8 @@ if TYPE_CHECKING:
     from tidegate.policy.identity import Identity
 
 __all__ = ["CURRENT_TRACE", "Tracing", "TracingSettings", "SpanSink", "RequestTrace", "PassThrough", "start_trace",
-           "root_key", "ROOT_SPAN", "ADMISSION_SPAN", "QUEUE_SPAN", "root_attributes", "root_own_attributes", "admission_key", "admission_decided_ns", "attempt_end",
+           "root_key", "ROOT_SPAN", "ADMISSION_SPAN", "QUEUE_SPAN", "root_attributes", "root_own_attributes",
+           "admission_key", "admission_decided_ns", "attempt_end",
            "admission_attributes", "queue_attributes", "attempt_attributes"]
 
 # the trace of the request the running task serves; None when it has none. Read only from the
@@ -323,7 +324,8 @@ class RequestTrace:
                             remote_parent=self.parent_id != 0, attributes_key=key, request_attributes=own)]
         if self.tenant is not None:
             key = admission_key(self)
-            spans.append(SpanRecord("tidegate.admission", trace_id, self.span_id(ADMISSION_SPAN), root_id, SpanKind.INTERNAL,
+            spans.append(SpanRecord("tidegate.admission", trace_id, self.span_id(ADMISSION_SPAN), root_id,
+                                    SpanKind.INTERNAL,
                                     start_ns, ns(admission_decided_ns(self)),
                                     tracing.attribute_set(key, admission_attributes), tracestate=state,
                                     attributes_key=key))
