@@ -268,8 +268,8 @@ class RequestTrace:
             self.verdict = _refusal_verdict(error, status, self.rung)
 
     def settle(self) -> None:
-        """The facts the spans need, read off the ticket and usage (which are let go), and the ids of
-        the spans no upstream has heard of. Done once, when the spans are built, off the request's way."""
+        """The facts the spans need, read off the ticket and usage (which are let go). Done once, when
+        the spans are built, off the request's way."""
         if self.settled:
             return
         self.settled = True
