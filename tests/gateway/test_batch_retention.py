@@ -32,7 +32,9 @@ def _gone(fetch, timeout_s: float = 15.0) -> bool:
 
 
 def test_a_finished_batch_and_its_files_expire_and_leave_no_keys(gateway_factory, redis_url: str) -> None:
-    api = client(gateway_factory(key_prefix="ret:", **SHORT))
+    # kept 3 s, not 1: the test must see the batch completed before it expires, and on two loaded
+    # cores one status poll has taken over a second
+    api = client(gateway_factory(key_prefix="ret:", **{**SHORT, "retention_s": 3.0}))
     unused = api.files.create(file=("unused.jsonl", jsonl(1)), purpose="batch")
     uploaded = api.files.create(file=("in.jsonl", jsonl(3)), purpose="batch")
     batch = wait_final(api, api.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
