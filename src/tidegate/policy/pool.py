@@ -613,7 +613,9 @@ class PoolController:
     def on_prompt_usage(self, prompt_chars: int, prompt_tokens: int) -> None:
         """An engine's usage said a prompt of about `prompt_chars` characters (as `policy.prefix`
         joins its parts) was `prompt_tokens` tokens. The prefix indexes count characters and the
-        engines' caches tokens: once the ratio moves by over a tenth, every index is sized again."""
+        engines' caches tokens: once the ratio moves by over a tenth, every index is sized again
+        (`test_the_index_counts_the_engines_tokens_in_the_characters_their_usage_reports`; the sizing
+        itself: `sim.scenarios.prefix_index_sizing`, which an index sized by its default fails)."""
         ratio = self._chars_per_token
         ratio.observe(prompt_chars, prompt_tokens)
         if abs(ratio.value() - self._indexes_chars_per_token) > 0.1 * self._indexes_chars_per_token:
