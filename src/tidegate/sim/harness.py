@@ -60,6 +60,9 @@ class ClosedLoopClients:
     prefix_tokens: int = 0
     # how often each prefix is drawn, relative (`prefixes` of them); empty: uniformly
     prefix_weights: tuple[float, ...] = ()
+    # the prefix of each request the clients send, in the order they send them, drawn from none:
+    # a fixed work list the clients share, as bench/prefix_cache.py's are; they stop at its end
+    prefix_order: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +230,7 @@ class Harness:
         self._clients: ClosedLoopClients | None = None
         self._client_rngs: list[np.random.Generator] = []
         self._client_of: dict[int, int] = {}  # a client's request in flight -> the client's index
+        self._listed = 0  # requests sent so far from the clients' `prefix_order`
         self._next_id = 0
         self._probes: list[Probe] = []
         self._queued = 0  # arrived - sent to a replica - refused: the dispatcher's queue
@@ -257,6 +261,7 @@ class Harness:
             self.loop.call_at(probe_s, self._probe)
         if clients is not None:
             self._clients = clients
+            self._listed = 0
             self._client_rngs = [np.random.default_rng([clients.seed, index]) for index in range(clients.clients)]
             self._next_id = max(self._requests, default=-1) + 1
             for index in range(clients.clients):
@@ -285,9 +290,15 @@ class Harness:
             return
         traffic = clients.traffic
         if again is None:
+            if clients.prefix_order and self._listed >= len(clients.prefix_order):
+                return  # the shared work list is used up
             rng = self._client_rngs[client]
             prompt, output = int(traffic.prompt_tokens.sample(rng, 1)[0]), int(traffic.output_tokens.sample(rng, 1)[0])
-            shared = _drawn_prefix(clients, rng)
+            if clients.prefix_order:
+                shared: int | None = clients.prefix_order[self._listed]
+                self._listed += 1
+            else:
+                shared = _drawn_prefix(clients, rng)
             if shared is None:
                 fields = _shared_prefix(traffic, 0)
             else:  # one of the clients' prefixes, before the class's own prompt
