@@ -1,12 +1,14 @@
 """bench/prefix_cache.py's warm-up and measured run in the simulator: how its workers split.
 
-    python bench/prefix_placement.py [--seeds 40]
+    python bench/prefix_placement.py [--seeds 40] [--requests 64] [--factors 1.0,1.25,1.5]
 
 Replays the bench's own tenant lists (seed 0) and lists drawn the same way from other seeds on the
 modelled embedded engines (`sim.prefix_bench`), both workers at the same speed and one 1.25x and
 1.5x slower (live, one engine shares its core with the gateway). Prints, per speed, the bench's own
 lists' split (requests and busy fraction per worker, tenants per worker) and, over all seeds, the
-requests-per-worker imbalance (the bench's bar: <= 1.5x) and the busy-fraction imbalance beside it.
+requests-per-worker imbalance (the bench's bar: <= 1.5x) and the busy-fraction imbalance beside it;
+first, what chance alone gives: the share of the even ways to place the tenants (4 on each worker)
+whose measured-run volumes split the requests over 1.5x.
 Deterministic: virtual time, seeded lists.
 """
 
@@ -16,16 +18,21 @@ import argparse
 
 import numpy as np
 
-from tidegate.sim.prefix_bench import bench_orders, bench_split
+from tidegate.sim.prefix_bench import bench_orders, bench_split, even_halvings_over
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seeds", type=int, default=40, help="lists: the bench's own and seeds-1 others")
     parser.add_argument("--factors", default="1.0,1.25,1.5", help="how much slower the first worker is")
+    parser.add_argument("--requests", type=int, default=64, help="the measured run's requests (the bench's --requests)")
     args = parser.parse_args()
+    chance = [even_halvings_over(bench_orders(seed, args.requests)[1]) for seed in range(args.seeds)]
+    print(f"tenants 4 / 4 in every way, their volumes in the measured run alone split the requests over 1.5x in "
+          f"{chance[0]:.0%} of the ways for the bench's own list, {np.mean(chance):.0%} as a mean over "
+          f"{args.seeds} lists")
     for factor in (float(f) for f in args.factors.split(",")):
-        splits = [bench_split(*bench_orders(seed), slow_factor=factor) for seed in range(args.seeds)]
+        splits = [bench_split(*bench_orders(seed, args.requests), slow_factor=factor) for seed in range(args.seeds)]
         own = splits[0]
         homes = [int(np.argmax(t)) for t in own.tenants]
         print(f"worker r0 {factor:.2f}x slower; the bench's lists: per worker {list(own.requests)} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from itertools import combinations
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -26,7 +27,7 @@ from tidegate.sim.profile import load_profile
 from tidegate.sim.scenarios import (PREFIX_CLIENT_KV_TOKENS, PREFIX_CLIENT_PROFILE, PREFIX_CLIENT_TENANTS,
                                     SYSTEM_PROMPT_TOKENS, controller)
 
-__all__ = ["BENCH_WARM_ORDER", "BENCH_RUN_ORDER", "BenchSplit", "bench_orders", "bench_split"]
+__all__ = ["BENCH_WARM_ORDER", "BENCH_RUN_ORDER", "BenchSplit", "bench_orders", "bench_split", "even_halvings_over"]
 
 WARM_REQUESTS, WARM_CLIENTS = 16, 2  # bench/prefix_cache.py's warm-up
 RUN_REQUESTS, RUN_CLIENTS = 64, 4  # and its measured run
@@ -56,12 +57,13 @@ class BenchSplit:
         return max(self.busy) / max(1e-9, min(self.busy))
 
 
-def bench_orders(seed: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Seed 0: the bench's own lists; others: lists drawn as the bench draws them, from other seeds."""
-    if seed == 0:
-        return BENCH_WARM_ORDER, BENCH_RUN_ORDER
+def bench_orders(seed: int, run_requests: int = RUN_REQUESTS) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Seed 0: the bench's own lists (`bench/prefix_cache.py --requests run_requests`); others: lists
+    drawn as the bench draws them, from other seeds."""
     draw = lambda n, s: tuple(random.Random(s).choices(range(PREFIX_CLIENT_TENANTS), k=n))  # noqa: E731
-    return draw(WARM_REQUESTS, 1000 + seed), draw(RUN_REQUESTS, 2000 + seed)
+    if seed == 0:
+        return BENCH_WARM_ORDER, draw(run_requests, run_requests)
+    return draw(WARM_REQUESTS, 1000 + seed), draw(run_requests, 2000 + seed)
 
 
 def bench_split(warm_order: tuple[int, ...], run_order: tuple[int, ...], slow_factor: float = 1.0,
@@ -95,3 +97,18 @@ def bench_split(warm_order: tuple[int, ...], run_order: tuple[int, ...], slow_fa
         sum(c.prefix_hit_tokens for c in caches) / max(1, sum(c.prefix_queried_tokens for c in caches)),
         run.prefix_moves,
         tuple(tuple(placed[t][i] for i in ids) for t in range(PREFIX_CLIENT_TENANTS)))
+
+
+def even_halvings_over(run_order: tuple[int, ...], bar: float = 1.5) -> float:
+    """The share of the ways to put half the tenants on each worker that split `run_order`'s requests
+    over `bar` x: what the tenants' volumes alone give a placement that is as even as it can be
+    before it knows them (tenants that stay where their prompts are cached)."""
+    volumes = Counter(run_order)
+    tenants = range(PREFIX_CLIENT_TENANTS)
+    over = total = 0
+    for half in combinations(tenants, PREFIX_CLIENT_TENANTS // 2):
+        first = sum(volumes[t] for t in half)
+        second = len(run_order) - first
+        total += 1
+        over += max(first, second) > bar * max(1, min(first, second))
+    return over / total
