@@ -60,8 +60,8 @@ class ClosedLoopClients:
     prefix_tokens: int = 0
     # how often each prefix is drawn, relative (`prefixes` of them); empty: uniformly
     prefix_weights: tuple[float, ...] = ()
-    # the prefix of each request the clients send, in the order they send them, drawn from none:
-    # a fixed work list the clients share, as bench/prefix_cache.py's are; they stop at its end
+    # the prefix of each request the clients send, in the order they send them, instead of drawing
+    # it: a fixed work list the clients share, as bench/prefix_cache.py's do; they stop at its end
     prefix_order: tuple[int, ...] = ()
 
 

@@ -44,7 +44,7 @@ class BenchSplit:
     requests: tuple[int, ...]  # measured run's requests served per worker
     busy: tuple[float, ...]  # each worker's busy fraction over the measured run
     cached: float  # share of looked-up prompt tokens found cached (warm-up and run)
-    moves: int  # prefixes the controller moved between workers
+    moves: int  # prefixes the controller moved between workers (warm-up and run)
     # per tenant, requests per worker over warm-up and run, workers in order
     tenants: tuple[tuple[int, ...], ...]
 
