@@ -1,6 +1,6 @@
 """Engine prefix caching and prefix-aware routing, live: 2 embedded workers, 8 tenants with long system prompts.
 
-    python bench/prefix_cache.py [--requests 64] [--clients 4]
+    python bench/prefix_cache.py [--requests 256] [--clients 4]
 
 Each of 8 tenants has its own ~1,000-token system prompt; every request is that prompt plus a short,
 distinct user turn (16 tokens out, streamed). The same closed-loop load runs against `tidegate
@@ -24,6 +24,13 @@ worker's own /metrics), the workers' busy fraction and prefix-cache hit rate (hi
 prompt tokens), how many tenants were served by both workers (from the gateway's access log), and
 the bars: P50 TTFT with both on <= 0.3x both off and <= 0.6x cache alone; load imbalance between
 workers <= 1.5x, in requests served, with the ratio of their busy fractions printed beside it.
+Each set-up is warmed with 16 requests from 2 clients, then measures 256 requests from 4 clients (a
+set-up's run stops at 10 minutes; the line says so if one was cut short). 256 because with prefix
+affinity each tenant stays where its prompt is cached, so the split is the tenants' volumes over the
+run: at 64 requests (3 to 11 a tenant) chance alone puts 8 of the 70 ways to place 4 tenants on each
+worker over 1.5x (12 % as a mean over 40 lists drawn the same way), at 128 3 %, at 256 none
+(`sim.prefix_bench`, `bench/prefix_placement.py`): a shorter run cannot judge a 1.5x balance. The
+whole bench takes about N minutes on a quiet machine; the last line prints its time.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from pathlib import Path
 import aiohttp
 
 from gateway_overhead import free_port, wait_ok  # bench/ is the script's directory
+from tidegate.sim.prefix_bench import RUN_CLIENTS, RUN_REQUESTS, WARM_CLIENTS, WARM_REQUESTS
 
 WORDS = ("policy shipping refund warranty account invoice delivery order parcel courier address payment card "
          "return exchange size colour stock store opening hours contact email phone support ticket priority "
@@ -56,6 +64,7 @@ SETUPS: dict[str, tuple[list[str], bool | None]] = {
     "cache, no affinity": ([], False),
 }
 DEFAULT_KV_CACHE_TOKENS = 5120
+RUN_LIMIT_S = 600  # a set-up's measured run stops here, so the whole bench is bounded
 
 
 def system_prompt(tenant: int, words: int = 130) -> str:  # ~1,000 tokens of tiny-random-llama
@@ -131,7 +140,8 @@ async def worker_counts(session: aiohttp.ClientSession, ports: list[int]) -> lis
 
 
 async def load(port: int, requests: int, clients: int, tag: str) -> tuple[list[float], int]:
-    """TTFTs of the answered requests, and how many the gateway refused (503: overload control)."""
+    """TTFTs of the answered requests, and how many the gateway refused (503: overload control); the
+    clients stop at RUN_LIMIT_S. The tenants' list is the one `sim.prefix_bench` replays."""
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     prompts = [system_prompt(tenant) for tenant in range(8)]
     # tenants in a random (seeded) order, as independent users arrive: a fixed rotation would let
@@ -140,7 +150,7 @@ async def load(port: int, requests: int, clients: int, tag: str) -> tuple[list[f
     work = iter(range(requests))
     ttfts: list[float] = []
     refused = 0
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + RUN_LIMIT_S
 
     async def client(session: aiohttp.ClientSession) -> None:
         nonlocal refused
@@ -182,7 +192,7 @@ async def run_setup(workdir: Path, name: str, requests: int, clients: int, kv_ca
     try:
         async with aiohttp.ClientSession() as session:
             ports = await worker_ports(session, port)
-        await load(port, 16, 2, "warm")  # warm-up (each engine's first steps are slow)
+        await load(port, WARM_REQUESTS, WARM_CLIENTS, "warm")  # each engine's first steps are slow
         async with aiohttp.ClientSession() as session:
             before = await worker_counts(session, ports)
         started = time.monotonic()
@@ -206,7 +216,9 @@ async def run_setup(workdir: Path, name: str, requests: int, clients: int, kv_ca
     result = {"p50": percentile(ttfts, 0.5), "p99": percentile(ttfts, 0.99), "imbalance": imbalance,
               "busy_imbalance": busy_imbalance}
     print(f"{name:>17}: TTFT p50 {result['p50'] * 1e3:7.0f} ms  p99 {result['p99'] * 1e3:7.0f} ms | "
-          f"{len(ttfts)} served, {refused} refused, in {seconds:5.1f} s | per worker {[int(s) for s in served]} "
+          f"{len(ttfts)} served, {refused} refused, in {seconds:5.1f} s"
+          + (f" (CUT SHORT at {RUN_LIMIT_S} s: {requests - len(ttfts) - refused} not sent)"
+             if len(ttfts) + refused < requests else "") + f" | per worker {[int(s) for s in served]} "
           f"(imbalance {imbalance:.2f}x) | busy {[f'{b:.0%}' for b in busy]} ({busy_imbalance:.2f}x) | "
           f"prefix hits {hits / queried if queried else 0:.0%} of {int(queried)} prompt tokens"
           + (f" | gateway's prefix index per worker: {index} characters" if index else ""))
@@ -221,17 +233,20 @@ async def run_setup(workdir: Path, name: str, requests: int, clients: int, kv_ca
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--requests", type=int, default=RUN_REQUESTS,
+                        help="measured per set-up (fewer cannot judge the 1.5x balance: see above)")
+    parser.add_argument("--clients", type=int, default=RUN_CLIENTS)
     parser.add_argument("--setups", default=";".join(SETUPS), help="which set-ups, separated by ';'")
     parser.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_CACHE_TOKENS,
                         help="each worker's KV cache (the engine's own default: 32768)")
     args = parser.parse_args()
     print(f"KV cache per worker: {args.kv_cache_tokens} tokens (one tenant's prompt: "
           f"~{len(system_prompt(0)) + 60} tokens)")
+    bench_started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         results = {name: await run_setup(Path(tmp), name, args.requests, args.clients, args.kv_cache_tokens)
                    for name in args.setups.split(";")}
+    print(f"{args.requests} requests a set-up, {len(results)} set-ups, in {time.monotonic() - bench_started:.0f} s")
     if not {"off", "cache", "cache + affinity"} <= results.keys():
         return
     both, off, cache = results["cache + affinity"]["p50"], results["off"]["p50"], results["cache"]["p50"]

@@ -1,12 +1,14 @@
 """bench/prefix_cache.py's own request lists in the simulator: why its workers split unevenly.
 
-The live bench warms each set-up with 16 requests from 2 closed-loop clients, then measures 64
-from 4, every request's tenant fixed by a seeded list the clients share (`random.Random(16)`,
-`random.Random(64)`). With prefix-aware routing a tenant stays where its prompt is cached, so the
-warm-up decides which worker each tenant starts on, and the measured run's tenant volumes (3 to
-11 requests each) fall on that split. `bench_split` replays one such pair of lists on the modelled
-embedded engines, one of them optionally slower (live, one engine shares its core with the
-gateway), and reports what the bench prints: requests and busy fraction per worker over the
+The live bench warms each set-up with 16 requests from 2 closed-loop clients, then measures 256
+(its default `--requests`; 64 before) from 4, every request's tenant fixed by a seeded list the
+clients share (`random.Random(16)`, `random.Random(requests)`). With prefix-aware routing a tenant
+stays where its prompt is cached, so the warm-up decides which worker each tenant starts on, and
+the measured run's tenant volumes fall on that split: at 64 requests 3 to 11 a tenant, enough for
+chance alone to split 8 of the 70 even tenant placements over the bench's 1.5x bar
+(`even_halvings_over`); at 256, 27 to 38, none. `bench_split` replays one such pair of lists on
+the modelled embedded engines, one of them optionally slower (live, one engine shares its core with
+the gateway), and reports what the bench prints: requests and busy fraction per worker over the
 measured run, the share of looked-up prompt tokens cached, and how each tenant was placed.
 `bench/prefix_placement.py` runs it over the bench's lists and many seeded ones.
 """
@@ -30,7 +32,7 @@ from tidegate.sim.scenarios import (PREFIX_CLIENT_KV_TOKENS, PREFIX_CLIENT_PROFI
 __all__ = ["BENCH_WARM_ORDER", "BENCH_RUN_ORDER", "BenchSplit", "bench_orders", "bench_split", "even_halvings_over"]
 
 WARM_REQUESTS, WARM_CLIENTS = 16, 2  # bench/prefix_cache.py's warm-up
-RUN_REQUESTS, RUN_CLIENTS = 64, 4  # and its measured run
+RUN_REQUESTS, RUN_CLIENTS = 256, 4  # and its measured run (its `--requests` default)
 # the bench's lists: `random.Random(requests).choices(range(8), k=requests)`, as its `load` draws them
 BENCH_WARM_ORDER = tuple(random.Random(WARM_REQUESTS).choices(range(PREFIX_CLIENT_TENANTS), k=WARM_REQUESTS))
 BENCH_RUN_ORDER = tuple(random.Random(RUN_REQUESTS).choices(range(PREFIX_CLIENT_TENANTS), k=RUN_REQUESTS))
