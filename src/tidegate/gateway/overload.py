@@ -23,11 +23,11 @@ from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.policy.admission import LimitKind
 from tidegate.policy.degradation import DEGRADATION_HEADER, DegradationDecision, Rung
 from tidegate.policy.identity import Identity
-from tidegate.policy.overload import ArrivalOutcome, OverloadControl, RequestFacts, ShedNotice
+from tidegate.policy.overload import ArrivalOutcome, OverloadControl, ShedNotice
 from tidegate.policy.pool import REFUSED_NO_REPLICA, PoolController
 from tidegate.policy.prefix import BLOCK_CHARS, BLOCK_TOKENS, MAX_BLOCKS, prefix_blocks
 from tidegate.policy.slot_split import OutsideLoad
-from tidegate.types import Assignment, Preemption, Refusal
+from tidegate.types import Assignment, PoolRequest, Preemption, Refusal
 
 __all__ = [
     "TenantRateLimitError",
@@ -276,6 +276,7 @@ class OverloadRuntime:
         # the proxy awaits its decision and hands it to `admit`; None: the in-process limiter decides
         self.shared_limits: Any = None
         self._ttft_targets_s = {tier.name: tier.ttft_target_s for tier in self.control.tiers}
+        self._default_tier = self.control.tiers.default.name  # an identity's tier when it names none
         self._prefix_affinity = self.config.limits.prefix_cache_tokens != 0
         for tier_name, target_s in self._ttft_targets_s.items():
             metrics.ttft_target.labels(tier_name).set(target_s)
@@ -335,10 +336,11 @@ class OverloadRuntime:
         # a prompt shorter than one block has no prefix to route by: not hashed
         prefix = prompt_prefix(body) if self._prefix_affinity and prompt_tokens > BLOCK_TOKENS else ()
         preemptible = identity.preemptible
-        facts = RequestFacts(request_id, identity.tenant, identity.tier, model, prompt_tokens, max_tokens,
-                             timeout_s=timeout_s, streamed=streamed, prefix=prefix, fingerprint=fingerprint,
-                             preemptible=preemptible)
-        arrival = self.control.arrive(now_s, facts, cached_answer_available=cached_answer_available,
+        # the one record of the request the controllers keep, from its arrival to its end
+        request = PoolRequest(request_id, now_s, identity.tenant,
+                              self._default_tier if identity.tier is None else identity.tier, prompt_tokens,
+                              max_tokens, timeout_s, streamed, prefix, fingerprint, preemptible)
+        arrival = self.control.arrive(now_s, model, request, cached_answer_available=cached_answer_available,
                                       admission=None if shared is None else shared.decision)
         metrics = self.metrics
         metrics.work_tokens.add(model, prompt_tokens, 0)

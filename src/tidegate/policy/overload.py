@@ -25,27 +25,12 @@ from tidegate.policy.tiers import TierSpec, TierTable
 from tidegate.types import ArrivalDecision, ArrivalVerdict, Assignment, PoolRequest, Refusal
 
 __all__ = [
-    "RequestFacts",
     "ArrivalOutcome",
     "ShedNotice",
     "Arrival",
     "PoolPolicies",
     "OverloadControl",
 ]
-
-
-class RequestFacts(NamedTuple):  # built per request: a NamedTuple is cheap (tidegate.types)
-    request_id: str
-    tenant: str
-    tier: str | None  # None: the default tier
-    model: str  # the model pool asked for
-    prompt_tokens: int
-    max_tokens: int
-    timeout_s: float | None = None  # the client's `x-request-timeout`, if any
-    streamed: bool = True  # the answer is a stream: its first token is reported
-    prefix: tuple[int, ...] = ()  # the prompt's prefix blocks (`policy.prefix`), for prefix-aware routing
-    fingerprint: int = 0  # the same for the same request from the same tenant (`policy.resends`); 0: none
-    preemptible: bool = False  # re-runnable background work (`PoolRequest.preemptible`)
 
 
 class ArrivalOutcome(Enum):
@@ -117,36 +102,36 @@ class OverloadControl:
         self.pools = dict(pools)
         self._admitted: dict[str, _Admitted] = {}  # admitted and not yet settled
 
-    def arrive(self, now_s: float, facts: RequestFacts, *, cached_answer_available: bool = False,
+    def arrive(self, now_s: float, model: str, request: PoolRequest, *, cached_answer_available: bool = False,
                admission: AdmissionDecision | None = None) -> Arrival:
-        """Admission, then the pool's controller, then the ladder when it will not take the request.
+        """Admission, then the pool `model`'s controller, then the ladder when it will not take the
+        request. `request` is the one record of it the controllers keep: its tier a configured tier's
+        name (`tiers.get(None).name` for the default), its arrival `now_s`.
 
         `admission`: the rate-limit decision, when a limiter outside this object took it (one shared
         by several gateways); its reservation is then settled by that limiter, never by `limiter`.
         Raises KeyError for an unknown tier or pool (validate those first: 401 / 404), ValueError
         for a request id already in flight.
         """
-        if facts.request_id in self._admitted:
-            raise ValueError(f"request {facts.request_id} is already in flight")
-        tier = self.tiers.get(facts.tier)
-        policies = self.pools[facts.model]
+        request_id = request.request_id
+        if request_id in self._admitted:
+            raise ValueError(f"request {request_id} is already in flight")
+        tier = self.tiers[request.tier]
+        policies = self.pools[model]
         external = admission is not None
         if admission is None:
-            admission = self.limiter.admit(now_s, facts.tenant, facts.model, facts.prompt_tokens, facts.max_tokens)
+            admission = self.limiter.admit(now_s, request.tenant, model, request.prompt_tokens,
+                                           request.max_output_tokens)
         if not admission.admitted:
             outcome = (ArrivalOutcome.TOO_LARGE if admission.outcome is AdmissionOutcome.TOO_LARGE
                        else ArrivalOutcome.RATE_LIMITED)
             return Arrival(outcome, tier, None, Rung.PRIMARY, admission, None, None, None, ())
         assert admission.reservation is not None
-        request = PoolRequest(facts.request_id, now_s, facts.tenant, tier.name, facts.prompt_tokens, facts.max_tokens,
-                              facts.timeout_s, facts.streamed, facts.prefix, facts.fingerprint,
-                              facts.preemptible)
-        self._admitted[facts.request_id] = _Admitted(admission.reservation, request,
-                                                     cached_answer=cached_answer_available, external=external)
+        self._admitted[request_id] = _Admitted(admission.reservation, request, False, cached_answer_available, external)
         decision = policies.controller.on_arrival(now_s, request)
-        if decision.verdict is ArrivalVerdict.ASSIGNED:  # nothing waited: nothing pressed, nothing shed
-            return Arrival(ArrivalOutcome.ASSIGNED, tier, facts.model, Rung.PRIMARY, admission, 0.0, None, None, (),
-                           decision.assignment)
+        if type(decision) is Assignment:  # nothing waited: nothing pressed, nothing shed
+            return Arrival(ArrivalOutcome.ASSIGNED, tier, model, Rung.PRIMARY, admission, 0.0, None, None, (),
+                           decision)
         shed = self._displaced(now_s, policies, decision.displaced)
         fallback = self._fallback(policies)
         if decision.verdict is ArrivalVerdict.QUEUED:
@@ -154,20 +139,20 @@ class OverloadControl:
             # start them in time; without one they stay: refusing what would be served in time
             # is not protection
             if fallback is not None and policies.ladder.should_degrade(tier, decision.pressure):
-                moved = self._move(now_s, fallback, facts.request_id, request, shed)
+                moved = self._move(now_s, fallback, request_id, request, shed)
                 if moved is not None:
-                    policies.controller.on_cancel(now_s, facts.request_id)
+                    policies.controller.on_cancel(now_s, request_id)
                     return self._moved(moved, tier, fallback, admission, None, shed)
-            return Arrival(ArrivalOutcome.QUEUED, tier, facts.model, Rung.PRIMARY, admission,
+            return Arrival(ArrivalOutcome.QUEUED, tier, model, Rung.PRIMARY, admission,
                            decision.predicted_wait_s, None, None, tuple(shed))
         after = Rung.PRIMARY
         if fallback is not None:
-            moved = self._move(now_s, fallback, facts.request_id, request, shed)
+            moved = self._move(now_s, fallback, request_id, request, shed)
             if moved is not None:
                 return self._moved(moved, tier, fallback, admission, decision.reason, shed)
             after = Rung.FALLBACK_POOL
         # answered without a model: nothing of the reservation is used
-        self._settle(now_s, facts.request_id, 0)
+        self._settle(now_s, request_id, 0)
         reply = policies.ladder.next_rung(after, cached_answer_available=cached_answer_available,
                                           retry_after_s=decision.retry_after_s)
         if reply.rung is Rung.CACHED_ANSWER:
@@ -198,7 +183,7 @@ class OverloadControl:
     # ---- internals ----------------------------------------------------------------------------
 
     @staticmethod
-    def _moved(moved: ArrivalDecision, tier: TierSpec, fallback: PoolPolicies, admission: AdmissionDecision,
+    def _moved(moved: ArrivalDecision | Assignment, tier: TierSpec, fallback: PoolPolicies, admission: AdmissionDecision,
                reason: str | None, shed: list[ShedNotice]) -> Arrival:
         outcome = ArrivalOutcome.ASSIGNED if moved.verdict is ArrivalVerdict.ASSIGNED else ArrivalOutcome.QUEUED
         return Arrival(outcome, tier, fallback.ladder.pool, Rung.FALLBACK_POOL, admission, moved.predicted_wait_s,
@@ -209,7 +194,7 @@ class OverloadControl:
         return None if name is None else self.pools[name]
 
     def _move(self, now_s: float, fallback: PoolPolicies, request_id: str, request: PoolRequest,
-              shed: list[ShedNotice]) -> ArrivalDecision | None:
+              shed: list[ShedNotice]) -> ArrivalDecision | Assignment | None:
         """Queues the request in the fallback pool, once; None when that pool refuses it too."""
         admitted = self._admitted[request_id]
         if admitted.moved:

@@ -416,7 +416,9 @@ class PoolController:
 
     # ---- events -------------------------------------------------------------------------------
 
-    def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision:
+    def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision | Assignment:
+        """The request's `Assignment` when it goes at once (rule 1), else the decision to queue or
+        refuse it."""
         if request.tier not in self.tiers:
             return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_UNKNOWN_TIER)
         tier = self.tiers[request.tier]
@@ -432,7 +434,7 @@ class PoolController:
         if not self._queue and not self._retries and (request.timeout_s is None or request.timeout_s > 0):
             assignment = self._assign_at_once(now_s, tier, request)
             if assignment is not None:
-                return ArrivalDecision(ArrivalVerdict.ASSIGNED, None, None, (), 0.0, 0.0, assignment)
+                return assignment
         if not any(self._routable(r, now_s) for r in self._order):
             return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_NO_REPLICA)
         tokens = request.prompt_tokens + request.max_output_tokens
