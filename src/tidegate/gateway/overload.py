@@ -478,7 +478,7 @@ class OverloadRuntime:
             self._preemptible.pop(ticket.request_id, None)
         now_s = self.clock()
         body = self.bodies[ticket.pool]
-        if body.waiting.pop(ticket.request_id, None) is not None:
+        if ticket.future is not None and body.waiting.pop(ticket.request_id, None) is not None:
             body.controller.on_cancel(now_s, ticket.request_id)  # the client left while it waited
         elif ticket.replica is not None:  # also when assigned just as the client left
             body.ended(now_s, ticket, completion_tokens)

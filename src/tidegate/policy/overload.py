@@ -98,6 +98,7 @@ class OverloadControl:
             if fallback is not None and fallback not in pools:
                 raise ValueError(f"pool {name} falls back to unknown pool {fallback}")
         self.tiers = tiers
+        self._tier_specs = {tier.name: tier for tier in tiers}  # a dict's lookup: no call per request
         self.limiter = limiter
         self.pools = dict(pools)
         self._admitted: dict[str, _Admitted] = {}  # admitted and not yet settled
@@ -116,13 +117,13 @@ class OverloadControl:
         request_id = request.request_id
         if request_id in self._admitted:
             raise ValueError(f"request {request_id} is already in flight")
-        tier = self.tiers[request.tier]
+        tier = self._tier_specs[request.tier]
         policies = self.pools[model]
         external = admission is not None
         if admission is None:
             admission = self.limiter.admit(now_s, request.tenant, model, request.prompt_tokens,
                                            request.max_output_tokens)
-        if not admission.admitted:
+        if admission.outcome is not AdmissionOutcome.ADMITTED:
             outcome = (ArrivalOutcome.TOO_LARGE if admission.outcome is AdmissionOutcome.TOO_LARGE
                        else ArrivalOutcome.RATE_LIMITED)
             return Arrival(outcome, tier, None, Rung.PRIMARY, admission, None, None, None, ())
@@ -152,7 +153,7 @@ class OverloadControl:
                 return self._moved(moved, tier, fallback, admission, decision.reason, shed)
             after = Rung.FALLBACK_POOL
         # answered without a model: nothing of the reservation is used
-        self._settle(now_s, request_id, 0)
+        self.finish(now_s, request_id, used_tokens=0)
         reply = policies.ladder.next_rung(after, cached_answer_available=cached_answer_available,
                                           retry_after_s=decision.retry_after_s)
         if reply.rung is Rung.CACHED_ANSWER:
@@ -173,7 +174,14 @@ class OverloadControl:
     def finish(self, now_s: float, request_id: str, *, used_tokens: int) -> Settlement | None:
         """A request admitted by `arrive` ended, however it ended (served, failed, refused while
         queued, client gone): settle its reservation with the tokens it used. Idempotent."""
-        return self._settle(now_s, request_id, used_tokens)
+        admitted = self._admitted.pop(request_id, None)
+        if admitted is None:
+            return None
+        if admitted.external:  # its limiter settles it: what it is to refund, or charge beyond the reservation
+            reserved = admitted.reservation.reserved_tokens
+            refund = max(0, reserved - used_tokens)
+            return Settlement(reserved, used_tokens, refund, float(reserved - refund + max(0, used_tokens - reserved)))
+        return self.limiter.settle(now_s, admitted.reservation, used_tokens)
 
     @property
     def open_requests(self) -> int:
@@ -233,13 +241,3 @@ class OverloadControl:
             notices.append(ShedNotice(request_id, request.tier, pool, refusal.reason,
                                       self.refusal_reply(pool, refusal)))
         return notices
-
-    def _settle(self, now_s: float, request_id: str, used_tokens: int) -> Settlement | None:
-        admitted = self._admitted.pop(request_id, None)
-        if admitted is None:
-            return None
-        if admitted.external:  # its limiter settles it: what it is to refund, or charge beyond the reservation
-            reserved = admitted.reservation.reserved_tokens
-            refund = max(0, reserved - used_tokens)
-            return Settlement(reserved, used_tokens, refund, float(reserved - refund + max(0, used_tokens - reserved)))
-        return self.limiter.settle(now_s, admitted.reservation, used_tokens)
