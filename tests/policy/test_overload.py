@@ -235,3 +235,13 @@ def test_every_reservation_is_settled_exactly_once(ops) -> None:
         control.finish(now_s, request_id, used_tokens=0)
     assert control.open_requests == 0
     assert _remaining_tokens(control, now_s + 120) == 10_000_000
+
+
+def test_with_no_rate_limit_configured_nothing_is_reserved_nor_settled() -> None:
+    pools = {"big": _pool("big", TIERS), "small": _pool("small", TIERS)}
+    control = OverloadControl(TIERS, RateLimiter(), pools)
+    facts = _facts()
+    arrival = _arrive(control, 0.0, facts)
+    assert arrival.outcome is ArrivalOutcome.ASSIGNED and arrival.admission.headers is None
+    assert control.finish(1.0, facts.request_id, used_tokens=30) is None  # no reservation was kept
+    assert control.open_requests == 0

@@ -151,6 +151,6 @@ def test_a_request_sent_at_once_is_accounted_as_queued_then_dispatched() -> None
         one.on_dispatch(now_s, tokens, queued_after=0)
         two.on_sent_at_once(now_s, rank, tokens)
         ahead = QueueAhead(3, 900)
-        for rank_asked in range(3):
-            assert one.predict(now_s, ahead, now_s + 5.0, rank_asked) == two.predict(now_s, ahead, now_s + 5.0, rank_asked)
+        for asked in range(3):
+            assert one.predict(now_s, ahead, now_s + 5.0, asked) == two.predict(now_s, ahead, now_s + 5.0, asked)
         assert one.service_rate_per_s == two.service_rate_per_s

@@ -82,9 +82,14 @@ class PoolPolicies:
         return cls(controller, DegradationLadder(pool, ladder))
 
 
+# every request's admission when no rate limit is configured (`RateLimiter.unlimited`): the limiter
+# would keep no account of it, so none is built (its reservation None: nothing reserved), nor settled
+_NO_LIMITS = AdmissionDecision(AdmissionOutcome.ADMITTED, None, None, None, None, "")
+
+
 @dataclass(slots=True)
 class _Admitted:
-    reservation: Reservation
+    reservation: Reservation | None  # None: no limit applies, nothing to settle
     request: PoolRequest
     moved: bool = False  # waits in a fallback pool already: never moved again
     cached_answer: bool = False  # the cache holds an answer to it: the ladder's cached-answer rung can serve it
@@ -100,6 +105,7 @@ class OverloadControl:
         self.tiers = tiers
         self._tier_specs = {tier.name: tier for tier in tiers}  # a dict's lookup: no call per request
         self.limiter = limiter
+        self._no_limits = limiter.unlimited
         self.pools = dict(pools)
         self._admitted: dict[str, _Admitted] = {}  # admitted and not yet settled
 
@@ -121,14 +127,14 @@ class OverloadControl:
         policies = self.pools[model]
         external = admission is not None
         if admission is None:
-            admission = self.limiter.admit(now_s, request.tenant, model, request.prompt_tokens,
-                                           request.max_output_tokens)
+            admission = _NO_LIMITS if self._no_limits else self.limiter.admit(
+                now_s, request.tenant, model, request.prompt_tokens, request.max_output_tokens)
         if admission.outcome is not AdmissionOutcome.ADMITTED:
             outcome = (ArrivalOutcome.TOO_LARGE if admission.outcome is AdmissionOutcome.TOO_LARGE
                        else ArrivalOutcome.RATE_LIMITED)
             return Arrival(outcome, tier, None, Rung.PRIMARY, admission, None, None, None, ())
-        assert admission.reservation is not None
-        self._admitted[request_id] = _Admitted(admission.reservation, request, False, cached_answer_available, external)
+        self._admitted[request_id] = _Admitted(admission.reservation, request, False, cached_answer_available,
+                                               external)
         decision = policies.controller.on_arrival(now_s, request)
         if type(decision) is Assignment:  # nothing waited: nothing pressed, nothing shed
             return Arrival(ArrivalOutcome.ASSIGNED, tier, model, Rung.PRIMARY, admission, 0.0, None, None, (),
@@ -173,9 +179,10 @@ class OverloadControl:
 
     def finish(self, now_s: float, request_id: str, *, used_tokens: int) -> Settlement | None:
         """A request admitted by `arrive` ended, however it ended (served, failed, refused while
-        queued, client gone): settle its reservation with the tokens it used. Idempotent."""
+        queued, client gone): settle its reservation with the tokens it used. Idempotent. None: nothing
+        to settle (settled already, or no rate limit is configured)."""
         admitted = self._admitted.pop(request_id, None)
-        if admitted is None:
+        if admitted is None or admitted.reservation is None:
             return None
         if admitted.external:  # its limiter settles it: what it is to refund, or charge beyond the reservation
             reserved = admitted.reservation.reserved_tokens
@@ -191,7 +198,8 @@ class OverloadControl:
     # ---- internals ----------------------------------------------------------------------------
 
     @staticmethod
-    def _moved(moved: ArrivalDecision | Assignment, tier: TierSpec, fallback: PoolPolicies, admission: AdmissionDecision,
+    def _moved(moved: ArrivalDecision | Assignment, tier: TierSpec, fallback: PoolPolicies,
+               admission: AdmissionDecision,
                reason: str | None, shed: list[ShedNotice]) -> Arrival:
         outcome = ArrivalOutcome.ASSIGNED if moved.verdict is ArrivalVerdict.ASSIGNED else ArrivalOutcome.QUEUED
         return Arrival(outcome, tier, fallback.ladder.pool, Rung.FALLBACK_POOL, admission, moved.predicted_wait_s,
