@@ -14,7 +14,7 @@ from tidegate.policy.degradation import LadderConfig, Rung
 from tidegate.policy.overload import Arrival, ArrivalOutcome, OverloadControl, PoolPolicies
 from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
 from tidegate.policy.tiers import TierSpec, TierTable, default_tiers
-from tidegate.types import PoolRequest, ReplicaHealth
+from tidegate.types import Assignment, PoolRequest, ReplicaHealth
 
 TIERS = default_tiers()
 _ids = itertools.count()
@@ -47,7 +47,7 @@ def _facts(tier: str = "standard", tenant: str = "t", model: str = "big", reques
     return _Facts(model, PoolRequest(request_id or f"r{next(_ids)}", 0.0, tenant, tier, prompt_tokens, 90))
 
 
-def _arrive(control: OverloadControl, now_s: float, facts: _Facts, **options: Any) -> Arrival:
+def _arrive(control: OverloadControl, now_s: float, facts: _Facts, **options: Any) -> Arrival | Assignment:
     return control.arrive(now_s, facts.model, facts.request._replace(arrival_s=now_s), **options)
 
 
@@ -58,7 +58,8 @@ def _remaining_tokens(control: OverloadControl, now_s: float) -> int:
 def _take_the_slot(control: OverloadControl, model: str = "big") -> _Facts:
     """The pool's one slot taken by a request assigned at arrival: the next ones queue."""
     facts = _facts(model=model)
-    assert _arrive(control, 0.0, facts).outcome is ArrivalOutcome.ASSIGNED
+    arrival = _arrive(control, 0.0, facts)  # with no rate limit configured, the assignment alone
+    assert type(arrival) is Assignment or arrival.outcome is ArrivalOutcome.ASSIGNED
     return facts
 
 
@@ -241,7 +242,9 @@ def test_with_no_rate_limit_configured_nothing_is_reserved_nor_settled() -> None
     pools = {"big": _pool("big", TIERS), "small": _pool("small", TIERS)}
     control = OverloadControl(TIERS, RateLimiter(), pools)
     facts = _facts()
-    arrival = _arrive(control, 0.0, facts)
-    assert arrival.outcome is ArrivalOutcome.ASSIGNED and arrival.admission.headers is None
+    # assigned at once with no rate limit to report: the controller's assignment is the whole answer
+    assert _arrive(control, 0.0, facts) == Assignment(facts.request_id, "big#0", 2)
     assert control.finish(1.0, facts.request_id, used_tokens=30) is None  # no reservation was kept
     assert control.open_requests == 0
+    _arrive(control, 1.0, _facts())  # the slot taken: the next one queues, and is told so
+    assert _arrive(control, 1.0, _facts()).outcome is ArrivalOutcome.QUEUED

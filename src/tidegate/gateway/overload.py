@@ -344,11 +344,14 @@ class OverloadRuntime:
                                       admission=None if shared is None else shared.decision)
         metrics = self.metrics
         tier = request.tier
-        limits = arrival.admission.headers
-        headers = _header_lines(limits.as_http_headers()) if limits is not None else b""
-        outcome = arrival.outcome
-        assignment = arrival.assignment
-        if assignment is not None and arrival.rung is Rung.PRIMARY:
+        if type(arrival) is Assignment:  # assigned at once, no rate limit to report
+            assignment, headers, outcome = arrival, b"", ArrivalOutcome.ASSIGNED
+        else:
+            limits = arrival.admission.headers
+            headers = _header_lines(limits.as_http_headers()) if limits is not None else b""
+            outcome = arrival.outcome
+            assignment = arrival.assignment if arrival.rung is Rung.PRIMARY else None
+        if assignment is not None:
             # the common case below capacity: its prompt's work, its admission and its wait (none)
             # counted in one call, and nothing predicted, shed or degraded to answer
             metrics.sent_at_arrival(model, tier, prompt_tokens)
@@ -356,7 +359,7 @@ class OverloadRuntime:
             ticket.dispatched_s = now_s  # its wait is counted: `carry_out` observes none
             self.bodies[model].carry_out(now_s, ticket, assignment)
         elif outcome is ArrivalOutcome.QUEUED or outcome is ArrivalOutcome.ASSIGNED:
-            assert arrival.pool is not None
+            assert type(arrival) is Arrival and arrival.pool is not None
             metrics.work_tokens.add(model, prompt_tokens, 0)
             if arrival.rung is not Rung.PRIMARY:
                 headers += _header_lines({DEGRADATION_HEADER: arrival.rung.value})
@@ -364,15 +367,16 @@ class OverloadRuntime:
             metrics.of(metrics.admissions, model, tier, "queued" if arrival.rung is Rung.PRIMARY
                        else arrival.rung.value).inc()
             body = self.bodies[arrival.pool]
-            if assignment is not None:  # sent at arrival: nothing was predicted
+            if arrival.assignment is not None:  # sent at arrival to the fallback pool: nothing was predicted
                 ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, None, headers)
-                body.carry_out(now_s, ticket, assignment)
+                body.carry_out(now_s, ticket, arrival.assignment)
             else:
                 ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, arrival.predicted_wait_s, headers)
                 body.wait(ticket)
             if arrival.shed:
                 self._answer_shed(now_s, arrival.shed)
         else:
+            assert type(arrival) is Arrival
             self._refuse(now_s, model, tier, prompt_tokens, arrival, headers, shared)
         ticket.shared = shared
         if 0 < len(prefix) < MAX_BLOCKS:  # its last, partial block half full on average

@@ -110,10 +110,12 @@ class OverloadControl:
         self._admitted: dict[str, _Admitted] = {}  # admitted and not yet settled
 
     def arrive(self, now_s: float, model: str, request: PoolRequest, *, cached_answer_available: bool = False,
-               admission: AdmissionDecision | None = None) -> Arrival:
+               admission: AdmissionDecision | None = None) -> Arrival | Assignment:
         """Admission, then the pool `model`'s controller, then the ladder when it will not take the
         request. `request` is the one record of it the controllers keep: its tier a configured tier's
-        name (`tiers.get(None).name` for the default), its arrival `now_s`.
+        name (`tiers.get(None).name` for the default), its arrival `now_s`. The common case below
+        capacity with no rate limit configured, a request its pool assigned at once, is answered with
+        the controller's `Assignment` alone (no record built around it); every other, with an `Arrival`.
 
         `admission`: the rate-limit decision, when a limiter outside this object took it (one shared
         by several gateways); its reservation is then settled by that limiter, never by `limiter`.
@@ -137,6 +139,8 @@ class OverloadControl:
                                                external)
         decision = policies.controller.on_arrival(now_s, request)
         if type(decision) is Assignment:  # nothing waited: nothing pressed, nothing shed
+            if admission is _NO_LIMITS:  # and no rate limit to report: the assignment says it all
+                return decision
             return Arrival(ArrivalOutcome.ASSIGNED, tier, model, Rung.PRIMARY, admission, 0.0, None, None, (),
                            decision)
         shed = self._displaced(now_s, policies, decision.displaced)
