@@ -72,6 +72,16 @@ class PoolRequest(NamedTuple):
     # controller may stop it to give its slot to a better tier's waiting request (`Preemption`)
     preemptible: bool = False
 
+    # read as `policy.queueing.QueuedRequest` reads, so that a request sent at once, never queued, is
+    # its own record in the fair-share accounts (`FairPriorityQueue.charge_unqueued`, `settle_service`)
+    @property
+    def expected_output_tokens(self) -> int:
+        return self.max_output_tokens
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_output_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class Refusal:

@@ -251,7 +251,7 @@ _Pick = tuple["_Replica", int, "int | None", "_Replica | None", int]
 
 @dataclass(slots=True)
 class _Sent:
-    request: QueuedRequest
+    request: QueuedRequest | PoolRequest  # the queue's record, or, sent at once, the one it arrived with
     replica_id: str
     level: int
     sent_s: float
@@ -574,7 +574,11 @@ class PoolController:
         replica.breaker = replica.breaker.on_failure(now_s, sent.sent_s, self.settings.breaker,
                                                      may_eject=self._may_eject(now_s), pool_failure_ratio=pool_ratio)
         if retry:
-            self._retries.append((sent.request, frozenset({sent.replica_id})))
+            request = sent.request
+            if type(request) is PoolRequest:  # sent at once: it waits as the queue record it never had
+                request = QueuedRequest(request.request_id, request.tenant, request.tier,  # type: ignore[arg-type]
+                                        request.prompt_tokens, request.max_output_tokens, sent.sent_s, math.inf)
+            self._retries.append((request, frozenset({sent.replica_id})))
             if preemptible:
                 self._preemptible.add(request_id)
         else:
@@ -674,27 +678,28 @@ class PoolController:
             self._assume_prefills_done(now_s)
         if self._shares is not None:
             self._demote_slots_of_new_floods(now_s)
-        queued = QueuedRequest(request.request_id, request.tenant, tier.name, request.prompt_tokens,  # type: ignore[arg-type]
-                               request.max_output_tokens, now_s, math.inf)
-        assignment = self._try_assign(now_s, queued, _NO_REPLICAS, whole=not request.streamed, prefix=request.prefix)
+        # the request is its own account: no queue record is built for it (`_Sent.request`)
+        assignment = self._try_assign(now_s, request, _NO_REPLICAS, whole=not request.streamed, prefix=request.prefix,
+                                      enqueued_at_s=now_s)
         if assignment is None:
             return None
         if not request.streamed:
             self._whole.add(request.request_id)
         if request.preemptible:
             self._preemptible.add(request.request_id)
-        tokens = queued.tokens
-        self._queue.charge_unqueued(queued)
+        tokens = request.prompt_tokens + request.max_output_tokens
+        self._queue.charge_unqueued(request)  # type: ignore[arg-type]
         self._predictor.on_sent_at_once(now_s, tier.rank, tokens)
         if self._shares is not None:
             self._shares.on_dispatch(now_s, tier.name, tokens)
         return assignment
 
-    def _try_assign(self, now_s: float, request: QueuedRequest, exclude: frozenset[str],
+    def _try_assign(self, now_s: float, request: QueuedRequest | PoolRequest, exclude: frozenset[str],
                     dequeue_skip: frozenset[str] | None = None, whole: bool | None = None,
-                    prefix: tuple[int, ...] | None = None) -> Assignment | None:
+                    prefix: tuple[int, ...] | None = None, enqueued_at_s: float | None = None) -> Assignment | None:
         """`whole`: the request reports no first token (None: look it up in `_whole`); `prefix`:
-        its prefix blocks (None: look them up in `_prefixes`)."""
+        its prefix blocks (None: look them up in `_prefixes`); `enqueued_at_s`: when its wait began,
+        given for a request sent at once (a `PoolRequest`), else the queued request's own."""
         if prefix is None:
             prefix = self._prefixes.get(request.request_id, ())
         tier = self._tier_specs[request.tier]
@@ -703,7 +708,9 @@ class PoolController:
         level = 2 * tier.rank + (shares is not None and request.tenant in shares.over_share(now_s, tier.name))
         # what is left of its TTFT target after its wait so far (rule 3): an engine that would
         # start it later has no use for it now
-        left_s = request.enqueued_at_s + tier.ttft_target_s - now_s
+        if enqueued_at_s is None:
+            enqueued_at_s = request.enqueued_at_s  # type: ignore[union-attr]
+        left_s = enqueued_at_s + tier.ttft_target_s - now_s
         picked = self._pick(now_s, tier, level, request.prompt_tokens, exclude, left_s, prefix)
         if picked is None:
             return None
