@@ -345,8 +345,9 @@ class PoolController:
         self._assumed_prefills: list[tuple[float, int | str]] = []
         self._refusals: list[Refusal] = []  # decided by an event, handed out by the next `on_capacity`
         self._last_arrival_s: dict[str, float] = {}
-        # the latest arrival of any tier of this rank or better, by rank (rule 5's headroom memory)
-        self._last_better_arrival_s = [-math.inf] * (self._levels // 2)
+        # the latest arrival of the tier of each rank, by rank (rule 5's headroom memory reads the
+        # latest of the better ranks': one store an arrival, where keeping that latest by rank took a loop)
+        self._last_arrival_by_rank = [-math.inf] * (self._levels // 2)
         self._floods_counted: dict[str, frozenset[str]] = {}  # tier -> tenants whose slots count demoted
         self._speed_factors: tuple[float, ...] | None = None  # the last `pool_line` answer's, by replica
         self._line: TtftFit | None = None  # the pool's TTFT line at speed 1, as last fitted
@@ -397,7 +398,7 @@ class PoolController:
         if level % 2:
             return True
         rank = level // 2
-        return rank > 0 and now_s - self._last_better_arrival_s[rank - 1] <= self.settings.headroom_memory_s
+        return rank > 0 and now_s - max(self._last_arrival_by_rank[:rank]) <= self.settings.headroom_memory_s
 
     def engine_level(self, tier: str, service: ServiceClass) -> int:
         return 2 * self.tiers[tier].rank + (service is ServiceClass.DEMOTED)
@@ -424,11 +425,9 @@ class PoolController:
         if tier is None:
             return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_UNKNOWN_TIER)
         self._last_arrival_s[tier.name] = now_s
-        better = self._last_better_arrival_s
-        for rank in range(tier.rank, len(better)):
-            if better[rank] >= now_s:
-                break
-            better[rank] = now_s
+        last = self._last_arrival_by_rank
+        if now_s > last[tier.rank]:
+            last[tier.rank] = now_s
         if self._shares is not None:  # demand counts whether or not it is served
             self._shares.on_arrival(now_s, tier.name, request.tenant, request.prompt_tokens + request.max_output_tokens)
         # nothing waits and a replica takes it: the common case, first (a replica that takes it is routable)
