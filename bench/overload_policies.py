@@ -21,8 +21,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from tidegate.policy.admission import RateLimiter
-from tidegate.policy.overload import ArrivalOutcome, OverloadControl, PoolPolicies, RequestFacts
+from tidegate.policy.overload import ArrivalOutcome, OverloadControl, PoolPolicies
 from tidegate.policy.tiers import default_tiers
+from tidegate.types import PoolRequest
 
 TIERS = default_tiers()
 MIX = (("critical", 0.2), ("standard", 0.5), ("sheddable", 0.3))
@@ -130,8 +131,7 @@ def run_tidegate(jobs: list[Job], slots: int, duration_s: float) -> Outcome:
         if job is None:
             break
         t0 = time.perf_counter()
-        arrival = control.arrive(now_s, RequestFacts(job.request_id, job.tenant, job.tier, "m", 100, MAX_TOKENS,
-                                                     expected_output_tokens=100))
+        arrival = control.arrive(now_s, "m", PoolRequest(job.request_id, now_s, job.tenant, job.tier, 100, MAX_TOKENS))
         decision_us.append((time.perf_counter() - t0) * 1e6)
         if arrival.outcome is ArrivalOutcome.QUEUED:
             start(now_s)

@@ -72,6 +72,16 @@ class PoolRequest(NamedTuple):
     # controller may stop it to give its slot to a better tier's waiting request (`Preemption`)
     preemptible: bool = False
 
+    # read as `policy.queueing.QueuedRequest` reads, so that a request sent at once, never queued, is
+    # its own record in the fair-share accounts (`FairPriorityQueue.charge_unqueued`, `settle_service`)
+    @property
+    def expected_output_tokens(self) -> int:
+        return self.max_output_tokens
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_output_tokens
+
 
 @dataclass(frozen=True, slots=True)
 class Refusal:
@@ -81,6 +91,10 @@ class Refusal:
 
 
 class ArrivalDecision(NamedTuple):
+    """What `on_arrival` answers when it does not assign the request at once. A request assigned at
+    arrival is answered with its `Assignment` alone, which reads as the ASSIGNED decision: the common
+    case below capacity builds no decision record around it."""
+
     verdict: ArrivalVerdict
     reason: str | None = None  # why it was refused
     retry_after_s: float | None = None
@@ -101,6 +115,19 @@ class Assignment(NamedTuple):
     # the replica its prompt's prefix was held at and moved from, to even the load out (the pool
     # controller's rule 7); None: no move
     prefix_moved_from: str | None = None
+
+    # returned by `on_arrival`, an assignment is the decision "assigned at arrival" (`ArrivalDecision`'s
+    # fields, as that decision has them): class attributes, not fields, so building one costs nothing more
+    verdict = ArrivalVerdict.ASSIGNED
+    reason = None
+    retry_after_s = None
+    displaced = ()
+    pressure = 0.0
+    predicted_wait_s = 0.0
+
+    @property
+    def assignment(self) -> Assignment:
+        return self
 
 
 class Preemption(NamedTuple):

@@ -47,3 +47,21 @@ def test_admissions_and_queue_wait_keep_their_metric_names() -> None:
     assert registry.get_sample_value("tidegate_overload_admissions_total", {**labels, "outcome": "queued"}) == 1
     assert registry.get_sample_value("tidegate_overload_queue_wait_seconds_count", labels) == 1
     assert registry.get_sample_value("tidegate_overload_queue_wait_seconds_bucket", {**labels, "le": "0.025"}) == 1
+
+
+def test_a_request_sent_at_arrival_counts_as_its_admission_its_wait_of_zero_and_its_prompt() -> None:
+    """`sent_at_arrival` exports what the three separate observations it stands for would."""
+    one_call, separate = CollectorRegistry(), CollectorRegistry()
+    counted, reference = OverloadMetrics(one_call), OverloadMetrics(separate)
+    for pool, tier, prompt_tokens in (("m", "standard", 12), ("m", "standard", 30), ("m", "critical", 7),
+                                      ("n", "standard", 1)):
+        counted.sent_at_arrival(pool, tier, prompt_tokens)
+        reference.of(reference.admissions, pool, tier, "queued").inc()
+        reference.of(reference.queue_wait, pool, tier).observe(0.0)
+        reference.work_tokens.add(pool, prompt_tokens, 0)
+    counted.queue_wait.labels("m", "standard").observe(0.3)  # a waited request beside them
+    reference.queue_wait.labels("m", "standard").observe(0.3)
+    for name in ("tidegate_overload_admissions", "tidegate_overload_queue_wait_seconds",
+                 "tidegate_overload_work_tokens"):
+        assert _samples(one_call, name) == _samples(separate, name) != {}
+    assert counted.work_tokens.totals() == reference.work_tokens.totals()

@@ -13,9 +13,10 @@ from tidegate.policy.admission import (
     Reservation,
     ScopeDraw,
 )
-from tidegate.policy.overload import ArrivalOutcome, OverloadControl, PoolPolicies, RequestFacts
+from tidegate.policy.overload import ArrivalOutcome, OverloadControl, PoolPolicies
 from tidegate.policy.pool import PoolController, PoolReplica
 from tidegate.policy.tiers import default_tiers
+from tidegate.types import PoolRequest
 
 
 def test_limits_for_lists_the_tenant_limit_then_the_model_limit() -> None:
@@ -65,8 +66,8 @@ def _control() -> OverloadControl:
     return OverloadControl(tiers, limiter, {"m": PoolPolicies.create("m", controller)})
 
 
-def _facts(request_id: str) -> RequestFacts:
-    return RequestFacts(request_id, "t", None, "m", prompt_tokens=10, max_tokens=20)
+def _request(request_id: str, now_s: float = 0.0) -> PoolRequest:
+    return PoolRequest(request_id, now_s, "t", default_tiers().default.name, 10, 20)
 
 
 def _admitted(cost: int = 30) -> AdmissionDecision:
@@ -75,24 +76,24 @@ def _admitted(cost: int = 30) -> AdmissionDecision:
 
 def test_an_admission_decided_outside_replaces_the_limiter() -> None:
     control = _control()
-    assert control.arrive(0.0, _facts("a"), admission=_admitted()).outcome is ArrivalOutcome.ASSIGNED
+    assert control.arrive(0.0, "m", _request("a"), admission=_admitted()).outcome is ArrivalOutcome.ASSIGNED
     # the limiter of one request per minute was never asked: its bucket is still full
     assert control.limiter.headers(0.0, "t", "m").remaining_requests == 1
-    assert control.arrive(0.0, _facts("b"), admission=_admitted()).outcome is not ArrivalOutcome.RATE_LIMITED
+    assert control.arrive(0.0, "m", _request("b"), admission=_admitted()).outcome is not ArrivalOutcome.RATE_LIMITED
 
 
 def test_a_refusal_decided_outside_is_answered_as_a_rate_limit() -> None:
     refused = AdmissionDecision(AdmissionOutcome.RATE_LIMITED, None, None, 3.0, None, "limit")
-    arrival = _control().arrive(0.0, _facts("a"), admission=refused)
+    arrival = _control().arrive(0.0, "m", _request("a"), admission=refused)
     assert arrival.outcome is ArrivalOutcome.RATE_LIMITED and arrival.admission is refused
 
 
 def test_finish_of_an_outside_admission_gives_the_arithmetic_and_leaves_the_limiter_alone() -> None:
     control = _control()
-    control.arrive(0.0, _facts("a"), admission=_admitted(30))
+    control.arrive(0.0, "m", _request("a"), admission=_admitted(30))
     settlement = control.finish(1.0, "a", used_tokens=12)
     assert (settlement.reserved_tokens, settlement.refunded_tokens, settlement.charged_tokens) == (30, 18, 12.0)
     assert control.limiter.open_reservations == 0 and control.open_requests == 0
-    control.arrive(1.0, _facts("b"), admission=_admitted(30))
+    control.arrive(1.0, "m", _request("b", 1.0), admission=_admitted(30))
     assert control.finish(1.0, "b", used_tokens=40).charged_tokens == 40.0  # an overrun is the outside's to charge
     assert control.finish(1.0, "b", used_tokens=40) is None  # idempotent

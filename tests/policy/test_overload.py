@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import given, settings
@@ -10,10 +11,10 @@ from hypothesis import strategies as st
 
 from tidegate.policy.admission import RateLimit, RateLimiter
 from tidegate.policy.degradation import LadderConfig, Rung
-from tidegate.policy.overload import ArrivalOutcome, OverloadControl, PoolPolicies, RequestFacts
+from tidegate.policy.overload import Arrival, ArrivalOutcome, OverloadControl, PoolPolicies
 from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
 from tidegate.policy.tiers import TierSpec, TierTable, default_tiers
-from tidegate.types import ReplicaHealth
+from tidegate.types import Assignment, PoolRequest, ReplicaHealth
 
 TIERS = default_tiers()
 _ids = itertools.count()
@@ -30,27 +31,42 @@ def _control(*, tpm: int = 100_000, fallback: bool = False, tiers: TierTable = T
                                                                       tokens_per_minute=tpm)), pools)
 
 
+class _Facts(NamedTuple):
+    """A request as a test sends it: the pool it asks for, and the one record the controllers keep."""
+
+    model: str
+    request: PoolRequest
+
+    @property
+    def request_id(self) -> str:
+        return str(self.request.request_id)
+
+
 def _facts(tier: str = "standard", tenant: str = "t", model: str = "big", request_id: str | None = None,
-           prompt_tokens: int = 10) -> RequestFacts:
-    return RequestFacts(request_id or f"r{next(_ids)}", tenant, tier, model, prompt_tokens=prompt_tokens,
-                        max_tokens=90)
+           prompt_tokens: int = 10) -> _Facts:
+    return _Facts(model, PoolRequest(request_id or f"r{next(_ids)}", 0.0, tenant, tier, prompt_tokens, 90))
+
+
+def _arrive(control: OverloadControl, now_s: float, facts: _Facts, **options: Any) -> Arrival | Assignment:
+    return control.arrive(now_s, facts.model, facts.request._replace(arrival_s=now_s), **options)
 
 
 def _remaining_tokens(control: OverloadControl, now_s: float) -> int:
     return control.limiter.headers(now_s, "t", "big").remaining_tokens
 
 
-def _take_the_slot(control: OverloadControl, model: str = "big") -> RequestFacts:
+def _take_the_slot(control: OverloadControl, model: str = "big") -> _Facts:
     """The pool's one slot taken by a request assigned at arrival: the next ones queue."""
     facts = _facts(model=model)
-    assert control.arrive(0.0, facts).outcome is ArrivalOutcome.ASSIGNED
+    arrival = _arrive(control, 0.0, facts)  # with no rate limit configured, the assignment alone
+    assert type(arrival) is Assignment or arrival.outcome is ArrivalOutcome.ASSIGNED
     return facts
 
 
 def test_request_is_assigned_at_once_when_nothing_waits_and_settles() -> None:
     control = _control()
     facts = _facts()
-    arrival = control.arrive(0.0, facts)
+    arrival = _arrive(control, 0.0, facts)
     assert (arrival.outcome, arrival.pool, arrival.rung) == (ArrivalOutcome.ASSIGNED, "big", Rung.PRIMARY)
     assert arrival.assignment is not None and arrival.assignment.request_id == facts.request_id
     assert _remaining_tokens(control, 0.0) == 100_000 - 100
@@ -63,7 +79,7 @@ def test_request_queues_behind_a_full_replica_and_is_assigned_when_it_frees() ->
     control = _control()
     first = _take_the_slot(control)
     facts = _facts()
-    arrival = control.arrive(0.0, facts)
+    arrival = _arrive(control, 0.0, facts)
     assert (arrival.outcome, arrival.pool, arrival.assignment) == (ArrivalOutcome.QUEUED, "big", None)
     controller = control.pools["big"].controller
     controller.on_first_token(0.1, first.request_id)
@@ -75,7 +91,7 @@ def test_request_queues_behind_a_full_replica_and_is_assigned_when_it_frees() ->
 def test_rate_limited_request_is_not_queued() -> None:
     control = _control(tpm=150)
     _take_the_slot(control)
-    arrival = control.arrive(0.0, _facts())
+    arrival = _arrive(control, 0.0, _facts())
     assert arrival.outcome is ArrivalOutcome.RATE_LIMITED and arrival.admission.retry_after_s
     assert control.pools["big"].controller.queued == 0 and control.open_requests == 1
 
@@ -89,8 +105,8 @@ def _one_slot_tiers() -> TierTable:
 def test_a_request_its_pool_refuses_gets_the_preset_reply_and_is_refunded() -> None:
     control = _control(tiers=_one_slot_tiers())
     _take_the_slot(control)
-    control.arrive(0.0, _facts())
-    arrival = control.arrive(0.0, _facts())  # standard's queue holds one
+    _arrive(control, 0.0, _facts())
+    arrival = _arrive(control, 0.0, _facts())  # standard's queue holds one
     assert arrival.outcome is ArrivalOutcome.PRESET_REPLY and arrival.reply is not None
     assert arrival.reply.status == 503 and arrival.reply.retry_after_s and arrival.reason == "tier_full"
     assert control.open_requests == 2
@@ -99,12 +115,12 @@ def test_a_request_its_pool_refuses_gets_the_preset_reply_and_is_refunded() -> N
 def test_a_request_its_pool_refuses_goes_to_the_fallback_pool() -> None:
     control = _control(tiers=_one_slot_tiers(), fallback=True)
     _take_the_slot(control)
-    control.arrive(0.0, _facts())
-    arrival = control.arrive(0.0, _facts())
+    _arrive(control, 0.0, _facts())
+    arrival = _arrive(control, 0.0, _facts())
     # nothing waits in the lighter pool: it starts there at once
     assert (arrival.outcome, arrival.pool, arrival.rung) == (ArrivalOutcome.ASSIGNED, "small", Rung.FALLBACK_POOL)
     assert arrival.assignment is not None and arrival.assignment.replica_id == "small#0"
-    arrival = control.arrive(0.0, _facts())  # ... and with its one slot taken, the next one queues there
+    arrival = _arrive(control, 0.0, _facts())  # ... and with its one slot taken, the next one queues there
     assert (arrival.outcome, arrival.pool) == (ArrivalOutcome.QUEUED, "small")
     assert control.pools["small"].controller.queued == 1
 
@@ -112,15 +128,15 @@ def test_a_request_its_pool_refuses_goes_to_the_fallback_pool() -> None:
 def test_cached_answer_is_used_before_the_preset_reply() -> None:
     control = _control(tiers=_one_slot_tiers())
     _take_the_slot(control)
-    control.arrive(0.0, _facts())
-    arrival = control.arrive(0.0, _facts(), cached_answer_available=True)
+    _arrive(control, 0.0, _facts())
+    arrival = _arrive(control, 0.0, _facts(), cached_answer_available=True)
     assert arrival.outcome is ArrivalOutcome.CACHED_ANSWER
 
 
 def test_no_routable_replica_is_its_own_outcome() -> None:
     control = _control()
     control.pools["big"].controller.on_replica_health(0.0, "big#0", ReplicaHealth.UNHEALTHY)
-    arrival = control.arrive(0.0, _facts())
+    arrival = _arrive(control, 0.0, _facts())
     assert arrival.outcome is ArrivalOutcome.NO_REPLICA and control.open_requests == 0
 
 
@@ -137,8 +153,8 @@ def test_a_displaced_request_is_answered_and_a_better_one_takes_its_place() -> N
     control = OverloadControl(full, RateLimiter(), pools)
     _take_the_slot(control)
     waiting = _facts()
-    control.arrive(0.0, waiting)
-    arrival = control.arrive(0.0, _facts("critical"))
+    _arrive(control, 0.0, waiting)
+    arrival = _arrive(control, 0.0, _facts("critical"))
     assert arrival.outcome is ArrivalOutcome.QUEUED
     notice, = arrival.shed
     assert (notice.request_id, notice.moved_to, notice.reply.rung) == (waiting.request_id, None, Rung.PRESET_REPLY)
@@ -155,11 +171,11 @@ def test_a_displaced_request_moves_to_the_fallback_pool_once() -> None:
     _take_the_slot(control)
     _take_the_slot(control, "small")
     waiting = _facts()
-    control.arrive(0.0, waiting)
-    notice, = control.arrive(1.0, _facts("critical")).shed
+    _arrive(control, 0.0, waiting)
+    notice, = _arrive(control, 1.0, _facts("critical")).shed
     assert notice.moved_to == "small" and notice.assignment is None and small.queued == 1
     # pushed out of the fallback too: answered, not moved back
-    arrival = control.arrive(1.0, _facts("critical", model="small"))
+    arrival = _arrive(control, 1.0, _facts("critical", model="small"))
     notice, = arrival.shed
     assert notice.request_id == waiting.request_id and notice.moved_to is None
 
@@ -172,7 +188,7 @@ def test_pressure_sends_a_tier_that_degrades_early_to_the_fallback_but_never_ref
         controller = control.pools["big"].controller
         # a measured service rate: 1 request every 0.1 s with a backlog (one slot)
         backlog = [_facts("standard", tenant=f"t{i}") for i in range(60)]
-        arrivals = [control.arrive(0.0, facts) for facts in backlog]
+        arrivals = [_arrive(control, 0.0, facts) for facts in backlog]
         now_s = 0.0
         sent = [a.assignment.request_id for a in arrivals if a.assignment is not None]
         sent += [a.request_id for a in controller.on_capacity(now_s).assignments]
@@ -180,7 +196,7 @@ def test_pressure_sends_a_tier_that_degrades_early_to_the_fallback_but_never_ref
             now_s += 0.1
             controller.on_finish(now_s, sent[-1])
             sent += [a.request_id for a in controller.on_capacity(now_s).assignments]
-        arrival = control.arrive(now_s, _facts("sheddable"))
+        arrival = _arrive(control, now_s, _facts("sheddable"))
         assert arrival.outcome in (ArrivalOutcome.QUEUED, ArrivalOutcome.ASSIGNED)
         assert (arrival.pool, arrival.rung) == (("small", Rung.FALLBACK_POOL) if fallback else ("big", Rung.PRIMARY))
 
@@ -188,9 +204,9 @@ def test_pressure_sends_a_tier_that_degrades_early_to_the_fallback_but_never_ref
 def test_a_request_id_in_flight_cannot_arrive_again() -> None:
     control = _control()
     facts = _facts()
-    control.arrive(0.0, facts)
+    _arrive(control, 0.0, facts)
     with pytest.raises(ValueError, match="in flight"):
-        control.arrive(0.0, facts)
+        _arrive(control, 0.0, facts)
 
 
 @settings(max_examples=60, deadline=None)
@@ -205,7 +221,7 @@ def test_every_reservation_is_settled_exactly_once(ops) -> None:
         now_s += 0.05
         if op == "arrive":
             facts = _facts(tier)
-            if control.arrive(now_s, facts).outcome in (ArrivalOutcome.QUEUED, ArrivalOutcome.ASSIGNED):
+            if _arrive(control, now_s, facts).outcome in (ArrivalOutcome.QUEUED, ArrivalOutcome.ASSIGNED):
                 admitted.append(facts.request_id)
         elif op == "assign":
             for name in ("big", "small"):
@@ -220,3 +236,15 @@ def test_every_reservation_is_settled_exactly_once(ops) -> None:
         control.finish(now_s, request_id, used_tokens=0)
     assert control.open_requests == 0
     assert _remaining_tokens(control, now_s + 120) == 10_000_000
+
+
+def test_with_no_rate_limit_configured_nothing_is_reserved_nor_settled() -> None:
+    pools = {"big": _pool("big", TIERS), "small": _pool("small", TIERS)}
+    control = OverloadControl(TIERS, RateLimiter(), pools)
+    facts = _facts()
+    # assigned at once with no rate limit to report: the controller's assignment is the whole answer
+    assert _arrive(control, 0.0, facts) == Assignment(facts.request_id, "big#0", 2)
+    assert control.finish(1.0, facts.request_id, used_tokens=30) is None  # no reservation was kept
+    assert control.open_requests == 0
+    _arrive(control, 1.0, _facts())  # the slot taken: the next one queues, and is told so
+    assert _arrive(control, 1.0, _facts()).outcome is ArrivalOutcome.QUEUED

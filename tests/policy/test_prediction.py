@@ -132,3 +132,25 @@ def test_the_correction_leans_towards_queueing() -> None:
     assert predictor.correction == pytest.approx(0.6)
     predictor.on_waited(0.0, 5.0)  # nothing was predicted: nothing to learn
     assert predictor.correction == pytest.approx(0.6)
+
+
+def test_a_request_sent_at_once_is_accounted_as_queued_then_dispatched() -> None:
+    """`on_sent_at_once` is `on_queued` then `on_dispatch` with nothing queued after it, in one call:
+    the same rates and predictions, whether or not a backlogged interval was open."""
+    one, two = WaitPredictor(WorkUnit.TOKENS), WaitPredictor(WorkUnit.TOKENS)
+    now_s = 0.0
+    for step in range(200):
+        now_s += (step % 7) * 0.013
+        rank, tokens = step % 3, 50 + 37 * (step % 11)
+        if step % 5 == 0:  # a backlog: dispatches with requests left behind them
+            for predictor in (one, two):
+                predictor.on_queued(now_s, rank, tokens)
+                predictor.on_dispatch(now_s, tokens, queued_after=2)
+            continue
+        one.on_queued(now_s, rank, tokens)
+        one.on_dispatch(now_s, tokens, queued_after=0)
+        two.on_sent_at_once(now_s, rank, tokens)
+        ahead = QueueAhead(3, 900)
+        for asked in range(3):
+            assert one.predict(now_s, ahead, now_s + 5.0, asked) == two.predict(now_s, ahead, now_s + 5.0, asked)
+        assert one.service_rate_per_s == two.service_rate_per_s

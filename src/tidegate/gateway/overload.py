@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NoReturn
 
 from tidegate.errors import AuthenticationError, OverloadedError, RateLimitError
 from tidegate.gateway.dispatch import ModelPool, Replica
@@ -23,11 +23,11 @@ from tidegate.gateway.overload_metrics import OverloadMetrics
 from tidegate.policy.admission import LimitKind
 from tidegate.policy.degradation import DEGRADATION_HEADER, DegradationDecision, Rung
 from tidegate.policy.identity import Identity
-from tidegate.policy.overload import ArrivalOutcome, OverloadControl, RequestFacts, ShedNotice
+from tidegate.policy.overload import Arrival, ArrivalOutcome, OverloadControl, ShedNotice
 from tidegate.policy.pool import REFUSED_NO_REPLICA, PoolController
 from tidegate.policy.prefix import BLOCK_CHARS, BLOCK_TOKENS, MAX_BLOCKS, prefix_blocks
 from tidegate.policy.slot_split import OutsideLoad
-from tidegate.types import Assignment, Preemption, Refusal
+from tidegate.types import Assignment, PoolRequest, Preemption, Refusal
 
 __all__ = [
     "TenantRateLimitError",
@@ -276,6 +276,7 @@ class OverloadRuntime:
         # the proxy awaits its decision and hands it to `admit`; None: the in-process limiter decides
         self.shared_limits: Any = None
         self._ttft_targets_s = {tier.name: tier.ttft_target_s for tier in self.control.tiers}
+        self._default_tier = self.control.tiers.default.name  # an identity's tier when it names none
         self._prefix_affinity = self.config.limits.prefix_cache_tokens != 0
         for tier_name, target_s in self._ttft_targets_s.items():
             metrics.ttft_target.labels(tier_name).set(target_s)
@@ -335,44 +336,66 @@ class OverloadRuntime:
         # a prompt shorter than one block has no prefix to route by: not hashed
         prefix = prompt_prefix(body) if self._prefix_affinity and prompt_tokens > BLOCK_TOKENS else ()
         preemptible = identity.preemptible
-        facts = RequestFacts(request_id, identity.tenant, identity.tier, model, prompt_tokens, max_tokens,
-                             timeout_s=timeout_s, streamed=streamed, prefix=prefix, fingerprint=fingerprint,
-                             preemptible=preemptible)
-        arrival = self.control.arrive(now_s, facts, cached_answer_available=cached_answer_available,
+        # the one record of the request the controllers keep, from its arrival to its end
+        request = PoolRequest(request_id, now_s, identity.tenant,
+                              self._default_tier if identity.tier is None else identity.tier, prompt_tokens,
+                              max_tokens, timeout_s, streamed, prefix, fingerprint, preemptible)
+        arrival = self.control.arrive(now_s, model, request, cached_answer_available=cached_answer_available,
                                       admission=None if shared is None else shared.decision)
         metrics = self.metrics
-        metrics.work_tokens.add(model, prompt_tokens, 0)
-        tier = arrival.tier.name
-        limits = arrival.admission.headers
-        headers = _header_lines(limits.as_http_headers()) if limits is not None else b""
-        outcome = arrival.outcome
-        if outcome is ArrivalOutcome.QUEUED or outcome is ArrivalOutcome.ASSIGNED:
-            assert arrival.pool is not None
+        tier = request.tier
+        if type(arrival) is Assignment:  # assigned at once, no rate limit to report
+            assignment, headers, outcome = arrival, b"", ArrivalOutcome.ASSIGNED
+        else:
+            limits = arrival.admission.headers
+            headers = _header_lines(limits.as_http_headers()) if limits is not None else b""
+            outcome = arrival.outcome
+            assignment = arrival.assignment if arrival.rung is Rung.PRIMARY else None
+        if assignment is not None:
+            # the common case below capacity: its prompt's work, its admission and its wait (none)
+            # counted in one call, and nothing predicted, shed or degraded to answer
+            metrics.sent_at_arrival(model, tier, prompt_tokens)
+            ticket = Ticket(request_id, model, tier, prompt_tokens, now_s, None, headers)
+            ticket.dispatched_s = now_s  # its wait is counted: `carry_out` observes none
+            self.bodies[model].carry_out(now_s, ticket, assignment)
+        elif outcome is ArrivalOutcome.QUEUED or outcome is ArrivalOutcome.ASSIGNED:
+            assert type(arrival) is Arrival and arrival.pool is not None
+            metrics.work_tokens.add(model, prompt_tokens, 0)
             if arrival.rung is not Rung.PRIMARY:
                 headers += _header_lines({DEGRADATION_HEADER: arrival.rung.value})
                 metrics.of(metrics.degraded, model, arrival.rung.value).inc()
             metrics.of(metrics.admissions, model, tier, "queued" if arrival.rung is Rung.PRIMARY
                        else arrival.rung.value).inc()
             body = self.bodies[arrival.pool]
-            if arrival.assignment is not None:  # sent at arrival: nothing was predicted
+            if arrival.assignment is not None:  # sent at arrival to the fallback pool: nothing was predicted
                 ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, None, headers)
                 body.carry_out(now_s, ticket, arrival.assignment)
             else:
                 ticket = Ticket(request_id, arrival.pool, tier, prompt_tokens, now_s, arrival.predicted_wait_s, headers)
                 body.wait(ticket)
-            ticket.shared = shared
-            if 0 < len(prefix) < MAX_BLOCKS:  # its last, partial block half full on average
-                ticket.prompt_chars = len(prefix) * BLOCK_CHARS + BLOCK_CHARS // 2
-            if preemptible:
-                task = asyncio.current_task()
-                assert task is not None
-                self._preemptible[request_id] = (task, tier)
             if arrival.shed:
                 self._answer_shed(now_s, arrival.shed)
-            return ticket
+        else:
+            assert type(arrival) is Arrival
+            self._refuse(now_s, model, tier, prompt_tokens, arrival, headers, shared)
+        ticket.shared = shared
+        if 0 < len(prefix) < MAX_BLOCKS:  # its last, partial block half full on average
+            ticket.prompt_chars = len(prefix) * BLOCK_CHARS + BLOCK_CHARS // 2
+        if preemptible:
+            task = asyncio.current_task()
+            assert task is not None
+            self._preemptible[request_id] = (task, tier)
+        return ticket
+
+    def _refuse(self, now_s: float, model: str, tier: str, prompt_tokens: int, arrival: Arrival, headers: bytes,
+                shared: Any) -> NoReturn:
+        """Raises the answer to a request refused at arrival (rate limits, the ladder)."""
+        metrics = self.metrics
+        metrics.work_tokens.add(model, prompt_tokens, 0)  # refused work is demand too
         if shared is not None:
             shared.settle(0)  # admitted by the limits, answered without a model: nothing used
         self._answer_shed(now_s, arrival.shed)
+        outcome = arrival.outcome
         metrics.of(metrics.admissions, model, tier, outcome.value).inc()
         if outcome in (ArrivalOutcome.RATE_LIMITED, ArrivalOutcome.TOO_LARGE):
             kind = arrival.admission.limit_hit or LimitKind.REQUESTS
@@ -459,7 +482,7 @@ class OverloadRuntime:
             self._preemptible.pop(ticket.request_id, None)
         now_s = self.clock()
         body = self.bodies[ticket.pool]
-        if body.waiting.pop(ticket.request_id, None) is not None:
+        if ticket.future is not None and body.waiting.pop(ticket.request_id, None) is not None:
             body.controller.on_cancel(now_s, ticket.request_id)  # the client left while it waited
         elif ticket.replica is not None:  # also when assigned just as the client left
             body.ended(now_s, ticket, completion_tokens)

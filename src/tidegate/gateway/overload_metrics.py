@@ -33,6 +33,9 @@ class OverloadMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        # (pool, tier) -> what `sent_at_arrival` counts: the admissions' child, the queue wait's
+        # bucket counts and the index of its bucket for 0 s, the work tokens' row of the pool
+        self._at_arrival: dict[tuple[str, str], tuple[_Count, list[float], int, list[float]]] = {}
         self.queue_depth = Gauge("tidegate_overload_queue_depth", "Requests waiting, by pool and tier",
                                  ["pool", "tier"], registry=r)
         self.oldest_wait = Gauge("tidegate_overload_queue_oldest_wait_seconds",
@@ -94,6 +97,21 @@ class OverloadMetrics:
         self.ttft_fit = Gauge("tidegate_replica_ttft_fit_seconds", "The replica's fitted engine time to first "
                               "token: `fixed` seconds plus `per_token` seconds for each prefill token ahead (NaN "
                               "before its first token)", ["pool", "replica", "coefficient"], registry=r)
+
+    def sent_at_arrival(self, pool: str, tier: str, prompt_tokens: int) -> None:
+        """A request admitted and sent at once, the common case below capacity, counted in one call:
+        its admission (`queued`), its queue wait (0: the first bucket, nothing added to the sum) and
+        its prompt's work, with each series looked up once per (pool, tier) rather than per request."""
+        counted = self._at_arrival.get((pool, tier))
+        if counted is None:
+            waits = self.queue_wait.labels(pool, tier)
+            counted = self._at_arrival[(pool, tier)] = (
+                self.admissions.labels(pool, tier, "queued"), waits.counts, bisect.bisect_left(waits.bounds, 0.0),
+                self.work_tokens.row(pool))
+        admitted, wait_counts, no_wait, work = counted
+        admitted.value += 1
+        wait_counts[no_wait] += 1
+        work[0] += prompt_tokens
 
     def of(self, metric: Any, *labels: str) -> Any:
         """The labelled child, resolved once: `labels()` takes a lock and builds a key each call."""
@@ -234,21 +252,22 @@ class WorkTokens:
     def __init__(self) -> None:
         self._by_pool: dict[str, list[float]] = {}  # pool -> [prompt tokens, output tokens, tokens served]
 
-    def _row(self, pool: str) -> list[float]:
+    def row(self, pool: str) -> list[float]:
+        """The pool's [prompt tokens, output tokens, tokens served], created at 0 (counted into in place)."""
         row = self._by_pool.get(pool)
         if row is None:
             row = self._by_pool[pool] = [0.0, 0.0, 0.0]
         return row
 
     def add(self, pool: str, prompt_tokens: int, output_tokens: int) -> None:
-        row = self._row(pool)
+        row = self.row(pool)
         row[0] += prompt_tokens
         row[1] += output_tokens
 
     def add_served(self, pool: str, prompt_tokens: int, output_tokens: int) -> None:
         """A request that generated `output_tokens` settled: its output arrives as work, and its
         prompt and output were served."""
-        row = self._row(pool)
+        row = self.row(pool)
         row[1] += output_tokens
         row[2] += prompt_tokens + output_tokens
 

@@ -25,27 +25,12 @@ from tidegate.policy.tiers import TierSpec, TierTable
 from tidegate.types import ArrivalDecision, ArrivalVerdict, Assignment, PoolRequest, Refusal
 
 __all__ = [
-    "RequestFacts",
     "ArrivalOutcome",
     "ShedNotice",
     "Arrival",
     "PoolPolicies",
     "OverloadControl",
 ]
-
-
-class RequestFacts(NamedTuple):  # built per request: a NamedTuple is cheap (tidegate.types)
-    request_id: str
-    tenant: str
-    tier: str | None  # None: the default tier
-    model: str  # the model pool asked for
-    prompt_tokens: int
-    max_tokens: int
-    timeout_s: float | None = None  # the client's `x-request-timeout`, if any
-    streamed: bool = True  # the answer is a stream: its first token is reported
-    prefix: tuple[int, ...] = ()  # the prompt's prefix blocks (`policy.prefix`), for prefix-aware routing
-    fingerprint: int = 0  # the same for the same request from the same tenant (`policy.resends`); 0: none
-    preemptible: bool = False  # re-runnable background work (`PoolRequest.preemptible`)
 
 
 class ArrivalOutcome(Enum):
@@ -97,9 +82,14 @@ class PoolPolicies:
         return cls(controller, DegradationLadder(pool, ladder))
 
 
+# every request's admission when no rate limit is configured (`RateLimiter.unlimited`): the limiter
+# would keep no account of it, so none is built (its reservation None: nothing reserved), nor settled
+_NO_LIMITS = AdmissionDecision(AdmissionOutcome.ADMITTED, None, None, None, None, "")
+
+
 @dataclass(slots=True)
 class _Admitted:
-    reservation: Reservation
+    reservation: Reservation | None  # None: no limit applies, nothing to settle
     request: PoolRequest
     moved: bool = False  # waits in a fallback pool already: never moved again
     cached_answer: bool = False  # the cache holds an answer to it: the ladder's cached-answer rung can serve it
@@ -113,40 +103,46 @@ class OverloadControl:
             if fallback is not None and fallback not in pools:
                 raise ValueError(f"pool {name} falls back to unknown pool {fallback}")
         self.tiers = tiers
+        self._tier_specs = {tier.name: tier for tier in tiers}  # a dict's lookup: no call per request
         self.limiter = limiter
+        self._no_limits = limiter.unlimited
         self.pools = dict(pools)
         self._admitted: dict[str, _Admitted] = {}  # admitted and not yet settled
 
-    def arrive(self, now_s: float, facts: RequestFacts, *, cached_answer_available: bool = False,
-               admission: AdmissionDecision | None = None) -> Arrival:
-        """Admission, then the pool's controller, then the ladder when it will not take the request.
+    def arrive(self, now_s: float, model: str, request: PoolRequest, *, cached_answer_available: bool = False,
+               admission: AdmissionDecision | None = None) -> Arrival | Assignment:
+        """Admission, then the pool `model`'s controller, then the ladder when it will not take the
+        request. `request` is the one record of it the controllers keep: its tier a configured tier's
+        name (`tiers.get(None).name` for the default), its arrival `now_s`. The common case below
+        capacity with no rate limit configured, a request its pool assigned at once, is answered with
+        the controller's `Assignment` alone (no record built around it); every other, with an `Arrival`.
 
         `admission`: the rate-limit decision, when a limiter outside this object took it (one shared
         by several gateways); its reservation is then settled by that limiter, never by `limiter`.
         Raises KeyError for an unknown tier or pool (validate those first: 401 / 404), ValueError
         for a request id already in flight.
         """
-        if facts.request_id in self._admitted:
-            raise ValueError(f"request {facts.request_id} is already in flight")
-        tier = self.tiers.get(facts.tier)
-        policies = self.pools[facts.model]
+        request_id = request.request_id
+        if request_id in self._admitted:
+            raise ValueError(f"request {request_id} is already in flight")
+        tier = self._tier_specs[request.tier]
+        policies = self.pools[model]
         external = admission is not None
         if admission is None:
-            admission = self.limiter.admit(now_s, facts.tenant, facts.model, facts.prompt_tokens, facts.max_tokens)
-        if not admission.admitted:
+            admission = _NO_LIMITS if self._no_limits else self.limiter.admit(
+                now_s, request.tenant, model, request.prompt_tokens, request.max_output_tokens)
+        if admission.outcome is not AdmissionOutcome.ADMITTED:
             outcome = (ArrivalOutcome.TOO_LARGE if admission.outcome is AdmissionOutcome.TOO_LARGE
                        else ArrivalOutcome.RATE_LIMITED)
             return Arrival(outcome, tier, None, Rung.PRIMARY, admission, None, None, None, ())
-        assert admission.reservation is not None
-        request = PoolRequest(facts.request_id, now_s, facts.tenant, tier.name, facts.prompt_tokens, facts.max_tokens,
-                              facts.timeout_s, facts.streamed, facts.prefix, facts.fingerprint,
-                              facts.preemptible)
-        self._admitted[facts.request_id] = _Admitted(admission.reservation, request,
-                                                     cached_answer=cached_answer_available, external=external)
+        self._admitted[request_id] = _Admitted(admission.reservation, request, False, cached_answer_available,
+                                               external)
         decision = policies.controller.on_arrival(now_s, request)
-        if decision.verdict is ArrivalVerdict.ASSIGNED:  # nothing waited: nothing pressed, nothing shed
-            return Arrival(ArrivalOutcome.ASSIGNED, tier, facts.model, Rung.PRIMARY, admission, 0.0, None, None, (),
-                           decision.assignment)
+        if type(decision) is Assignment:  # nothing waited: nothing pressed, nothing shed
+            if admission is _NO_LIMITS:  # and no rate limit to report: the assignment says it all
+                return decision
+            return Arrival(ArrivalOutcome.ASSIGNED, tier, model, Rung.PRIMARY, admission, 0.0, None, None, (),
+                           decision)
         shed = self._displaced(now_s, policies, decision.displaced)
         fallback = self._fallback(policies)
         if decision.verdict is ArrivalVerdict.QUEUED:
@@ -154,20 +150,20 @@ class OverloadControl:
             # start them in time; without one they stay: refusing what would be served in time
             # is not protection
             if fallback is not None and policies.ladder.should_degrade(tier, decision.pressure):
-                moved = self._move(now_s, fallback, facts.request_id, request, shed)
+                moved = self._move(now_s, fallback, request_id, request, shed)
                 if moved is not None:
-                    policies.controller.on_cancel(now_s, facts.request_id)
+                    policies.controller.on_cancel(now_s, request_id)
                     return self._moved(moved, tier, fallback, admission, None, shed)
-            return Arrival(ArrivalOutcome.QUEUED, tier, facts.model, Rung.PRIMARY, admission,
+            return Arrival(ArrivalOutcome.QUEUED, tier, model, Rung.PRIMARY, admission,
                            decision.predicted_wait_s, None, None, tuple(shed))
         after = Rung.PRIMARY
         if fallback is not None:
-            moved = self._move(now_s, fallback, facts.request_id, request, shed)
+            moved = self._move(now_s, fallback, request_id, request, shed)
             if moved is not None:
                 return self._moved(moved, tier, fallback, admission, decision.reason, shed)
             after = Rung.FALLBACK_POOL
         # answered without a model: nothing of the reservation is used
-        self._settle(now_s, facts.request_id, 0)
+        self.finish(now_s, request_id, used_tokens=0)
         reply = policies.ladder.next_rung(after, cached_answer_available=cached_answer_available,
                                           retry_after_s=decision.retry_after_s)
         if reply.rung is Rung.CACHED_ANSWER:
@@ -187,8 +183,16 @@ class OverloadControl:
 
     def finish(self, now_s: float, request_id: str, *, used_tokens: int) -> Settlement | None:
         """A request admitted by `arrive` ended, however it ended (served, failed, refused while
-        queued, client gone): settle its reservation with the tokens it used. Idempotent."""
-        return self._settle(now_s, request_id, used_tokens)
+        queued, client gone): settle its reservation with the tokens it used. Idempotent. None: nothing
+        to settle (settled already, or no rate limit is configured)."""
+        admitted = self._admitted.pop(request_id, None)
+        if admitted is None or admitted.reservation is None:
+            return None
+        if admitted.external:  # its limiter settles it: what it is to refund, or charge beyond the reservation
+            reserved = admitted.reservation.reserved_tokens
+            refund = max(0, reserved - used_tokens)
+            return Settlement(reserved, used_tokens, refund, float(reserved - refund + max(0, used_tokens - reserved)))
+        return self.limiter.settle(now_s, admitted.reservation, used_tokens)
 
     @property
     def open_requests(self) -> int:
@@ -198,7 +202,8 @@ class OverloadControl:
     # ---- internals ----------------------------------------------------------------------------
 
     @staticmethod
-    def _moved(moved: ArrivalDecision, tier: TierSpec, fallback: PoolPolicies, admission: AdmissionDecision,
+    def _moved(moved: ArrivalDecision | Assignment, tier: TierSpec, fallback: PoolPolicies,
+               admission: AdmissionDecision,
                reason: str | None, shed: list[ShedNotice]) -> Arrival:
         outcome = ArrivalOutcome.ASSIGNED if moved.verdict is ArrivalVerdict.ASSIGNED else ArrivalOutcome.QUEUED
         return Arrival(outcome, tier, fallback.ladder.pool, Rung.FALLBACK_POOL, admission, moved.predicted_wait_s,
@@ -209,7 +214,7 @@ class OverloadControl:
         return None if name is None else self.pools[name]
 
     def _move(self, now_s: float, fallback: PoolPolicies, request_id: str, request: PoolRequest,
-              shed: list[ShedNotice]) -> ArrivalDecision | None:
+              shed: list[ShedNotice]) -> ArrivalDecision | Assignment | None:
         """Queues the request in the fallback pool, once; None when that pool refuses it too."""
         admitted = self._admitted[request_id]
         if admitted.moved:
@@ -248,13 +253,3 @@ class OverloadControl:
             notices.append(ShedNotice(request_id, request.tier, pool, refusal.reason,
                                       self.refusal_reply(pool, refusal)))
         return notices
-
-    def _settle(self, now_s: float, request_id: str, used_tokens: int) -> Settlement | None:
-        admitted = self._admitted.pop(request_id, None)
-        if admitted is None:
-            return None
-        if admitted.external:  # its limiter settles it: what it is to refund, or charge beyond the reservation
-            reserved = admitted.reservation.reserved_tokens
-            refund = max(0, reserved - used_tokens)
-            return Settlement(reserved, used_tokens, refund, float(reserved - refund + max(0, used_tokens - reserved)))
-        return self.limiter.settle(now_s, admitted.reservation, used_tokens)

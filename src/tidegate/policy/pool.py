@@ -126,7 +126,6 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import NamedTuple
 
 from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, is_routable, median
 from tidegate.policy.prediction import WaitPredictor, WorkUnit
@@ -241,17 +240,18 @@ class PoolSnapshot:
     held_resends: int = 0  # rule 10
 
 
-class _Pick(NamedTuple):
-    replica: _Replica
-    prefill_tokens: int  # its prompt's, less the prefix the replica probably holds
-    prefix_key: int | None  # the last block of the prefix it probably holds there (`AffinityLoad`)
-    moved_from: _Replica | None  # the replica its prefix was held at, moved from (rule 7)
-    moved_blocks: int  # how many of its prefix blocks that replica held
+# `_pick`'s answer, built for every request sent: a plain tuple, no record class to call.
+# (the replica,
+#  its prefill tokens there: its prompt's, less the prefix the replica probably holds,
+#  the last block of the prefix it probably holds there (`AffinityLoad`), or None,
+#  the replica its prefix was held at and moved from (rule 7), or None,
+#  how many of its prefix blocks that replica held)
+_Pick = tuple["_Replica", int, "int | None", "_Replica | None", int]
 
 
 @dataclass(slots=True)
 class _Sent:
-    request: QueuedRequest
+    request: QueuedRequest | PoolRequest  # the queue's record, or, sent at once, the one it arrived with
     replica_id: str
     level: int
     sent_s: float
@@ -317,6 +317,7 @@ class PoolController:
         if len({r.replica_id for r in replicas}) != len(replicas):
             raise ValueError("replica ids must be unique")
         self.tiers = tiers
+        self._tier_specs = {tier.name: tier for tier in tiers}  # a dict's lookup: no call on the hot path
         self.settings = settings
         self._levels = 2 * (max(t.rank for t in tiers) + 1)
         affinity = settings.prefix_cache_tokens > 0
@@ -344,8 +345,9 @@ class PoolController:
         self._assumed_prefills: list[tuple[float, int | str]] = []
         self._refusals: list[Refusal] = []  # decided by an event, handed out by the next `on_capacity`
         self._last_arrival_s: dict[str, float] = {}
-        # the latest arrival of any tier of this rank or better, by rank (rule 5's headroom memory)
-        self._last_better_arrival_s = [-math.inf] * (self._levels // 2)
+        # the latest arrival of the tier of each rank, by rank (rule 5's headroom memory reads the
+        # latest of the better ranks': one store an arrival, where keeping that latest by rank took a loop)
+        self._last_arrival_by_rank = [-math.inf] * (self._levels // 2)
         self._floods_counted: dict[str, frozenset[str]] = {}  # tier -> tenants whose slots count demoted
         self._speed_factors: tuple[float, ...] | None = None  # the last `pool_line` answer's, by replica
         self._line: TtftFit | None = None  # the pool's TTFT line at speed 1, as last fitted
@@ -396,7 +398,7 @@ class PoolController:
         if level % 2:
             return True
         rank = level // 2
-        return rank > 0 and now_s - self._last_better_arrival_s[rank - 1] <= self.settings.headroom_memory_s
+        return rank > 0 and now_s - max(self._last_arrival_by_rank[:rank]) <= self.settings.headroom_memory_s
 
     def engine_level(self, tier: str, service: ServiceClass) -> int:
         return 2 * self.tiers[tier].rank + (service is ServiceClass.DEMOTED)
@@ -416,23 +418,23 @@ class PoolController:
 
     # ---- events -------------------------------------------------------------------------------
 
-    def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision:
-        if request.tier not in self.tiers:
+    def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision | Assignment:
+        """The request's `Assignment` when it goes at once (rule 1), else the decision to queue or
+        refuse it."""
+        tier = self._tier_specs.get(request.tier)
+        if tier is None:
             return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_UNKNOWN_TIER)
-        tier = self.tiers[request.tier]
         self._last_arrival_s[tier.name] = now_s
-        better = self._last_better_arrival_s
-        for rank in range(tier.rank, len(better)):
-            if better[rank] >= now_s:
-                break
-            better[rank] = now_s
+        last = self._last_arrival_by_rank
+        if now_s > last[tier.rank]:
+            last[tier.rank] = now_s
         if self._shares is not None:  # demand counts whether or not it is served
             self._shares.on_arrival(now_s, tier.name, request.tenant, request.prompt_tokens + request.max_output_tokens)
         # nothing waits and a replica takes it: the common case, first (a replica that takes it is routable)
         if not self._queue and not self._retries and (request.timeout_s is None or request.timeout_s > 0):
             assignment = self._assign_at_once(now_s, tier, request)
             if assignment is not None:
-                return ArrivalDecision(ArrivalVerdict.ASSIGNED, None, None, (), 0.0, 0.0, assignment)
+                return assignment
         if not any(self._routable(r, now_s) for r in self._order):
             return ArrivalDecision(ArrivalVerdict.REFUSED, REFUSED_NO_REPLICA)
         tokens = request.prompt_tokens + request.max_output_tokens
@@ -571,7 +573,11 @@ class PoolController:
         replica.breaker = replica.breaker.on_failure(now_s, sent.sent_s, self.settings.breaker,
                                                      may_eject=self._may_eject(now_s), pool_failure_ratio=pool_ratio)
         if retry:
-            self._retries.append((sent.request, frozenset({sent.replica_id})))
+            request = sent.request
+            if type(request) is PoolRequest:  # sent at once: it waits as the queue record it never had
+                request = QueuedRequest(request.request_id, request.tenant, request.tier,  # type: ignore[arg-type]
+                                        request.prompt_tokens, request.max_output_tokens, sent.sent_s, math.inf)
+            self._retries.append((request, frozenset({sent.replica_id})))
             if preemptible:
                 self._preemptible.add(request_id)
         else:
@@ -671,49 +677,51 @@ class PoolController:
             self._assume_prefills_done(now_s)
         if self._shares is not None:
             self._demote_slots_of_new_floods(now_s)
-        queued = QueuedRequest(request.request_id, request.tenant, tier.name, request.prompt_tokens,  # type: ignore[arg-type]
-                               request.max_output_tokens, now_s, math.inf)
-        assignment = self._try_assign(now_s, queued, _NO_REPLICAS, whole=not request.streamed, prefix=request.prefix)
+        # the request is its own account: no queue record is built for it (`_Sent.request`)
+        assignment = self._try_assign(now_s, request, _NO_REPLICAS, whole=not request.streamed, prefix=request.prefix,
+                                      enqueued_at_s=now_s)
         if assignment is None:
             return None
         if not request.streamed:
             self._whole.add(request.request_id)
         if request.preemptible:
             self._preemptible.add(request.request_id)
-        tokens = queued.tokens
-        self._queue.charge_unqueued(queued)
-        self._predictor.on_queued(now_s, tier.rank, tokens)
-        self._predictor.on_dispatch(now_s, tokens, queued_after=0)
+        tokens = request.prompt_tokens + request.max_output_tokens
+        self._queue.charge_unqueued(request)  # type: ignore[arg-type]
+        self._predictor.on_sent_at_once(now_s, tier.rank, tokens)
         if self._shares is not None:
             self._shares.on_dispatch(now_s, tier.name, tokens)
         return assignment
 
-    def _try_assign(self, now_s: float, request: QueuedRequest, exclude: frozenset[str],
+    def _try_assign(self, now_s: float, request: QueuedRequest | PoolRequest, exclude: frozenset[str],
                     dequeue_skip: frozenset[str] | None = None, whole: bool | None = None,
-                    prefix: tuple[int, ...] | None = None) -> Assignment | None:
+                    prefix: tuple[int, ...] | None = None, enqueued_at_s: float | None = None) -> Assignment | None:
         """`whole`: the request reports no first token (None: look it up in `_whole`); `prefix`:
-        its prefix blocks (None: look them up in `_prefixes`)."""
+        its prefix blocks (None: look them up in `_prefixes`); `enqueued_at_s`: when its wait began,
+        given for a request sent at once (a `PoolRequest`), else the queued request's own."""
         if prefix is None:
             prefix = self._prefixes.get(request.request_id, ())
-        tier = self.tiers[request.tier]
+        tier = self._tier_specs[request.tier]
         shares = self._shares
         # `engine_level(service_class(...))` inline: this runs for every request
         level = 2 * tier.rank + (shares is not None and request.tenant in shares.over_share(now_s, tier.name))
         # what is left of its TTFT target after its wait so far (rule 3): an engine that would
         # start it later has no use for it now
-        left_s = request.enqueued_at_s + tier.ttft_target_s - now_s
+        if enqueued_at_s is None:
+            enqueued_at_s = request.enqueued_at_s  # type: ignore[union-attr]
+        left_s = enqueued_at_s + tier.ttft_target_s - now_s
         picked = self._pick(now_s, tier, level, request.prompt_tokens, exclude, left_s, prefix)
         if picked is None:
             return None
-        replica, prefill_tokens = picked.replica, picked.prefill_tokens
+        replica, prefill_tokens, prefix_key, moved_from, moved_blocks = picked
         if prefix:
             self._prefixes.pop(request.request_id, None)
-            balance, moved_from = self._affinity_load, picked.moved_from
+            balance = self._affinity_load
             if balance is not None:
-                if moved_from is not None and moved_from.prefixes is not None and picked.prefix_key is not None:
-                    moved_from.prefixes.forget(prefix[:picked.moved_blocks])  # its next requests follow it
-                    balance.move(now_s, picked.prefix_key, moved_from.config.replica_id, replica.config.replica_id)
-                balance.record(now_s, replica.config.replica_id, picked.prefix_key)
+                if moved_from is not None and moved_from.prefixes is not None and prefix_key is not None:
+                    moved_from.prefixes.forget(prefix[:moved_blocks])  # its next requests follow it
+                    balance.move(now_s, prefix_key, moved_from.config.replica_id, replica.config.replica_id)
+                balance.record(now_s, replica.config.replica_id, prefix_key)
             if replica.prefixes is not None:
                 replica.prefixes.record(prefix)
         if dequeue_skip is not None:
@@ -727,7 +735,9 @@ class PoolController:
         ahead = replica.ahead(level) + prefill_tokens
         replica.requests += 1
         replica.held[level] += 1
-        replica.breaker = replica.breaker.on_dispatch(now_s)
+        breaker = replica.breaker
+        if breaker.state is not BreakerState.CLOSED:  # a closed breaker stays as it is: no call
+            replica.breaker = breaker.on_dispatch(now_s)
         sent = self._sent[request.request_id] = _Sent(request, rid, level, now_s, ahead, prefill_tokens,
                                                       slot_level=level)
         fit = replica.fit
@@ -743,7 +753,6 @@ class PoolController:
             # is forgotten at once (`test_a_whole_answer_holds_the_budget_for_its_predicted_prefill`)
             replica.prefill[level] += prefill_tokens
             heapq.heappush(self._assumed_prefills, (now_s + fit.predict_s(ahead), request.request_id))
-        moved_from = picked.moved_from
         return Assignment(request.request_id, rid, level,
                           None if moved_from is None else moved_from.config.replica_id)
 
@@ -800,24 +809,24 @@ class PoolController:
         if best is None:
             return None
         self._cursor = (best_index + 1) % count
-        pick = _Pick(best, best_tokens, None, None, 0)
+        pick: _Pick = (best, best_tokens, None, None, 0)
         return pick if eligible is None or not best_matched else self._rebalanced(now_s, prefix, pick, best_matched,
                                                                                    eligible)
 
     def _rebalanced(self, now_s: float, prefix: tuple[int, ...], pick: _Pick, matched: int,
                     eligible: list[tuple[_Replica, int]]) -> _Pick:
-        """Rule 7's balance over time: a request whose prefix `pick.replica` holds (its first `matched`
+        """Rule 7's balance over time: a request whose prefix the picked replica holds (its first `matched`
         blocks) goes instead to the least loaded replica that may take it, its prefix moved there,
         when `AffinityLoad` says the move evens their recent loads out by more than noise (a query)."""
-        source, balance = pick.replica, self._affinity_load
+        source, balance = pick[0], self._affinity_load
         assert balance is not None  # `eligible` is kept only with affinity on
         key = prefix[matched - 1]
         owns = {r.config.replica_id: (r, own) for r, own in eligible if r is not source}
         target = balance.move_target(now_s, key, source.config.replica_id, owns)
         if target is None:
-            return _Pick(source, pick.prefill_tokens, key, None, 0)
+            return source, pick[1], key, None, 0
         replica, own = owns[target]
-        return _Pick(replica, own, key, source, matched)
+        return replica, own, key, source, matched
 
     def _preempt_for(self, now_s: float, request: QueuedRequest) -> Preemption | None:
         """Rule 9: `request` found no slot; stop the youngest preemptible request of a worse tier whose
@@ -982,8 +991,7 @@ class PoolController:
                 self._held.take_newest(tier)
                 tokens = request.tokens
                 self._queue.charge_unqueued(request)
-                self._predictor.on_queued(now_s, self.tiers[tier].rank, tokens)
-                self._predictor.on_dispatch(now_s, tokens, queued_after=0)
+                self._predictor.on_sent_at_once(now_s, self.tiers[tier].rank, tokens)
                 if self._shares is not None:
                     self._shares.on_dispatch(now_s, tier, tokens)
                 assignments.append(assignment)

@@ -159,6 +159,24 @@ class WaitPredictor:
         # an impulse of `work` spread over the time constant: the average's units are work per second
         self._arrival_rate_per_s[rank] = self._arrival_rate_per_s.get(rank, 0.0) + work / self._time_constant_s
 
+    def on_sent_at_once(self, now_s: float, rank: int, request_tokens: int) -> None:
+        """`on_queued` then `on_dispatch` with nothing queued after it, in one call: a request that found
+        nobody waiting went to a replica at once (the pool controller's rule 1), the common case."""
+        rates = self._arrival_rate_per_s
+        if rates:
+            decay = math.exp(-max(0.0, now_s - self._arrivals_at_s) / self._time_constant_s)
+            for other in rates:
+                rates[other] *= decay
+        if now_s > self._arrivals_at_s:
+            self._arrivals_at_s = now_s
+        work = 1.0 if self.unit is WorkUnit.REQUESTS else float(request_tokens)
+        rates[rank] = rates.get(rank, 0.0) + work / self._time_constant_s
+        if self._backlogged:  # the interval of the last backlogged dispatch ends here
+            self.on_dispatch(now_s, request_tokens, queued_after=0)
+            return
+        self._same_instant_work = 0.0
+        self._last_dispatch_s = now_s
+
     def arrival_rate_above(self, now_s: float, rank: int) -> float:
         """Work per second recently queued by tiers better than `rank` (a query: changes nothing)."""
         total = sum(rate for other, rate in self._arrival_rate_per_s.items() if other < rank)

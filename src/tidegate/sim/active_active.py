@@ -40,7 +40,7 @@ from tidegate.loadgen.arrivals import Poisson
 from tidegate.loadgen.mix import LengthDistribution
 from tidegate.sim.harness import Harness, TrafficClass, make_requests
 from tidegate.sim.scenarios import CHAT_OUTPUT, CHAT_PROMPT, DURATION_S, ScenarioRun, Verdict, replica_spec
-from tidegate.types import (ArrivalDecision, ArrivalVerdict, Assignment, Dispatch, PoolRequest, ReplicaHealth,
+from tidegate.types import (ArrivalDecision, Assignment, Dispatch, PoolRequest, ReplicaHealth,
                             ReplicaLoad)
 
 __all__ = ["GatewayFleet", "FleetRun", "run_fleet", "active_active", "outside_load"]
@@ -148,13 +148,13 @@ class GatewayFleet:
                                                   controller.held(rid) + others)
 
     # -- the dispatcher seam
-    def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision:
+    def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision | Assignment:
         self._catch_up(now_s)
         if request.tenant == OUTSIDE_TENANT:  # a client of the engines themselves: no gateway sees it
             replica_id = self._ids[self._direct % len(self._ids)]
             self._direct += 1
             self._owner[request.request_id] = -1
-            return ArrivalDecision(ArrivalVerdict.ASSIGNED, assignment=Assignment(request.request_id, replica_id))
+            return Assignment(request.request_id, replica_id)
         index = int(np.searchsorted(self._cumulative, self._rng.random(), side="right"))
         index = min(index, len(self.gateways) - 1)
         self._owner[request.request_id] = index

@@ -87,7 +87,7 @@ _OWN_MARK = 1 << 40  # first token of a request's own part: no request id or pre
 
 
 class Dispatcher(Protocol):
-    def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision: ...
+    def on_arrival(self, now_s: float, request: PoolRequest) -> ArrivalDecision | Assignment: ...
 
     def on_capacity(self, now_s: float, loads: Mapping[str, ReplicaLoad]) -> Dispatch:
         """`loads`: each live replica's self-report as of now_s (running, waiting, KV use)."""
