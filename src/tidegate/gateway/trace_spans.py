@@ -8,8 +8,9 @@ attributes (its id, token counts). So the encoder keeps, per distinct arrangemen
 with one `struct` call. No span object, attribute dict or protobuf object is made per request, and
 each request costs a few dozen interpreter steps whatever its number of spans.
 
-Why in batches: the exporter's task encodes the requests ended since its last export in one loop,
-off the requests' way, with the encoder's code and layouts warm.
+Why at once, as each request ends: a trace kept until the next export, with what it refers to, ages
+into the garbage collector's older generations, and their collections cost more than the encoding
+(gateway/tracing.py, `RequestTrace.end`). Bytes are not traversed.
 
 The bytes are exactly those of `telemetry.otlp.encode_span` for the spans `RequestTrace.spans` builds
 (tests/gateway/test_trace_spans.py checks it, and decodes them with the official classes).
@@ -23,6 +24,9 @@ from typing import TYPE_CHECKING
 
 from tidegate.gateway.tracing import (
     ADMISSION_SPAN,
+    ATTEMPT_FIRST_TOKEN_NS,
+    ATTEMPT_REPLICA,
+    ATTEMPT_SPAN_BYTE,
     QUEUE_SPAN,
     ROOT_SPAN,
     admission_attributes,
@@ -101,102 +105,101 @@ class TraceEncoder:
         return b"".join(self.encode_chunks(traces, monotonic_ns, unix_ns))
 
     def encode_chunks(self, traces: list[RequestTrace], monotonic_ns: int, unix_ns: int) -> list[bytes]:
-        """`encode`, a request's spans a piece (the exporter joins them once, into its request)."""
-        out: list[bytes] = []
-        append = out.append
-        layouts = self._layouts
+        """`encode`, a request's spans a piece."""
+        offset_ns = unix_ns - monotonic_ns
+        return [self.encode_trace(trace, offset_ns) for trace in traces]
+
+    def encode_trace(self, trace: RequestTrace, offset: int) -> bytes:
+        """The spans of one ended trace, framed as elements of `ScopeSpans.spans`; `offset`: what turns
+        the tracer's times into Unix time (Unix nanoseconds minus the tracer's clock, read together)."""
         varints = _VARINTS
-        offset = unix_ns - monotonic_ns  # the tracer's times to Unix time
-        for trace in traces:
-            trace.settle()
-            trace_id = trace.trace_id.to_bytes(16, "big")
-            base = trace.span_base or trace_id  # its first 7 bytes (a hole of 7)
-            parent, state = trace.parent_id, trace.tracestate
-            error = trace.error.encode() if trace.error else None
-            first_token_ns, queued_ns = trace.first_token_ns, trace.queued_ns
-            predicted_s = None if queued_ns is None else trace.predicted_wait_s
-            ended_ns = trace.ended_ns + offset
-            # the request's own attributes: its id (as it is, where its length fits one byte) and token counts
-            request_id = trace.request_id
-            if len(request_id) >= 100 or not request_id.isascii():
-                request_id = span_attribute(_REQUEST_ID, request_id.decode("latin-1"))
-                request_id_form = -len(request_id)  # the whole attribute, encoded here
+        trace_id = trace.trace_id.to_bytes(16, "big")
+        base = trace.span_base or trace_id  # its first 7 bytes (a hole of 7)
+        parent, state = trace.parent_id, trace.tracestate
+        error = trace.error.encode() if trace.error else None
+        first_token_ns, queued_ns = trace.first_token_ns, trace.queued_ns
+        predicted_s = None if queued_ns is None else trace.predicted_wait_s
+        ended_ns = trace.ended_ns + offset
+        # the request's own attributes: its id (as it is, where its length fits one byte) and token counts
+        request_id = trace.request_id
+        if len(request_id) >= 100 or not request_id.isascii():
+            request_id = span_attribute(_REQUEST_ID, request_id.decode("latin-1"))
+            request_id_form = -len(request_id)  # the whole attribute, encoded here
+        else:
+            request_id_form = len(request_id)
+        tokens = trace.input_tokens
+        input_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
+        tokens = trace.output_tokens
+        if tokens is None:
+            tokens = trace.output_estimate
+            output_form = 0 if tokens is None else -1  # -1: an estimate
+        else:
+            output_form = 1
+        output_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
+
+        # the attempts' spans, and what shapes them: replica, outcome, a first token
+        attempt_values: list = []
+        attempt_facts: list = []
+        pair = (trace_id, base, state, base) if state else (trace_id, base, base)
+        for _, replica, sent_ns, attempt_ended_ns, outcome, attempt_first_token_ns in trace.attempts:
+            attempt_values += pair
+            if attempt_ended_ns is None:
+                attempt_values += (sent_ns + offset, ended_ns)
+                attempt_facts += (replica, None)
             else:
-                request_id_form = len(request_id)
-            tokens = trace.input_tokens
-            input_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
-            tokens = trace.output_tokens
-            if tokens is None:
-                tokens = trace.output_estimate
-                output_form = 0 if tokens is None else -1  # -1: an estimate
-            else:
-                output_form = 1
-            output_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
+                attempt_values += (sent_ns + offset, attempt_ended_ns + offset)
+                attempt_facts += (replica, outcome)
+            if attempt_first_token_ns is not None:
+                attempt_values.append(attempt_first_token_ns + offset)
+                attempt_facts.append(True)
 
-            # the attempts' spans, and what shapes them: replica, outcome, a first token
-            attempt_values: list = []
-            attempt_facts: list = []
-            pair = (trace_id, base, state, base) if state else (trace_id, base, base)
-            for attempt in trace.attempts:
-                attempt_ended_ns = attempt.ended_ns
-                attempt_values += pair
-                if attempt_ended_ns is None:
-                    attempt_values += (attempt.sent_ns + offset, ended_ns)
-                    attempt_facts += (attempt.replica, None)
-                else:
-                    attempt_values += (attempt.sent_ns + offset, attempt_ended_ns + offset)
-                    attempt_facts += (attempt.replica, attempt.outcome)
-                if attempt.first_token_ns is not None:
-                    attempt_values.append(attempt.first_token_ns + offset)
-                    attempt_facts.append(True)
+        # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them);
+        # an attempt that ended with the request ended as the status says
+        key = (trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id,
+               trace.rung, trace.error_type, trace.verdict, queued_ns is None, predicted_s is None,
+               parent == 0, first_token_ns is None, request_id_form, input_tokens and len(input_tokens),
+               output_form, output_tokens and len(output_tokens), state and len(state), error and len(error),
+               *attempt_facts)
+        layouts = self._layouts
+        layout = layouts.get(key)
+        if layout is None:
+            if len(layouts) >= _LAYOUTS:
+                layouts.clear()
+            layout = layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form, output_tokens)
 
-            # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them);
-            # an attempt that ended with the request ended as the status says
-            key = (trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id,
-                   trace.rung, trace.error_type, trace.verdict, queued_ns is None, predicted_s is None,
-                   parent == 0, first_token_ns is None, request_id_form, input_tokens and len(input_tokens),
-                   output_form, output_tokens and len(output_tokens), state and len(state), error and len(error),
-                   *attempt_facts)
-            layout = layouts.get(key)
-            if layout is None:
-                if len(layouts) >= _LAYOUTS:
-                    layouts.clear()
-                layout = layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form, output_tokens)
-
-            # the holes, in the layout's order: each span's ids, [its tracestate], [parent], times, then
-            # what is the request's own
-            start_ns = int(trace.started_s * 1e9) + offset
-            values: list = [trace_id, base]
-            if state:
-                values.append(state)
-            if parent:
-                values.append(parent.to_bytes(8, "big"))
-            values += (start_ns, ended_ns, request_id)
-            if input_tokens is not None:
-                values.append(input_tokens)
-            if output_tokens is not None:
-                values.append(output_tokens)
-            if first_token_ns is not None:
-                values.append(first_token_ns + offset)
-            if error:
-                values.append(error)
-            if trace.tenant is not None:
-                values += pair
-                values += (start_ns, admission_decided_ns(trace) + offset)
-            if queued_ns is not None:
-                values += pair
-                values += (queued_ns + offset, trace.dispatched_ns + offset)
-                if predicted_s is not None:
-                    values.append(round(predicted_s, 6))
-            values += attempt_values
-            arguments = layout.template.copy()
-            arguments[1::2] = values
-            append(layout.pack(*arguments))
-        return out
+        # the holes, in the layout's order: each span's ids, [its tracestate], [parent], times, then
+        # what is the request's own
+        start_ns = int(trace.started_s * 1e9) + offset
+        values: list = [trace_id, base]
+        if state:
+            values.append(state)
+        if parent:
+            values.append(parent.to_bytes(8, "big"))
+        values += (start_ns, ended_ns, request_id)
+        if input_tokens is not None:
+            values.append(input_tokens)
+        if output_tokens is not None:
+            values.append(output_tokens)
+        if first_token_ns is not None:
+            values.append(first_token_ns + offset)
+        if error:
+            values.append(error)
+        if trace.tenant is not None:
+            values += pair
+            values += (start_ns, admission_decided_ns(trace) + offset)
+        if queued_ns is not None:
+            values += pair
+            values += (queued_ns + offset, trace.dispatched_ns + offset)
+            if predicted_s is not None:
+                values.append(round(predicted_s, 6))
+        values += attempt_values
+        arguments = layout.template.copy()
+        arguments[1::2] = values
+        return layout.pack(*arguments)
 
     def _layout(self, trace: RequestTrace, request_id_form: int, input_tokens: bytes | None, output_form: int,
                 output_tokens: bytes | None) -> _Layout:
-        """The layout of `trace`'s spans; the holes in the order `encode_chunks` fills them."""
+        """The layout of `trace`'s spans; the holes in the order `encode_trace` fills them."""
         state = trace.tracestate
         state_part: list[bytes | str] = [b"\x1a" + varint(len(state)), f"{len(state)}s"] if state else []
         ids: list[bytes | str] = [b"\x0a\x10", _TRACE_ID, b"\x12\x08", _BASE]
@@ -242,11 +245,12 @@ class TraceEncoder:
             spans.append(span + [_LOCAL_FLAGS])
         for number, attempt in enumerate(trace.attempts, 1):
             outcome = attempt_end(trace, attempt)[1]
-            key = ("attempt", trace.operation, attempt.replica, number, outcome)
+            replica = attempt[ATTEMPT_REPLICA]
+            key = ("attempt", trace.operation, replica, number, outcome)
             attributes = span_attributes(trace.tracing.attribute_set(key, attempt_attributes))
-            span = [*ids, bytes((attempt.span_byte,)), *under_root,
-                    _named(f"{trace.operation} {attempt.replica.upstream_model}", SpanKind.CLIENT), *times, attributes]
-            if attempt.first_token_ns is not None:
+            span = [*ids, bytes((attempt[ATTEMPT_SPAN_BYTE],)), *under_root,
+                    _named(f"{trace.operation} {replica.upstream_model}", SpanKind.CLIENT), *times, attributes]
+            if attempt[ATTEMPT_FIRST_TOKEN_NS] is not None:
                 span += first_token
             if outcome != "ok":
                 span.append(length_field(b"\x7a", length_field(b"\x12", outcome.encode()) + b"\x18\x02"))
