@@ -113,7 +113,7 @@ class TraceEncoder:
         """The spans of one ended trace, framed as elements of `ScopeSpans.spans`; `offset`: what turns
         the tracer's times into Unix time (Unix nanoseconds minus the tracer's clock, read together)."""
         varints = _VARINTS
-        trace_id = trace.trace_id.to_bytes(16, "big")
+        trace_id = trace.id_bytes or trace.trace_id.to_bytes(16, "big")
         base = trace.span_base or trace_id  # its first 7 bytes (a hole of 7)
         parent, state = trace.parent_id, trace.tracestate
         error = trace.error.encode() if trace.error else None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import time
+from binascii import hexlify
 from collections.abc import Callable, Hashable
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, Protocol
@@ -135,7 +136,7 @@ class RequestTrace:
 
     __slots__ = (
         # set on the request's way
-        "tracing", "token", "trace_id", "parent_id", "tracestate", "operation", "request_id", "started_s",
+        "tracing", "token", "trace_id", "id_bytes", "parent_id", "tracestate", "operation", "request_id", "started_s",
         "attempts", "first_token_ns", "tenant", "tier", "ticket", "admitted_ns", "verdict", "input_tokens",
         "output_tokens", "usage",
         "span_base",
@@ -148,6 +149,7 @@ class RequestTrace:
         self.tracing = tracing
         self.token: Token | None = None
         self.trace_id = trace_id
+        self.id_bytes: bytes | None = None  # its 16 bytes, once an attempt's traceparent needed them
         self.parent_id = parent_id  # the client's span; 0: the trace starts here
         self.tracestate = tracestate
         # None: the first 7 bytes of the trace id (a trace that starts here); else 7 random bytes
@@ -198,7 +200,10 @@ class RequestTrace:
         attempts.append([span_byte, replica, sent_ns, None, "ok", None])
         if not self.tracing.settings.propagate:
             return b""
-        trace_hex = b"%032x" % self.trace_id
+        id_bytes = self.id_bytes
+        if id_bytes is None:  # bytes to hex costs half of formatting the number as hex
+            id_bytes = self.id_bytes = self.trace_id.to_bytes(16, "big")
+        trace_hex = hexlify(id_bytes)
         base_hex = trace_hex[:14] if self.span_base is None else self.span_base.hex().encode()
         line = b"".join((b"traceparent: 00-", trace_hex, b"-", base_hex, _HEX_BYTE[span_byte], b"-01\r\n"))
         return line if self.tracestate is None else line + b"tracestate: " + self.tracestate + b"\r\n"
