@@ -14,7 +14,7 @@ from tidegate.errors import UpstreamError
 from tidegate.gateway.overload import DegradedReplyError, TenantRateLimitError
 from tidegate.gateway.trace_export import OtlpHttpExporter
 from tidegate.gateway.trace_spans import TraceEncoder
-from tidegate.gateway.tracing import RequestTrace, Tracing, TracingSettings
+from tidegate.gateway.tracing import ATTEMPT_SPAN_BYTE, RequestTrace, Tracing, TracingSettings
 from tidegate.gateway.validation import Endpoint
 from tidegate.telemetry.otlp import encode_export_request, encode_span
 
@@ -93,7 +93,6 @@ def _traced(tracing: Tracing, sink: Collecting, case: str, number: int) -> Reque
         trace.admitted(identity)
         status, error = 429, TenantRateLimitError("slow down", retry_after_s=1.0, headers=b"")
     elif case in ("queued stream", "assigned stream", "stream without usage", "retried"):
-        trace.admitted(identity)
         queued = case != "assigned stream"
         usage = Usage(None if case == "stream without usage" else 40 + number, 17,
                       None if case == "stream without usage" else 9 + number)
@@ -108,7 +107,6 @@ def _traced(tracing: Tracing, sink: Collecting, case: str, number: int) -> Reque
         trace.attempt_ended(None)
         replica_id = replica.replica_id
     elif case == "broken":
-        trace.admitted(identity)
         trace.admitted(identity, _ticket("bronze", False, predicted_wait_s=None), Usage(None, 0))
         trace.upstream_headers(Replica(1))
         status, error = 502, UpstreamError("upstream replica failed: reset")
@@ -177,7 +175,7 @@ def test_the_official_classes_read_the_spans(tracing) -> None:
     assert {a.key: getattr(a.value, a.value.WhichOneof("value")) for a in queue.attributes} == {
         "tidegate.tier": "gold", "tidegate.queue.predicted_wait_s": 0.012346}
     # the attempt's span id is the one its upstream was sent in traceparent
-    assert spans[8].span_id == queued.span_id(queued.attempts[0].span_byte).to_bytes(8, "big")
+    assert spans[8].span_id == queued.span_id(queued.attempts[0][ATTEMPT_SPAN_BYTE]).to_bytes(8, "big")
 
 
 def _exporter(**limits: int) -> OtlpHttpExporter:
@@ -197,6 +195,19 @@ def test_the_queue_drops_whole_requests_past_its_bound_and_counts_their_spans(tr
         exporter.submit_trace(trace)
     assert len(exporter._pending) == 2 and exporter._pending_spans == 8
     assert _counted(exporter, "dropped") == 4
+
+
+def test_an_ended_trace_is_encoded_at_once_and_lets_the_request_go(tracing) -> None:
+    """What waits for the next export is bytes: a trace that kept its ticket and usage until then aged
+    into the collector's older generations (`RequestTrace.end`)."""
+    tracer, sink = tracing
+    trace = _traced(tracer, sink, "queued stream", 1)
+    assert trace.ticket is None and trace.usage is None
+    exporter = _exporter()
+    exporter.submit_trace(trace)
+    ((count, encoded),) = exporter._pending
+    assert count == trace.span_count == 4
+    assert encoded == TraceEncoder().encode_trace(trace, exporter._offset_ns)
 
 
 def test_batches_take_whole_requests_up_to_the_batch_size(tracing) -> None:

@@ -179,6 +179,26 @@ def test_a_refused_request_is_traced_with_its_error(traced, receiver) -> None:
     assert root.status.code == 0  # a client's mistake is not the server's error
 
 
+def test_a_request_overload_control_refuses_has_its_admission_span(start_traced_gateway, mocks, receiver) -> None:
+    """The proxy tells the trace whose request it was only on the way out of a refusal (one hook call
+    a request, not two): the 429's spans still name the tenant and the verdict."""
+    good, _ = mocks
+    address = start_traced_gateway(
+        [upstream_pool("m", good)], {"enabled": True, "endpoint": receiver.endpoint, "export_interval_s": 0.1},
+        tenants={"capped": {"api_keys": ["sk-capped"], "tier": "standard", "requests_per_minute": 1}})
+    key = {"authorization": "Bearer sk-capped"}
+    first_status, first_headers, _ = _post(address, {"model": "m", "messages": MESSAGES}, key)
+    status, headers, _ = _post(address, {"model": "m", "messages": MESSAGES}, key)
+    assert (first_status, status) == (200, 429)
+    root, attempts, inner = _by_kind(_trace_of(receiver, headers["x-request-id"], 2))
+    admission = inner["tidegate.admission"]
+    assert attempts == [] and attributes(root)["http.response.status_code"] == 429
+    assert attributes(admission)["tidegate.admission.verdict"] == "rate_limited"
+    assert attributes(admission)["tidegate.tenant"] == "capped" and attributes(admission)["tidegate.tier"] == "standard"
+    admitted_root, _, admitted_inner = _by_kind(_trace_of(receiver, first_headers["x-request-id"], 3))
+    assert attributes(admitted_inner["tidegate.admission"])["tidegate.admission.verdict"] == "assigned"
+
+
 def test_tracing_off_passes_the_client_traceparent_on_unchanged(start_traced_gateway, mocks) -> None:
     address = start_traced_gateway([upstream_pool("m", mocks[0])], None)
     traceparent = f"00-{TRACE_ID}-{CLIENT_SPAN}-01"

@@ -382,23 +382,27 @@ class Proxy:
         overload = self.overload
         assert overload is not None
         trace = CURRENT_TRACE.get() if self.tracing is not None else None
-        if trace is not None:
-            trace.admitted(identity)
-        # rate limits shared by several gateways (`shared_state: redis`): decided there first
-        shared = overload.shared_limits
-        admission = None if shared is None else await shared.admit(identity.tenant, pool.name,
-                                                                     *overload.request_cost(body))
-        self._ticket_ids += 1
         # raises the answer for a refusal (429, or 503 with the preset reply) at once
         try:
+            # rate limits shared by several gateways (`shared_state: redis`): decided there first
+            shared = overload.shared_limits
+            admission = None if shared is None else await shared.admit(identity.tenant, pool.name,
+                                                                         *overload.request_cost(body))
+            self._ticket_ids += 1
             # the same bytes from the same tenant: a resend of the same request (`policy.resends`)
             ticket = overload.admit(started, str(self._ticket_ids), identity, pool.name, body, timeout_s, stream,
                                     cached_answer_available=cached_fallback is not None, shared=admission,
                                     fingerprint=hash(raw_body) ^ hash(identity.tenant))
         except CachedAnswerRung as rung:
             assert cached_fallback is not None
+            if trace is not None:
+                trace.admitted(identity)  # answered by overload control, without a ticket
             self.pool_metrics[pool.name].count(200)
             return replay(conn, cached_fallback, request_id, rung.headers), None
+        except BaseException:
+            if trace is not None:
+                trace.admitted(identity)  # refused: its admission span says whose request it was
+            raise
         pool = self.pools[ticket.pool]  # the fallback pool when degraded to it
         metrics = self.pool_metrics[pool.name]
         metrics.in_flight.inc()

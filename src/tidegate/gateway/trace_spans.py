@@ -8,8 +8,9 @@ attributes (its id, token counts). So the encoder keeps, per distinct arrangemen
 with one `struct` call. No span object, attribute dict or protobuf object is made per request, and
 each request costs a few dozen interpreter steps whatever its number of spans.
 
-Why in batches: the exporter's task encodes the requests ended since its last export in one loop,
-off the requests' way, with the encoder's code and layouts warm.
+Why at once, as each request ends: a trace kept until the next export, with what it refers to, ages
+into the garbage collector's older generations, and their collections cost more than the encoding
+(gateway/tracing.py, `RequestTrace.end`). Bytes are not traversed.
 
 The bytes are exactly those of `telemetry.otlp.encode_span` for the spans `RequestTrace.spans` builds
 (tests/gateway/test_trace_spans.py checks it, and decodes them with the official classes).
@@ -23,10 +24,15 @@ from typing import TYPE_CHECKING
 
 from tidegate.gateway.tracing import (
     ADMISSION_SPAN,
+    ATTEMPT_ENDED_NS,
+    ATTEMPT_FIRST_TOKEN_NS,
+    ATTEMPT_OUTCOME,
+    ATTEMPT_REPLICA,
+    ATTEMPT_SENT_NS,
+    ATTEMPT_SPAN_BYTE,
     QUEUE_SPAN,
     ROOT_SPAN,
     admission_attributes,
-    admission_decided_ns,
     admission_key,
     attempt_attributes,
     attempt_end,
@@ -57,30 +63,45 @@ _VARINTS = [bytes((value,)) for value in range(0x80)] + [bytes(((value & 0x7F) |
 # parent span id, a time (fixed64 Unix nanoseconds), a double; bytes of a length the layout knows
 _TRACE_ID, _BASE, _PARENT, _TIME, _DOUBLE = "16s", "7s", "8s", "Q", "d"
 _SIZES = {_TRACE_ID: 16, _BASE: 7, _PARENT: 8, _TIME: 8, _DOUBLE: 8}
+# A hole: its struct code and the Python expression that fills it, in the scope of `_Layout.fill`:
+# `t` the trace, `a` its attempts, `offset` (the tracer's clock to Unix time), and what
+# `TraceEncoder.encode_trace` prepared: `start` (the request's arrival, Unix ns; root and admission
+# spans start there), `tid` (the trace id's 16 bytes), `base` (the span ids' first 7),
+# `rid` (the request id, or its whole attribute), `inp`, `out` (token counts' varints), `err` (bytes)
+Hole = tuple[str, str]
+_FILL_ARGUMENTS = "t, offset, start, tid, base, rid, inp, out, err"
 
 
 class _Layout:
     """The spans of requests that share everything but ids, times and their own attributes' bytes: a
-    template of constant bytes with holes between them, filled by `pack` (holes at the odd places)."""
+    template of constant bytes with holes between them. `fill(t, offset, start, tid, base, rid, inp,
+    out, err)` returns one request's bytes: a function made for this layout (as `dataclasses` makes its
+    methods), one `struct` call whose arguments are the template's constants and the holes'
+    expressions, so that no list of values is assembled a request."""
 
-    __slots__ = ("pack", "template", "holes")
+    __slots__ = ("fill", "source")
 
-    def __init__(self, spans: list[list[bytes | str]]) -> None:
-        fmt, template, constant = ["<"], [], b""
+    def __init__(self, spans: list[list[bytes | Hole]]) -> None:
+        fmt, arguments, constants, constant = ["<"], [], {}, b""
         for segments in spans:
-            size = sum(len(part) if isinstance(part, bytes) else _hole_size(part) for part in segments)
+            size = sum(len(part) if isinstance(part, bytes) else _hole_size(part[0]) for part in segments)
             for part in [b"\x12" + varint(size)] + segments:  # framed as an element of ScopeSpans.spans
                 if isinstance(part, bytes):
                     constant += part
                 else:
-                    fmt += (f"{len(constant)}s", part)
-                    template += (constant, None)
+                    name = f"k{len(constants)}"
+                    constants[name] = constant
+                    fmt += (f"{len(constant)}s", part[0])
+                    arguments += (name, part[1])
                     constant = b""
+        name = f"k{len(constants)}"
+        constants[name] = constant
         fmt.append(f"{len(constant)}s")
-        template.append(constant)
-        self.pack = struct.Struct("".join(fmt)).pack
-        self.template = template
-        self.holes = len(template) // 2
+        arguments.append(name)
+        self.source = f"def fill({_FILL_ARGUMENTS}):\n    a = t.attempts\n    return pack({', '.join(arguments)})\n"
+        scope = {"pack": struct.Struct("".join(fmt)).pack, **constants}
+        exec(compile(self.source, "<trace layout>", "exec"), scope)  # our own expressions only
+        self.fill = scope["fill"]
 
 
 def _hole_size(code: str) -> int:
@@ -101,153 +122,128 @@ class TraceEncoder:
         return b"".join(self.encode_chunks(traces, monotonic_ns, unix_ns))
 
     def encode_chunks(self, traces: list[RequestTrace], monotonic_ns: int, unix_ns: int) -> list[bytes]:
-        """`encode`, a request's spans a piece (the exporter joins them once, into its request)."""
-        out: list[bytes] = []
-        append = out.append
-        layouts = self._layouts
+        """`encode`, a request's spans a piece."""
+        offset_ns = unix_ns - monotonic_ns
+        return [self.encode_trace(trace, offset_ns) for trace in traces]
+
+    def encode_trace(self, trace: RequestTrace, offset: int) -> bytes:
+        """The spans of one ended trace, framed as elements of `ScopeSpans.spans`; `offset`: what turns
+        the tracer's times into Unix time (Unix nanoseconds minus the tracer's clock, read together)."""
         varints = _VARINTS
-        offset = unix_ns - monotonic_ns  # the tracer's times to Unix time
-        for trace in traces:
-            trace.settle()
-            trace_id = trace.trace_id.to_bytes(16, "big")
-            base = trace.span_base or trace_id  # its first 7 bytes (a hole of 7)
-            parent, state = trace.parent_id, trace.tracestate
-            error = trace.error.encode() if trace.error else None
-            first_token_ns, queued_ns = trace.first_token_ns, trace.queued_ns
-            predicted_s = None if queued_ns is None else trace.predicted_wait_s
-            ended_ns = trace.ended_ns + offset
-            # the request's own attributes: its id (as it is, where its length fits one byte) and token counts
-            request_id = trace.request_id
-            if len(request_id) >= 100 or not request_id.isascii():
-                request_id = span_attribute(_REQUEST_ID, request_id.decode("latin-1"))
-                request_id_form = -len(request_id)  # the whole attribute, encoded here
-            else:
-                request_id_form = len(request_id)
-            tokens = trace.input_tokens
-            input_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
-            tokens = trace.output_tokens
-            if tokens is None:
-                tokens = trace.output_estimate
-                output_form = 0 if tokens is None else -1  # -1: an estimate
-            else:
-                output_form = 1
-            output_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
+        trace_id = trace.id_bytes or trace.trace_id.to_bytes(16, "big")
+        base = trace.span_base or trace_id  # its first 7 bytes (a hole of 7)
+        parent, state = trace.parent_id, trace.tracestate
+        error = trace.error.encode() if trace.error else None
+        first_token_ns, queued_ns = trace.first_token_ns, trace.queued_ns
+        predicted_s = None if queued_ns is None else trace.predicted_wait_s
+        # the request's own attributes: its id (as it is, where its length fits one byte) and token counts
+        request_id = trace.request_id
+        if len(request_id) >= 100 or not request_id.isascii():
+            request_id = span_attribute(_REQUEST_ID, request_id.decode("latin-1"))
+            request_id_form = -len(request_id)  # the whole attribute, encoded here
+        else:
+            request_id_form = len(request_id)
+        tokens = trace.input_tokens
+        input_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
+        tokens = trace.output_tokens
+        if tokens is None:
+            tokens = trace.output_estimate
+            output_form = 0 if tokens is None else -1  # -1: an estimate
+        else:
+            output_form = 1
+        output_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
 
-            # the attempts' spans, and what shapes them: replica, outcome, a first token
-            attempt_values: list = []
-            attempt_facts: list = []
-            pair = (trace_id, base, state, base) if state else (trace_id, base, base)
-            for attempt in trace.attempts:
-                attempt_ended_ns = attempt.ended_ns
-                attempt_values += pair
-                if attempt_ended_ns is None:
-                    attempt_values += (attempt.sent_ns + offset, ended_ns)
-                    attempt_facts += (attempt.replica, None)
-                else:
-                    attempt_values += (attempt.sent_ns + offset, attempt_ended_ns + offset)
-                    attempt_facts += (attempt.replica, attempt.outcome)
-                if attempt.first_token_ns is not None:
-                    attempt_values.append(attempt.first_token_ns + offset)
-                    attempt_facts.append(True)
+        # what shapes the attempts' spans: replica, outcome (None: ended with the request), a first token
+        attempt_facts: list = []
+        for attempt in trace.attempts:
+            attempt_facts.append(attempt[ATTEMPT_REPLICA])
+            attempt_facts.append(None if attempt[ATTEMPT_ENDED_NS] is None else attempt[ATTEMPT_OUTCOME])
+            if attempt[ATTEMPT_FIRST_TOKEN_NS] is not None:
+                attempt_facts.append(True)
 
-            # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them);
-            # an attempt that ended with the request ended as the status says
-            key = (trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id,
-                   trace.rung, trace.error_type, trace.verdict, queued_ns is None, predicted_s is None,
-                   parent == 0, first_token_ns is None, request_id_form, input_tokens and len(input_tokens),
-                   output_form, output_tokens and len(output_tokens), state and len(state), error and len(error),
-                   *attempt_facts)
-            layout = layouts.get(key)
-            if layout is None:
-                if len(layouts) >= _LAYOUTS:
-                    layouts.clear()
-                layout = layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form, output_tokens)
-
-            # the holes, in the layout's order: each span's ids, [its tracestate], [parent], times, then
-            # what is the request's own
-            start_ns = int(trace.started_s * 1e9) + offset
-            values: list = [trace_id, base]
-            if state:
-                values.append(state)
-            if parent:
-                values.append(parent.to_bytes(8, "big"))
-            values += (start_ns, ended_ns, request_id)
-            if input_tokens is not None:
-                values.append(input_tokens)
-            if output_tokens is not None:
-                values.append(output_tokens)
-            if first_token_ns is not None:
-                values.append(first_token_ns + offset)
-            if error:
-                values.append(error)
-            if trace.tenant is not None:
-                values += pair
-                values += (start_ns, admission_decided_ns(trace) + offset)
-            if queued_ns is not None:
-                values += pair
-                values += (queued_ns + offset, trace.dispatched_ns + offset)
-                if predicted_s is not None:
-                    values.append(round(predicted_s, 6))
-            values += attempt_values
-            arguments = layout.template.copy()
-            arguments[1::2] = values
-            append(layout.pack(*arguments))
-        return out
+        # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them)
+        key = (trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id,
+               trace.rung, trace.error_type, trace.verdict, trace.admitted_ns is None, queued_ns is None,
+               predicted_s is None, parent == 0, first_token_ns is None, request_id_form,
+               input_tokens and len(input_tokens), output_form, output_tokens and len(output_tokens),
+               state and len(state), error and len(error), *attempt_facts)
+        layouts = self._layouts
+        layout = layouts.get(key)
+        if layout is None:
+            if len(layouts) >= _LAYOUTS:
+                layouts.clear()
+            layout = layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form, output_tokens)
+        return layout.fill(trace, offset, int(trace.started_s * 1e9) + offset, trace_id, base, request_id, input_tokens,
+                           output_tokens, error)
 
     def _layout(self, trace: RequestTrace, request_id_form: int, input_tokens: bytes | None, output_form: int,
                 output_tokens: bytes | None) -> _Layout:
-        """The layout of `trace`'s spans; the holes in the order `encode_chunks` fills them."""
+        """The layout of `trace`'s spans, each hole with the expression that fills it (`Hole`)."""
         state = trace.tracestate
-        state_part: list[bytes | str] = [b"\x1a" + varint(len(state)), f"{len(state)}s"] if state else []
-        ids: list[bytes | str] = [b"\x0a\x10", _TRACE_ID, b"\x12\x08", _BASE]
-        under_root: list[bytes | str] = [*state_part, b"\x22\x08", _BASE, bytes((ROOT_SPAN,))]
-        times: list[bytes | str] = [b"\x39", _TIME, b"\x41", _TIME]
-        first_token: list[bytes | str] = [b"\x5a\x16\x09", _TIME, _FIRST_TOKEN_NAME]
+        state_part: list[bytes | Hole] = [b"\x1a" + varint(len(state)), (f"{len(state)}s", "t.tracestate")] \
+            if state else []
+        ids: list[bytes | Hole] = [b"\x0a\x10", (_TRACE_ID, "tid"), b"\x12\x08", (_BASE, "base")]
+        under_root: list[bytes | Hole] = [*state_part, b"\x22\x08", (_BASE, "base"), bytes((ROOT_SPAN,))]
 
-        root: list[bytes | str] = [*ids, bytes((ROOT_SPAN,)), *state_part]
+        def times(started: str, ended: str) -> list[bytes | Hole]:
+            return [b"\x39", (_TIME, started), b"\x41", (_TIME, ended)]
+
+        def first_token(at: str) -> list[bytes | Hole]:
+            return [b"\x5a\x16\x09", (_TIME, at), _FIRST_TOKEN_NAME]
+
+        root: list[bytes | Hole] = [*ids, bytes((ROOT_SPAN,)), *state_part]
         if trace.parent_id:
-            root += (b"\x22\x08", _PARENT)
+            root += (b"\x22\x08", (_PARENT, "t.parent_id.to_bytes(8, 'big')"))
         attributes = span_attributes(trace.tracing.attribute_set(root_key(trace), root_attributes))
-        root += (_named(f"{trace.operation} {trace.model}", SpanKind.SERVER), *times, attributes)
+        root += (_named(f"{trace.operation} {trace.model}", SpanKind.SERVER), *times("start", "t.ended_ns + offset"),
+                 attributes)
         if request_id_form < 0:  # encoded whole
-            root.append(f"{-request_id_form}s")
+            root.append((f"{-request_id_form}s", "rid"))
         else:  # one length byte at every level
             size = request_id_form
             root += (b"\x4a" + bytes((size + 25,)) + key_field(_REQUEST_ID) + bytes((0x12, size + 2, 0x0A, size)),
-                     f"{size}s")
+                     (f"{size}s", "rid"))
         if input_tokens is not None:
-            root += (_integer_head("gen_ai.usage.input_tokens", len(input_tokens)), f"{len(input_tokens)}s")
+            root += (_integer_head("gen_ai.usage.input_tokens", len(input_tokens)), (f"{len(input_tokens)}s", "inp"))
         if output_tokens is not None:
             name = "gen_ai.usage.output_tokens" if output_form > 0 else "tidegate.output_tokens_estimate"
-            root += (_integer_head(name, len(output_tokens)), f"{len(output_tokens)}s")
+            root += (_integer_head(name, len(output_tokens)), (f"{len(output_tokens)}s", "out"))
         if trace.first_token_ns is not None:
-            root += first_token
+            root += first_token("t.first_token_ns + offset")
         if trace.error:  # Status: 2 message, 3 code (2 = ERROR)
             size = len(trace.error.encode())
             status_size = 1 + len(varint(size)) + size + 2
-            root += (b"\x7a" + varint(status_size) + b"\x12" + varint(size), f"{size}s", b"\x18\x02")
+            root += (b"\x7a" + varint(status_size) + b"\x12" + varint(size), (f"{size}s", "err"), b"\x18\x02")
         root.append(_REMOTE_FLAGS if trace.parent_id else _LOCAL_FLAGS)
         spans = [root]
 
-        if trace.tenant is not None:
+        if trace.tenant is not None:  # decided (as `admission_decided_ns`): admitted, or the first attempt, or the end
+            if trace.admitted_ns is not None:
+                decided = "t.admitted_ns + offset"
+            else:
+                decided = f"a[0][{ATTEMPT_SENT_NS}] + offset" if trace.attempts else "t.ended_ns + offset"
             attributes = span_attributes(trace.tracing.attribute_set(admission_key(trace), admission_attributes))
             spans.append([*ids, bytes((ADMISSION_SPAN,)), *under_root, _named("tidegate.admission", SpanKind.INTERNAL),
-                          *times, attributes, _LOCAL_FLAGS])
+                          *times("start", decided), attributes, _LOCAL_FLAGS])
         if trace.queued_ns is not None:
             attributes = span_attributes(trace.tracing.attribute_set(("queue", trace.tier), queue_attributes))
-            span = [*ids, bytes((QUEUE_SPAN,)), *under_root, _named("tidegate.queue", SpanKind.INTERNAL), *times,
-                    attributes]
+            span = [*ids, bytes((QUEUE_SPAN,)), *under_root, _named("tidegate.queue", SpanKind.INTERNAL),
+                    *times("t.queued_ns + offset", "t.dispatched_ns + offset"), attributes]
             if trace.predicted_wait_s is not None:
-                span += (self._predicted_wait_head, _DOUBLE)
+                span += (self._predicted_wait_head, (_DOUBLE, "round(t.predicted_wait_s, 6)"))
             spans.append(span + [_LOCAL_FLAGS])
-        for number, attempt in enumerate(trace.attempts, 1):
+        for index, attempt in enumerate(trace.attempts):
             outcome = attempt_end(trace, attempt)[1]
-            key = ("attempt", trace.operation, attempt.replica, number, outcome)
+            replica = attempt[ATTEMPT_REPLICA]
+            key = ("attempt", trace.operation, replica, index + 1, outcome)
             attributes = span_attributes(trace.tracing.attribute_set(key, attempt_attributes))
-            span = [*ids, bytes((attempt.span_byte,)), *under_root,
-                    _named(f"{trace.operation} {attempt.replica.upstream_model}", SpanKind.CLIENT), *times, attributes]
-            if attempt.first_token_ns is not None:
-                span += first_token
+            ended = "t.ended_ns + offset" if attempt[ATTEMPT_ENDED_NS] is None \
+                else f"a[{index}][{ATTEMPT_ENDED_NS}] + offset"  # outlived: ended with the request
+            span = [*ids, bytes((attempt[ATTEMPT_SPAN_BYTE],)), *under_root,
+                    _named(f"{trace.operation} {replica.upstream_model}", SpanKind.CLIENT),
+                    *times(f"a[{index}][{ATTEMPT_SENT_NS}] + offset", ended), attributes]
+            if attempt[ATTEMPT_FIRST_TOKEN_NS] is not None:
+                span += first_token(f"a[{index}][{ATTEMPT_FIRST_TOKEN_NS}] + offset")
             if outcome != "ok":
                 span.append(length_field(b"\x7a", length_field(b"\x12", outcome.encode()) + b"\x18\x02"))
             spans.append(span + [_LOCAL_FLAGS])

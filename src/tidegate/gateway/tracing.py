@@ -4,8 +4,8 @@ request's way through the gateway, exported over OTLP (docs/observability.md, "T
 Cheap by construction. Tracing off, a request the client sent no `traceparent` with costs one check
 in `Proxy.handle`, and a `ContextVar` read per upstream attempt. Tracing on, the request path only
 stores times and facts on a `RequestTrace` (a slotted record, in the request's context); at its end
-the record is queued whole, and the exporter's background task builds and encodes the spans of many
-requests at once (gateway/trace_spans.py) and exports them in batches.
+the built-in exporter encodes its spans (gateway/trace_spans.py: a template per arrangement of spans,
+filled by one `struct` call) and queues the bytes, which its background task exports in batches.
 
 The spans of one request (names and attributes after OpenTelemetry's GenAI and HTTP conventions):
 - `{operation} {model}` (SERVER), the root, or a child of the client's span: arrival to the answer's
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import time
+from binascii import hexlify
 from collections.abc import Callable, Hashable
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, Protocol
@@ -50,7 +51,8 @@ if TYPE_CHECKING:
 __all__ = ["CURRENT_TRACE", "Tracing", "TracingSettings", "SpanSink", "RequestTrace", "PassThrough", "start_trace",
            "root_key", "ROOT_SPAN", "ADMISSION_SPAN", "QUEUE_SPAN", "root_attributes", "root_own_attributes",
            "admission_key", "admission_decided_ns", "attempt_end",
-           "admission_attributes", "queue_attributes", "attempt_attributes"]
+           "admission_attributes", "queue_attributes", "attempt_attributes", "ATTEMPT_SPAN_BYTE", "ATTEMPT_REPLICA",
+           "ATTEMPT_SENT_NS", "ATTEMPT_ENDED_NS", "ATTEMPT_OUTCOME", "ATTEMPT_FIRST_TOKEN_NS"]
 
 # the trace of the request the running task serves; None when it has none. Read only from the
 # request's own task (and tasks it starts), never from protocol callbacks: a pooled upstream
@@ -74,8 +76,8 @@ _HEX_BYTE = [b"%02x" % value for value in range(256)]
 
 
 class SpanSink(Protocol):
-    """Where ended request traces go: the built-in OTLP/HTTP exporter (it encodes them in batches), or
-    the OpenTelemetry SDK (`RequestTrace.spans`)."""
+    """Where ended request traces go: the built-in OTLP/HTTP exporter (it encodes each as it comes and
+    exports them in batches), or the OpenTelemetry SDK (`RequestTrace.spans`)."""
 
     def submit_trace(self, trace: RequestTrace) -> None: ...
 
@@ -120,27 +122,21 @@ class PassThrough:
             CURRENT_TRACE.reset(self.token)
 
 
-class _Attempt:
-    __slots__ = ("span_byte", "replica", "sent_ns", "ended_ns", "outcome", "first_token_ns")
-
-    def __init__(self, span_byte: int, replica: Replica, sent_ns: int) -> None:
-        self.span_byte = span_byte  # the last byte of its span id (`RequestTrace.span_id`)
-        self.replica = replica
-        self.sent_ns = sent_ns
-        self.ended_ns: int | None = None
-        self.outcome = "ok"
-        self.first_token_ns: int | None = None
+# An upstream attempt's record: a list, not an object, because a record made for every request must be
+# cheap (a slotted object's constructor costs some 2k instructions more), read through these indices.
+# [the last byte of its span id (`RequestTrace.span_id`), the replica, sent, ended (None: not yet; an
+# attempt the request outlived without a verdict ends with it), outcome, first token] (times: tracer ns)
+ATTEMPT_SPAN_BYTE, ATTEMPT_REPLICA, ATTEMPT_SENT_NS, ATTEMPT_ENDED_NS, ATTEMPT_OUTCOME, ATTEMPT_FIRST_TOKEN_NS = range(6)
 
 
 class RequestTrace:
     """One recorded request: its ids, and the times and facts its spans are built from. Each hook
-    stores a little and returns; nothing here awaits. `end` stamps it and hands it to the sink as it
-    is; the sink builds and encodes its spans later, in batches (`settle`, gateway/trace_spans.py):
-    off the request's way, with the encoder's code and caches warm."""
+    stores a little and returns; nothing here awaits. `end` reads what the spans need of the request's
+    end (`settle`) and hands the record to the sink, which encodes it (gateway/trace_spans.py)."""
 
     __slots__ = (
         # set on the request's way
-        "tracing", "token", "trace_id", "parent_id", "tracestate", "operation", "request_id", "started_s",
+        "tracing", "token", "trace_id", "id_bytes", "parent_id", "tracestate", "operation", "request_id", "started_s",
         "attempts", "first_token_ns", "tenant", "tier", "ticket", "admitted_ns", "verdict", "input_tokens",
         "output_tokens", "usage",
         "span_base",
@@ -153,6 +149,7 @@ class RequestTrace:
         self.tracing = tracing
         self.token: Token | None = None
         self.trace_id = trace_id
+        self.id_bytes: bytes | None = None  # its 16 bytes, once an attempt's traceparent needed them
         self.parent_id = parent_id  # the client's span; 0: the trace starts here
         self.tracestate = tracestate
         # None: the first 7 bytes of the trace id (a trace that starts here); else 7 random bytes
@@ -160,7 +157,7 @@ class RequestTrace:
         self.operation = operation
         self.request_id = request_id
         self.started_s = started_s
-        self.attempts: list[_Attempt] = []
+        self.attempts: list[list] = []  # ATTEMPT_* records
         self.first_token_ns: int | None = None
         self.tenant: str | None = None
         self.tier: str | None = None  # None: the default tier, until a ticket names it
@@ -180,8 +177,8 @@ class RequestTrace:
 
     # -- hooks on the request's way (Proxy)
     def admitted(self, identity: Identity, ticket: Ticket | None = None, usage: Any = None) -> None:
-        """Overload control is about to decide (no ticket yet), or admitted it (`ticket`; `usage`: what
-        counts a stream's completion tokens)."""
+        """Overload control admitted the request (`ticket`; `usage`: what counts a stream's completion
+        tokens), or (no ticket) refused it or answered it itself; the proxy calls it once, either way."""
         self.tenant = identity.tenant
         self.tier = identity.tier
         if ticket is not None:
@@ -194,15 +191,21 @@ class RequestTrace:
     def upstream_headers(self, replica: Replica) -> bytes:
         """An attempt starts on `replica`: the trace header lines for its request, with its own span id."""
         attempts = self.attempts
-        attempt = _Attempt(min(FIRST_ATTEMPT_SPAN + len(attempts), _MAX_ATTEMPT_SPAN), replica, self.tracing.clock_ns())
-        if attempts and attempts[-1].ended_ns is None:
-            attempts[-1].ended_ns = attempt.sent_ns  # resent on a fresh connection without a verdict
-        attempts.append(attempt)
+        span_byte = FIRST_ATTEMPT_SPAN + len(attempts)
+        if span_byte > _MAX_ATTEMPT_SPAN:
+            span_byte = _MAX_ATTEMPT_SPAN
+        sent_ns = self.tracing.clock_ns()
+        if attempts and attempts[-1][ATTEMPT_ENDED_NS] is None:
+            attempts[-1][ATTEMPT_ENDED_NS] = sent_ns  # resent on a fresh connection without a verdict
+        attempts.append([span_byte, replica, sent_ns, None, "ok", None])
         if not self.tracing.settings.propagate:
             return b""
-        trace_hex = b"%032x" % self.trace_id
+        id_bytes = self.id_bytes
+        if id_bytes is None:  # bytes to hex costs half of formatting the number as hex
+            id_bytes = self.id_bytes = self.trace_id.to_bytes(16, "big")
+        trace_hex = hexlify(id_bytes)
         base_hex = trace_hex[:14] if self.span_base is None else self.span_base.hex().encode()
-        line = b"".join((b"traceparent: 00-", trace_hex, b"-", base_hex, _HEX_BYTE[attempt.span_byte], b"-01\r\n"))
+        line = b"".join((b"traceparent: 00-", trace_hex, b"-", base_hex, _HEX_BYTE[span_byte], b"-01\r\n"))
         return line if self.tracestate is None else line + b"tracestate: " + self.tracestate + b"\r\n"
 
     def span_id(self, span_byte: int) -> int:
@@ -213,15 +216,15 @@ class RequestTrace:
     def attempt_ended(self, failure: str | None) -> None:
         if self.attempts:
             attempt = self.attempts[-1]
-            attempt.ended_ns = self.tracing.clock_ns()
-            attempt.outcome = failure or "ok"
+            attempt[ATTEMPT_ENDED_NS] = self.tracing.clock_ns()
+            attempt[ATTEMPT_OUTCOME] = failure or "ok"
 
     def first_token(self) -> None:
         now_ns = self.tracing.clock_ns()
         if self.first_token_ns is None:
             self.first_token_ns = now_ns
-        if self.attempts and self.attempts[-1].first_token_ns is None:
-            self.attempts[-1].first_token_ns = now_ns
+        if self.attempts and self.attempts[-1][ATTEMPT_FIRST_TOKEN_NS] is None:
+            self.attempts[-1][ATTEMPT_FIRST_TOKEN_NS] = now_ns
 
     def answered(self, body: bytes) -> None:
         """A whole answer without overload control (with it, its `_Usage` reads them, and `settle` takes
@@ -231,8 +234,12 @@ class RequestTrace:
         self.output_tokens = _usage_count(body, b'"completion_tokens"')
 
     def end(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None) -> None:
-        """The request is answered: the record goes to the sink as it is (what the spans need of the
-        ticket and usage is read when they are built: `settle`); an error is read now, and let go."""
+        """The request is answered: what its spans need of the error, the ticket and the usage is read now
+        (`settle`) and they are let go, and the record goes to the sink. The built-in exporter encodes it
+        at once, so that nothing of the request outlives it but bytes: a record kept until the next
+        export (and the ticket and usage it held) aged into the garbage collector's older generations,
+        whose collections then traversed them again and again (bench/gateway_instructions.py
+        --tracing: some 15k instructions a request went to the collector)."""
         if self.token is not None:
             CURRENT_TRACE.reset(self.token)
             self.token = None
@@ -242,17 +249,12 @@ class RequestTrace:
             self.model = model or "unknown"
             self.status = status
             self.replica_id = replica_id
-            attempts, tenant = self.attempts, self.tenant
             if status >= 400 or error is not None:
                 self._failed(status, error)
+            self.settle()
             # spans: the root, one per attempt, admission (overload control decided) and the wait for
-            # a replica (see `settle`), counted now for the exporter's bound
-            if tenant is None:
-                queue_span = bool(attempts)
-            else:
-                ticket = self.ticket
-                queue_span = self.verdict == "queued" and (bool(attempts) or ticket.dispatched_s is not None)
-            self.span_count = 2 + len(attempts) + queue_span if tenant is not None else 1 + len(attempts) + queue_span
+            # a replica (`settle` found one), counted for the exporter's bound
+            self.span_count = 1 + len(self.attempts) + (self.tenant is not None) + (self.queued_ns is not None)
             tracing.sink.submit_trace(self)
         except Exception:  # a tracing fault must never fail a request
             tracing.failed += 1
@@ -268,8 +270,7 @@ class RequestTrace:
             self.verdict = _refusal_verdict(error, status, self.rung)
 
     def settle(self) -> None:
-        """The facts the spans need, read off the ticket and usage (which are let go). Done once, when
-        the spans are built, off the request's way."""
+        """The facts the spans need, read off the ticket and usage (which are let go). Done once, by `end`."""
         if self.settled:
             return
         self.settled = True
@@ -295,7 +296,7 @@ class RequestTrace:
         if ticket is not None and ticket.dispatched_s is not None:
             dispatched_ns = int(ticket.dispatched_s * 1e9)  # overload control's clock: the same, in seconds
         else:
-            dispatched_ns = attempts[0].sent_ns if attempts else None
+            dispatched_ns = attempts[0][ATTEMPT_SENT_NS] if attempts else None
         if queued_ns is not None and dispatched_ns is not None:
             self.queued_ns = queued_ns
             self.dispatched_ns = max(queued_ns, dispatched_ns)
@@ -306,7 +307,6 @@ class RequestTrace:
     def spans(self, monotonic_ns: int, unix_ns: int) -> list[SpanRecord]:
         """The request's spans, once `end`ed. `monotonic_ns` and `unix_ns`: one reading of the tracer's
         monotonic clock and of Unix time, side by side (spans need Unix time)."""
-        self.settle()
 
         offset_ns = unix_ns - monotonic_ns
 
@@ -340,12 +340,12 @@ class RequestTrace:
                                     attributes_key=key, request_attributes=predicted))
         for number, attempt in enumerate(self.attempts, 1):
             ended_ns, outcome = attempt_end(self, attempt)
-            key = ("attempt", self.operation, attempt.replica, number, outcome)
-            attempt_events = () if attempt.first_token_ns is None \
-                else (("first_token", ns(attempt.first_token_ns), {}),)
-            spans.append(SpanRecord(f"{self.operation} {attempt.replica.upstream_model}", trace_id,
-                                    self.span_id(attempt.span_byte),
-                                    root_id, SpanKind.CLIENT, ns(attempt.sent_ns), ns(ended_ns),
+            replica, first_token_ns = attempt[ATTEMPT_REPLICA], attempt[ATTEMPT_FIRST_TOKEN_NS]
+            key = ("attempt", self.operation, replica, number, outcome)
+            attempt_events = () if first_token_ns is None else (("first_token", ns(first_token_ns), {}),)
+            spans.append(SpanRecord(f"{self.operation} {replica.upstream_model}", trace_id,
+                                    self.span_id(attempt[ATTEMPT_SPAN_BYTE]),
+                                    root_id, SpanKind.CLIENT, ns(attempt[ATTEMPT_SENT_NS]), ns(ended_ns),
                                     tracing.attribute_set(key, attempt_attributes), attempt_events,
                                     error=None if outcome == "ok" else outcome, tracestate=state, attributes_key=key))
         return spans
@@ -381,13 +381,13 @@ def admission_decided_ns(trace: RequestTrace) -> int:
     """Overload control's verdict: admitted, or (refusals end there) the first attempt, or the end."""
     if trace.admitted_ns is not None:
         return trace.admitted_ns
-    return trace.attempts[0].sent_ns if trace.attempts else trace.ended_ns
+    return trace.attempts[0][ATTEMPT_SENT_NS] if trace.attempts else trace.ended_ns
 
 
-def attempt_end(trace: RequestTrace, attempt: _Attempt) -> tuple[int, str]:
+def attempt_end(trace: RequestTrace, attempt: list) -> tuple[int, str]:
     """When an attempt ended and how: one the request outlived without a verdict ended with it."""
-    if attempt.ended_ns is not None:
-        return attempt.ended_ns, attempt.outcome
+    if attempt[ATTEMPT_ENDED_NS] is not None:
+        return attempt[ATTEMPT_ENDED_NS], attempt[ATTEMPT_OUTCOME]
     return trace.ended_ns, "cancelled" if trace.status == 499 else "ok"
 
 
