@@ -204,6 +204,34 @@ def test_a_hundred_identical_requests_make_one_upstream_request(tmp_path: Path, 
         mock.stop()
 
 
+async def _two_tenants_at_once(base: str, each: int) -> list[tuple[int, str, str]]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2 * each),
+                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def one(key: str) -> tuple[int, str, str]:
+            payload = {"model": "m", "messages": [{"role": "user", "content": "same words"}], "max_tokens": 6,
+                       "temperature": 0}
+            async with session.post(f"{base}/v1/chat/completions", json=payload,
+                                    headers={"authorization": f"Bearer {key}"}) as response:
+                await response.read()
+                return response.status, response.headers.get("x-tidegate-cache", ""), key
+
+        return await asyncio.gather(*(one(key) for key in ["sk-alice", "sk-bob"] * each))
+
+
+def test_identical_requests_of_two_tenants_in_flight_do_not_coalesce(tmp_path: Path) -> None:
+    mock, mock_port = _mock(ttft_ms=800)
+    gateway, base = _gateway(tmp_path, [_pool("m", mock_port)])
+    try:
+        results = asyncio.run(_two_tenants_at_once(base, 10))
+        assert [status for status, _, _ in results] == [200] * 20
+        assert _upstream_requests(mock_port) == 2  # one flight a tenant
+        for key in ("sk-alice", "sk-bob"):
+            assert [state for _, state, k in results if k == key].count("miss") == 1
+    finally:
+        gateway.stop()
+        mock.stop()
+
+
 def _stream_lines(base: str, content: str, stop_after: int | None, max_tokens: int = 40) -> list[str]:
     payload = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
                "temperature": 0,
