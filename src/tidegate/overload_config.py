@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -83,7 +83,9 @@ class TenantConfig(LimitConfig):
     tier: str | None = None  # None: the default tier
     weight: float = Field(1.0, gt=0)
     models: dict[str, LimitConfig] = {}  # per-model limits, on top of the tenant's own
-    response_cache: bool = True  # false: this tenant's requests are never answered from or kept in the cache
+    # false: this tenant's requests are never answered from or kept in the cache; sampled: its sampled
+    # requests are cached too (a hit repeats one earlier sample), in pools with a response cache
+    response_cache: Literal["sampled"] | bool = True
 
     @field_validator("api_key_sha256")
     @classmethod

@@ -27,7 +27,8 @@ _TIERS = {"default": "high", "levels": {
     "low": {"rank": 1, "queue_bound": 0, "max_queue_wait_s": 10, "ttft_target_s": 10}}}
 _TENANTS = {"alice": {"api_keys": ["sk-alice"]}, "bob": {"api_keys": ["sk-bob"]},
             "free": {"api_keys": ["sk-free"], "tier": "low"},
-            "private": {"api_keys": ["sk-private"], "response_cache": False}}
+            "private": {"api_keys": ["sk-private"], "response_cache": False},
+            "sampler": {"api_keys": ["sk-sampler"], "response_cache": "sampled"}}
 
 
 def _mock(ttft_ms: int = 0, tokens: int = 6) -> tuple[ManagedProcess, int]:
@@ -151,6 +152,23 @@ def test_sampled_and_no_store_requests_bypass_and_no_cache_refreshes(setup: tupl
                  _headers={"cache-control": "no-cache"}).headers["x-tidegate-cache"] == "miss"
     assert _chat(base, seed=7, messages=messages).headers["x-tidegate-cache"] == "hit"
     assert _upstream_requests(mock_port) == before + 5
+
+
+def test_a_client_header_or_a_tenant_setting_opts_sampled_requests_in(setup: tuple[str, int]) -> None:
+    base, mock_port = setup
+    messages = [{"role": "user", "content": "sampled, opted in"}]
+    use = {"x-tidegate-cache": "use"}
+    before = _upstream_requests(mock_port)
+    assert [_chat(base, messages=messages, _headers=use).headers["x-tidegate-cache"] for _ in range(2)] \
+        == ["miss", "hit"]
+    assert _chat(base, messages=messages).headers["x-tidegate-cache"] == "bypass"  # no header: not opted in
+    assert [_chat(base, "sk-sampler", messages=messages).headers["x-tidegate-cache"] for _ in range(2)] \
+        == ["miss", "hit"]
+    # an opted-out tenant stays out, and no-store still wins
+    assert _chat(base, "sk-private", messages=messages, _headers=use).headers["x-tidegate-cache"] == "bypass"
+    assert _chat(base, messages=messages, _headers={**use, "cache-control": "no-store"}
+                 ).headers["x-tidegate-cache"] == "bypass"
+    assert _upstream_requests(mock_port) == before + 5  # the two hits took none
 
 
 def test_no_answer_crosses_tenants_and_an_opted_out_tenant_is_never_cached(setup: tuple[str, int]) -> None:

@@ -270,6 +270,7 @@ class Gateway:
                 CacheSettings(tiers.memory_bytes, tiers.redis_url, tiers.ttl_s, tiers.redis_timeout_s,
                               tiers.redis_retry_s), cached_pools, self.metrics.registry,
                 opted_out_tenants=frozenset(name for name, t in config.tenants.items() if not t.response_cache),
+                sampled_tenants=frozenset(name for name, t in config.tenants.items() if t.response_cache == "sampled"),
                 semantic=semantic)
         # OpenTelemetry spans of requests (gateway/tracing.py); off: no tracer at all
         self.tracing: Tracing | None = None
