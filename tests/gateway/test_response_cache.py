@@ -366,6 +366,39 @@ def test_two_gateways_share_the_redis_tier_and_serve_on_without_it(tmp_path: Pat
         redis_process.stop()
 
 
+def test_a_redis_entry_expires_after_its_ttl(tmp_path: Path) -> None:
+    import redis
+
+    redis_process, redis_url = start_redis()
+    mock, mock_port = _mock()
+    writer = reader = None
+    try:
+        cache = {"redis_url": redis_url, "ttl_s": 1.0}
+        writer, writer_base = _gateway(tmp_path, [_pool("m", mock_port)], cache=cache)
+        reader, reader_base = _gateway(tmp_path, [_pool("m", mock_port)], cache=cache)
+        store = redis.Redis.from_url(redis_url)
+        assert _chat(writer_base, temperature=0, messages=[{"role": "user", "content": "expiring"}]
+                     ).headers["x-tidegate-cache"] == "miss"
+        deadline = time.monotonic() + 0.8  # stored in the background, well within the TTL
+        while not store.keys("*") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.keys("*"), "the answer never reached Redis"
+        assert all(0 < store.pttl(key) <= 1000 for key in store.keys("*"))
+        time.sleep(1.3)
+        assert store.keys("*") == []
+        # the reader never held it in memory: only Redis could have answered it, and it has expired
+        later = _chat(reader_base, temperature=0, messages=[{"role": "user", "content": "expiring"}])
+        assert later.headers["x-tidegate-cache"] == "miss"
+        assert _metric(reader_base, "tidegate_response_cache_requests_total", result="hit_redis") == 0
+        assert _upstream_requests(mock_port) == 2
+    finally:
+        for process in (writer, reader):
+            if process is not None:
+                process.stop()
+        mock.stop()
+        redis_process.stop()
+
+
 @pytest.mark.slow
 def test_a_paraphrase_gets_the_semantic_cache_answer_and_a_near_miss_does_not(tmp_path: Path) -> None:
     mock, mock_port = _mock(ttft_ms=1500)
@@ -383,6 +416,7 @@ def test_a_paraphrase_gets_the_semantic_cache_answer_and_a_near_miss_does_not(tm
         paraphrase = ask("How can I reset my password?", temperature=0)
         assert paraphrase.headers["x-tidegate-cache"] == "hit"
         assert float(paraphrase.headers["x-tidegate-cache-similarity"]) >= 0.86
+        assert paraphrase.headers["x-tidegate-cache-threshold"] == "0.860"  # the default, beside the similarity
         assert paraphrase.json()["choices"] == stored.json()["choices"]
         assert ask("How do I reset my password?", "sk-bob", temperature=0).headers["x-tidegate-cache"] == "miss"
         assert ask("What is 15% of 200?", temperature=0).headers["x-tidegate-cache"] == "miss"
@@ -401,6 +435,41 @@ def test_a_paraphrase_gets_the_semantic_cache_answer_and_a_near_miss_does_not(tm
         _, sampled = asyncio.run(shed_paraphrase())
         assert sampled.status_code == 200 and sampled.headers["x-tidegate-degradation"] == "cached_answer"
         assert "x-tidegate-cache-similarity" in sampled.headers
+        assert sampled.headers["x-tidegate-cache-threshold"] == "0.750"  # the rung's looser one
     finally:
         gateway.stop()
         mock.stop()
+
+
+@pytest.mark.slow
+def test_semantic_entries_kept_in_redis_are_restored_by_a_gateway_that_starts_later(tmp_path: Path) -> None:
+    redis_process, redis_url = start_redis()
+    mock, mock_port = _mock()
+    semantic = {"embedding_pool": "minilm", "threshold": 0.8}
+    pools = [{**_pool("m", mock_port), "response_cache": {"semantic": semantic}},
+             {"name": "minilm", "backends": [{"type": "embedded", "model": "all-MiniLM-L6-v2", "threads": 1}]}]
+    cache = {"redis_url": redis_url}
+    first = second = None
+
+    def ask(base: str, question: str) -> Answer:
+        return _chat(base, messages=[{"role": "system", "content": "You are a helpful support agent."},
+                                     {"role": "user", "content": question}], temperature=0)
+
+    try:
+        first, first_base = _gateway(tmp_path, pools, cache=cache)
+        assert ask(first_base, "How do I reset my password?").headers["x-tidegate-cache"] == "miss"
+        time.sleep(0.5)  # the answer and its semantic entries go to Redis in the background
+        first.stop()
+        first = None
+        second, second_base = _gateway(tmp_path, pools, cache=cache)  # loads the entries as it starts
+        paraphrase = ask(second_base, "How can I reset my password?")
+        assert paraphrase.headers["x-tidegate-cache"] == "hit"
+        assert paraphrase.headers["x-tidegate-cache-threshold"] == "0.800"
+        assert _metric(second_base, "tidegate_semantic_cache_lookups_total", result="hit") == 1
+        assert _upstream_requests(mock_port) == 1
+    finally:
+        for process in (first, second):
+            if process is not None:
+                process.stop()
+        mock.stop()
+        redis_process.stop()

@@ -165,7 +165,11 @@ class ResponseCache:
                 semantic.missed()
             return False
         semantic.served(hit, rung=rung)
-        similarity = b"x-tidegate-cache-similarity: %.3f\r\n" % hit.similarity
+        # the threshold it passed beside its similarity, so a client can tell how close a hit had to be
+        threshold = semantic.settings.rung_threshold if rung else semantic.settings.threshold
+        assert threshold is not None  # a rung lookup without one returned above
+        similarity = b"x-tidegate-cache-similarity: %.3f\r\nx-tidegate-cache-threshold: %.3f\r\n" % (
+            hit.similarity, threshold)
         if rung:
             head = degraded.replace(DEGRADATION_HEADER_LINE + Rung.PRESET_REPLY.value.encode(),
                                     DEGRADATION_HEADER_LINE + Rung.CACHED_ANSWER.value.encode())
