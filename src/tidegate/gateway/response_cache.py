@@ -2,11 +2,11 @@
 
 Per request of a pool with `response_cache` (config): `cache_mode` says whether it may be cached
 (deterministic, or sampled and opted in by the pool, the tenant or the client's `x-tidegate-cache:
-use`; `Cache-Control: no-store` / `no-cache`; a tenant's opt-out). A cacheable request is answered from the in-process tier, else from Redis (shared by every
-gateway), else it joins the identical request already in flight, else it leads a new flight: one
-upstream request whose answer every member receives as it arrives (streams fanned out event by
-event), and which is stored when it ends complete. `x-tidegate-cache` says which: hit, miss,
-coalesced, bypass.
+use`; `Cache-Control: no-store` / `no-cache`; a tenant's opt-out). A cacheable request is answered
+from the in-process tier, else from Redis (shared by every gateway), else it joins the identical
+request already in flight, else it leads a new flight: one upstream request whose answer every
+member receives as it arrives (streams fanned out event by event), and which is stored when it ends
+complete. `x-tidegate-cache` says which: hit, miss, coalesced, bypass.
 
 A flight runs in a task of its own, not in its leader's handler, so that the leader's disconnect
 does not fail the followers; it is cancelled (closing the upstream request) only when every member
