@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 from urllib.parse import urlsplit
@@ -24,6 +25,7 @@ from tidegate.overload_config import (
     TiersConfig,
     check_tenant_tiers,
 )
+from tidegate.policy.length_classes import LengthClass, LengthClasses
 
 __all__ = [
     "ConfigError",
@@ -41,6 +43,7 @@ __all__ = [
     "UpstreamBackend",
     "FailoverConfig",
     "PoolConfig",
+    "LengthClassConfig",
     "GatewayConfig",
     "load_config",
     "parse_config",
@@ -427,6 +430,16 @@ class FailoverConfig(_Strict):
     max_failovers: int = Field(1, ge=1, le=8)  # continuations of one request
 
 
+class LengthClassConfig(_Strict):
+    """One of a pool's length classes (`policy.length_classes`): prompts of at most
+    `max_prompt_tokens` (estimated) tokens go to `replicas` while any of them is up."""
+
+    max_prompt_tokens: int | None = Field(None, ge=1)  # None: the last class, any length
+    # the pool's replicas that serve it, by position from 0 in backend order (an embedded backend's
+    # `count` workers are as many positions)
+    replicas: tuple[int, ...] = Field(min_length=1)
+
+
 class PoolConfig(_Strict):
     name: str = Field(min_length=1)  # the `model` clients ask for
     backends: tuple[Backend, ...] = Field(min_length=1)
@@ -437,6 +450,38 @@ class PoolConfig(_Strict):
     # takes its traffic at once and the restarted worker becomes the spare once loaded, so a crash
     # does not leave the pool a worker short while a model loads (autoscaled pools: autoscale.standby)
     spare: int = Field(0, ge=0)
+    # short and long prompts on separate replica sets, ordered by bound, the last unbounded; None: one set
+    length_classes: tuple[LengthClassConfig, ...] | None = None
+
+    @property
+    def replica_count(self) -> int:
+        return sum(b.count if isinstance(b, EmbeddedBackend) else 1 for b in self.backends)
+
+    @model_validator(mode="after")
+    def _length_classes_name_fixed_replicas(self) -> PoolConfig:
+        if self.length_classes is None:
+            return self
+        if self.autoscale is not None or self.spare:
+            raise ValueError(f"pool {self.name!r}: length_classes needs a fixed set of replicas "
+                             "(no autoscale, no spare)")
+        count = self.replica_count
+        for position, length_class in enumerate(self.length_classes):
+            bad = [i for i in length_class.replicas if not 0 <= i < count]
+            if bad:
+                raise ValueError(f"pool {self.name!r}: length_classes[{position}] names replicas {bad}; "
+                                 f"the pool has replicas 0 to {count - 1}")
+        try:
+            self.length_class_policy([str(i) for i in range(count)])
+        except ValueError as error:
+            raise ValueError(f"pool {self.name!r}: {error}") from None
+        return self
+
+    def length_class_policy(self, replica_ids: Sequence[str]) -> LengthClasses | None:
+        """The pool's length classes over its replicas' ids (in backend order); None: none configured."""
+        if self.length_classes is None:
+            return None
+        return LengthClasses(tuple(LengthClass(c.max_prompt_tokens, frozenset(replica_ids[i] for i in c.replicas))
+                                   for c in self.length_classes))
 
     @model_validator(mode="after")
     def _spares_are_embedded_workers(self) -> PoolConfig:
@@ -481,6 +526,10 @@ class GatewayConfig(_Strict):
                 if wanted > workers:
                     raise ValueError(f"pool {pool.name!r}: autoscale.max_replicas + standby ({wanted}) "
                                      f"is more than its {workers} embedded workers")
+        for pool in self.pools:
+            if pool.length_classes is not None and not self.overload_control:
+                raise ValueError(f"pool {pool.name!r}: length_classes needs overload_control (its pool controller "
+                                 "routes by them)")
         for pool in self.pools:
             semantic = pool.response_cache.semantic if pool.response_cache is not None else None
             if semantic is not None and semantic.embedding_pool not in names:

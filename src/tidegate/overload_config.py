@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
@@ -42,6 +42,7 @@ from tidegate.policy.admission import RateLimit, RateLimiter
 from tidegate.policy.degradation import LadderConfig
 from tidegate.policy.health import BreakerPolicy
 from tidegate.policy.identity import ApiKeyEntry, IdentityResolver
+from tidegate.policy.length_classes import LengthClasses
 from tidegate.policy.overload import OverloadControl, PoolPolicies
 from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
 from tidegate.policy.shares import TenantShares
@@ -82,7 +83,9 @@ class TenantConfig(LimitConfig):
     tier: str | None = None  # None: the default tier
     weight: float = Field(1.0, gt=0)
     models: dict[str, LimitConfig] = {}  # per-model limits, on top of the tenant's own
-    response_cache: bool = True  # false: this tenant's requests are never answered from or kept in the cache
+    # false: this tenant's requests are never answered from or kept in the cache; sampled: its sampled
+    # requests are cached too (a hit repeats one earlier sample), in pools with a response cache
+    response_cache: Literal["sampled"] | bool = True
 
     @field_validator("api_key_sha256")
     @classmethod
@@ -243,11 +246,13 @@ def _key_entries(tenants: Mapping[str, TenantConfig]) -> Iterable[ApiKeyEntry]:
 
 
 def build_policies(config: OverloadConfig, pools: Mapping[str, Sequence[PoolReplica]],
-                   breaker: BreakerPolicy = BreakerPolicy()) -> OverloadPolicies:
+                   breaker: BreakerPolicy = BreakerPolicy(),
+                   length_classes: Mapping[str, LengthClasses] = {}) -> OverloadPolicies:
     """Constructs identity, rate limiter, tiers and each pool's controller and ladder.
 
-    `pools`: each pool's replicas (`LimitsConfig.pool_replica`). Raises ValueError when a
-    degradation entry names a pool that does not exist.
+    `pools`: each pool's replicas (`LimitsConfig.pool_replica`); `length_classes`: those of the pools
+    that split prompts by length. Raises ValueError when a degradation entry names a pool that does
+    not exist.
     """
     for name, ladder in config.degradation.pools.items():
         if name not in pools:
@@ -273,6 +278,6 @@ def build_policies(config: OverloadConfig, pools: Mapping[str, Sequence[PoolRepl
     control = OverloadControl(tiers, limiter, {
         name: PoolPolicies.create(name, PoolController(
             replicas, tiers, settings, shares=isolation.shares(weights) if isolation is not None else None,
-            tenant_weights=weights), config.degradation.ladder(name))
+            tenant_weights=weights, length_classes=length_classes.get(name)), config.degradation.ladder(name))
         for name, replicas in pools.items()})
     return OverloadPolicies(IdentityResolver(_key_entries(tenants)), control, config)

@@ -230,3 +230,38 @@ def test_latency_ejection_is_off_unless_set() -> None:
     assert config.health.latency_factor == 3.0
     with pytest.raises(ConfigError):
         parse_config(MINIMAL + "health:\n  latency_factor: 0.5\n", environ={})
+
+
+TWO_REPLICAS = """
+pools:
+  - name: chat
+    backends:
+      - {type: upstream, url: "http://127.0.0.1:9000/v1"}
+      - {type: upstream, url: "http://127.0.0.1:9001/v1"}
+    length_classes:
+"""
+
+
+def test_length_classes_map_replica_positions_to_their_ids() -> None:
+    config = parse_config(TWO_REPLICAS + "      - {max_prompt_tokens: 512, replicas: [0]}\n"
+                                         "      - {replicas: [1]}\n", environ={})
+    classes = config.pools[0].length_class_policy(["a", "b"])
+    assert classes is not None and classes.replicas_for(512) == {"a"} and classes.replicas_for(513) == {"b"}
+
+
+@pytest.mark.parametrize("classes, message", [
+    ("      - {max_prompt_tokens: 512, replicas: [0]}\n      - {replicas: [2]}\n",
+     r"length_classes\[1\] names replicas \[2\]; the pool has replicas 0 to 1"),
+    ("      - {max_prompt_tokens: 512, replicas: [0]}\n", "the last none"),
+    ("      - {max_prompt_tokens: 512, replicas: [0]}\n      - {max_prompt_tokens: 100, replicas: [1]}\n"
+     "      - {replicas: [1]}\n", "strictly increasing"),
+    ("      - {max_prompt_tokens: 512, replicas: []}\n      - {replicas: [1]}\n", "replicas"),
+])
+def test_bad_length_classes_are_named(classes: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config(TWO_REPLICAS + classes, environ={})
+
+
+def test_length_classes_need_overload_control() -> None:
+    with pytest.raises(ConfigError, match="length_classes needs overload_control"):
+        parse_config("overload_control: false\n" + TWO_REPLICAS + "      - {replicas: [0, 1]}\n", environ={})

@@ -27,7 +27,8 @@ _TIERS = {"default": "high", "levels": {
     "low": {"rank": 1, "queue_bound": 0, "max_queue_wait_s": 10, "ttft_target_s": 10}}}
 _TENANTS = {"alice": {"api_keys": ["sk-alice"]}, "bob": {"api_keys": ["sk-bob"]},
             "free": {"api_keys": ["sk-free"], "tier": "low"},
-            "private": {"api_keys": ["sk-private"], "response_cache": False}}
+            "private": {"api_keys": ["sk-private"], "response_cache": False},
+            "sampler": {"api_keys": ["sk-sampler"], "response_cache": "sampled"}}
 
 
 def _mock(ttft_ms: int = 0, tokens: int = 6) -> tuple[ManagedProcess, int]:
@@ -153,6 +154,23 @@ def test_sampled_and_no_store_requests_bypass_and_no_cache_refreshes(setup: tupl
     assert _upstream_requests(mock_port) == before + 5
 
 
+def test_a_client_header_or_a_tenant_setting_opts_sampled_requests_in(setup: tuple[str, int]) -> None:
+    base, mock_port = setup
+    messages = [{"role": "user", "content": "sampled, opted in"}]
+    use = {"x-tidegate-cache": "use"}
+    before = _upstream_requests(mock_port)
+    assert [_chat(base, messages=messages, _headers=use).headers["x-tidegate-cache"] for _ in range(2)] \
+        == ["miss", "hit"]
+    assert _chat(base, messages=messages).headers["x-tidegate-cache"] == "bypass"  # no header: not opted in
+    assert [_chat(base, "sk-sampler", messages=messages).headers["x-tidegate-cache"] for _ in range(2)] \
+        == ["miss", "hit"]
+    # an opted-out tenant stays out, and no-store still wins
+    assert _chat(base, "sk-private", messages=messages, _headers=use).headers["x-tidegate-cache"] == "bypass"
+    assert _chat(base, messages=messages, _headers={**use, "cache-control": "no-store"}
+                 ).headers["x-tidegate-cache"] == "bypass"
+    assert _upstream_requests(mock_port) == before + 5  # the two hits took none
+
+
 def test_no_answer_crosses_tenants_and_an_opted_out_tenant_is_never_cached(setup: tuple[str, int]) -> None:
     base, _ = setup
     messages = [{"role": "user", "content": "tenant scoped"}]
@@ -199,6 +217,34 @@ def test_a_hundred_identical_requests_make_one_upstream_request(tmp_path: Path, 
         assert states.count("miss") == 1 and states.count("coalesced") + states.count("hit") == 99
         bodies = {text for _, _, text in results}
         assert len(bodies) == 1 and ("[DONE]" in bodies.pop()) == stream
+    finally:
+        gateway.stop()
+        mock.stop()
+
+
+async def _two_tenants_at_once(base: str, each: int) -> list[tuple[int, str, str]]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=2 * each),
+                                     timeout=aiohttp.ClientTimeout(total=60)) as session:
+        async def one(key: str) -> tuple[int, str, str]:
+            payload = {"model": "m", "messages": [{"role": "user", "content": "same words"}], "max_tokens": 6,
+                       "temperature": 0}
+            async with session.post(f"{base}/v1/chat/completions", json=payload,
+                                    headers={"authorization": f"Bearer {key}"}) as response:
+                await response.read()
+                return response.status, response.headers.get("x-tidegate-cache", ""), key
+
+        return await asyncio.gather(*(one(key) for key in ["sk-alice", "sk-bob"] * each))
+
+
+def test_identical_requests_of_two_tenants_in_flight_do_not_coalesce(tmp_path: Path) -> None:
+    mock, mock_port = _mock(ttft_ms=800)
+    gateway, base = _gateway(tmp_path, [_pool("m", mock_port)])
+    try:
+        results = asyncio.run(_two_tenants_at_once(base, 10))
+        assert [status for status, _, _ in results] == [200] * 20
+        assert _upstream_requests(mock_port) == 2  # one flight a tenant
+        for key in ("sk-alice", "sk-bob"):
+            assert [state for _, state, k in results if k == key].count("miss") == 1
     finally:
         gateway.stop()
         mock.stop()
@@ -320,6 +366,39 @@ def test_two_gateways_share_the_redis_tier_and_serve_on_without_it(tmp_path: Pat
         redis_process.stop()
 
 
+def test_a_redis_entry_expires_after_its_ttl(tmp_path: Path) -> None:
+    import redis
+
+    redis_process, redis_url = start_redis()
+    mock, mock_port = _mock()
+    writer = reader = None
+    try:
+        cache = {"redis_url": redis_url, "ttl_s": 1.0}
+        writer, writer_base = _gateway(tmp_path, [_pool("m", mock_port)], cache=cache)
+        reader, reader_base = _gateway(tmp_path, [_pool("m", mock_port)], cache=cache)
+        store = redis.Redis.from_url(redis_url)
+        assert _chat(writer_base, temperature=0, messages=[{"role": "user", "content": "expiring"}]
+                     ).headers["x-tidegate-cache"] == "miss"
+        deadline = time.monotonic() + 0.8  # stored in the background, well within the TTL
+        while not store.keys("*") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.keys("*"), "the answer never reached Redis"
+        assert all(0 < store.pttl(key) <= 1000 for key in store.keys("*"))
+        time.sleep(1.3)
+        assert store.keys("*") == []
+        # the reader never held it in memory: only Redis could have answered it, and it has expired
+        later = _chat(reader_base, temperature=0, messages=[{"role": "user", "content": "expiring"}])
+        assert later.headers["x-tidegate-cache"] == "miss"
+        assert _metric(reader_base, "tidegate_response_cache_requests_total", result="hit_redis") == 0
+        assert _upstream_requests(mock_port) == 2
+    finally:
+        for process in (writer, reader):
+            if process is not None:
+                process.stop()
+        mock.stop()
+        redis_process.stop()
+
+
 @pytest.mark.slow
 def test_a_paraphrase_gets_the_semantic_cache_answer_and_a_near_miss_does_not(tmp_path: Path) -> None:
     mock, mock_port = _mock(ttft_ms=1500)
@@ -337,6 +416,7 @@ def test_a_paraphrase_gets_the_semantic_cache_answer_and_a_near_miss_does_not(tm
         paraphrase = ask("How can I reset my password?", temperature=0)
         assert paraphrase.headers["x-tidegate-cache"] == "hit"
         assert float(paraphrase.headers["x-tidegate-cache-similarity"]) >= 0.86
+        assert paraphrase.headers["x-tidegate-cache-threshold"] == "0.860"  # the default, beside the similarity
         assert paraphrase.json()["choices"] == stored.json()["choices"]
         assert ask("How do I reset my password?", "sk-bob", temperature=0).headers["x-tidegate-cache"] == "miss"
         assert ask("What is 15% of 200?", temperature=0).headers["x-tidegate-cache"] == "miss"
@@ -355,6 +435,41 @@ def test_a_paraphrase_gets_the_semantic_cache_answer_and_a_near_miss_does_not(tm
         _, sampled = asyncio.run(shed_paraphrase())
         assert sampled.status_code == 200 and sampled.headers["x-tidegate-degradation"] == "cached_answer"
         assert "x-tidegate-cache-similarity" in sampled.headers
+        assert sampled.headers["x-tidegate-cache-threshold"] == "0.750"  # the rung's looser one
     finally:
         gateway.stop()
         mock.stop()
+
+
+@pytest.mark.slow
+def test_semantic_entries_kept_in_redis_are_restored_by_a_gateway_that_starts_later(tmp_path: Path) -> None:
+    redis_process, redis_url = start_redis()
+    mock, mock_port = _mock()
+    semantic = {"embedding_pool": "minilm", "threshold": 0.8}
+    pools = [{**_pool("m", mock_port), "response_cache": {"semantic": semantic}},
+             {"name": "minilm", "backends": [{"type": "embedded", "model": "all-MiniLM-L6-v2", "threads": 1}]}]
+    cache = {"redis_url": redis_url}
+    first = second = None
+
+    def ask(base: str, question: str) -> Answer:
+        return _chat(base, messages=[{"role": "system", "content": "You are a helpful support agent."},
+                                     {"role": "user", "content": question}], temperature=0)
+
+    try:
+        first, first_base = _gateway(tmp_path, pools, cache=cache)
+        assert ask(first_base, "How do I reset my password?").headers["x-tidegate-cache"] == "miss"
+        time.sleep(0.5)  # the answer and its semantic entries go to Redis in the background
+        first.stop()
+        first = None
+        second, second_base = _gateway(tmp_path, pools, cache=cache)  # loads the entries as it starts
+        paraphrase = ask(second_base, "How can I reset my password?")
+        assert paraphrase.headers["x-tidegate-cache"] == "hit"
+        assert paraphrase.headers["x-tidegate-cache-threshold"] == "0.800"
+        assert _metric(second_base, "tidegate_semantic_cache_lookups_total", result="hit") == 1
+        assert _upstream_requests(mock_port) == 1
+    finally:
+        for process in (first, second):
+            if process is not None:
+                process.stop()
+        mock.stop()
+        redis_process.stop()

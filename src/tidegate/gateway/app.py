@@ -168,8 +168,15 @@ class Gateway:
             pool_replicas = {name: [limits.pool_replica(r.replica_id, r.slot_limit, r.forward_priority,
                                                         configured_kv_tokens.get(r.replica_id))
                                     for r in pool.replicas] for name, pool in self.pools.items()}
-            self.overload = OverloadRuntime(build_policies(config.overload, pool_replicas, breaker_policy), self.pools,
+            length_classes = {p.name: classes for p in config.pools
+                              if (classes := p.length_class_policy([r.replica_id for r in self.pools[p.name].replicas]))
+                              is not None}
+            self.overload = OverloadRuntime(build_policies(config.overload, pool_replicas, breaker_policy,
+                                                           length_classes), self.pools,
                                             OverloadMetrics(self.metrics.registry))
+            self.overload.metrics.watch_length_class_fallbacks({
+                name: lambda c=self.overload.control.pools[name].controller: c.length_class_fallbacks
+                for name in length_classes})
         # tenants' rate limits kept in Redis, shared by every gateway (docs/scale-out.md)
         self.shared_limits: SharedLimits | None = None
         shared_state = config.shared_state
@@ -263,6 +270,7 @@ class Gateway:
                 CacheSettings(tiers.memory_bytes, tiers.redis_url, tiers.ttl_s, tiers.redis_timeout_s,
                               tiers.redis_retry_s), cached_pools, self.metrics.registry,
                 opted_out_tenants=frozenset(name for name, t in config.tenants.items() if not t.response_cache),
+                sampled_tenants=frozenset(name for name, t in config.tenants.items() if t.response_cache == "sampled"),
                 semantic=semantic)
         # OpenTelemetry spans of requests (gateway/tracing.py); off: no tracer at all
         self.tracing: Tracing | None = None

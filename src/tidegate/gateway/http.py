@@ -36,7 +36,7 @@ class HttpRequest:
     """One parsed request: only the headers the gateway reads are kept."""
 
     __slots__ = ("method", "path", "query", "body", "authorization", "request_id", "request_timeout", "cache_control",
-                 "traceparent", "tracestate", "keep_alive", "too_large", "takes_chunked")
+                 "cache_opt_in", "traceparent", "tracestate", "keep_alive", "too_large", "takes_chunked")
 
     def __init__(self) -> None:
         self.method = b""
@@ -47,6 +47,7 @@ class HttpRequest:
         self.request_id: bytes | None = None
         self.request_timeout: bytes | None = None  # the client's `x-request-timeout`, seconds, unparsed
         self.cache_control: bytes | None = None  # `Cache-Control` (no-cache, no-store) for the response cache
+        self.cache_opt_in = False  # `x-tidegate-cache: use`: cache this request even if sampled
         self.traceparent: bytes | None = None  # W3C trace context, unparsed (gateway/tracing.py)
         self.tracestate: bytes | None = None
         self.keep_alive = True
@@ -222,6 +223,8 @@ class HttpConnection(asyncio.Protocol):
             request.request_timeout = value[:32]
         elif lowered == b"cache-control":
             request.cache_control = value[:128]
+        elif lowered == b"x-tidegate-cache":
+            request.cache_opt_in = value.strip().lower() == b"use"
         elif lowered == b"traceparent":
             request.traceparent = value[:128]
         elif lowered == b"tracestate":

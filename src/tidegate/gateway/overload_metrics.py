@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -31,7 +31,7 @@ _REJECTION_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0
 
 class OverloadMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        r = registry
+        r = self._registry = registry
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         # (pool, tier) -> what `sent_at_arrival` counts: the admissions' child, the queue wait's
         # bucket counts and the index of its bucket for 0 s, the work tokens' row of the pool
@@ -127,6 +127,14 @@ class OverloadMetrics:
         self.oldest_wait.labels(pool, tier).set_function(oldest_wait_s)
         if over_share is not None:
             self.over_share.labels(pool, tier).set_function(over_share)
+
+    def watch_length_class_fallbacks(self, fallbacks: Mapping[str, Callable[[], int]]) -> None:
+        """Per pool with length classes: requests sent outside their class because none of its
+        replicas was up (`policy.length_classes`), read at scrape time."""
+        if fallbacks:
+            self._registry.register(_CallbackCounter(
+                "tidegate_length_class_fallbacks", "Requests sent outside their length class because none of "
+                "the class's replicas was up, by pool", "pool", fallbacks))
 
     def watch_replica(self, pool: str, replica: str, budget_tokens: Callable[[], float | None],
                       fit: Callable[[], TtftFit | None], slots: Callable[[], float],
@@ -342,3 +350,16 @@ class FirstTokens:
             events.add_metric([pool, tier, "late"], row[-1])
         yield histogram
         yield events
+
+
+class _CallbackCounter:
+    """A counter, one series per label value, each read from its callback at scrape time."""
+
+    def __init__(self, name: str, documentation: str, label: str, values: Mapping[str, Callable[[], int]]) -> None:
+        self._name, self._documentation, self._label, self._values = name, documentation, label, dict(values)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
+        for value, read in self._values.items():
+            family.add_metric([value], read())
+        yield family

@@ -326,7 +326,8 @@ class Proxy:
                                        identity, timeout_s, cached_fallback)
 
         status, replica_id, upstream = await cache.serve(conn, pool.name, endpoint.name, body, request_id, tenant,
-                                                         request.authorization, request.cache_control, forward)
+                                                         request.authorization, request.cache_control, forward,
+                                                         opt_in=request.cache_opt_in)
         if not upstream:  # answered from the cache or by another request's flight: counted here
             self.pool_metrics[pool.name].count(status)
         return status, replica_id

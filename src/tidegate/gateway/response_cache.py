@@ -1,12 +1,12 @@
 """The exact response cache and single-flight coalescing, live: memory tier -> Redis tier -> upstream.
 
 Per request of a pool with `response_cache` (config): `cache_mode` says whether it may be cached
-(deterministic, or the pool caches samples too; `Cache-Control: no-store` / `no-cache`; a tenant's
-opt-out). A cacheable request is answered from the in-process tier, else from Redis (shared by every
-gateway), else it joins the identical request already in flight, else it leads a new flight: one
-upstream request whose answer every member receives as it arrives (streams fanned out event by
-event), and which is stored when it ends complete. `x-tidegate-cache` says which: hit, miss,
-coalesced, bypass.
+(deterministic, or sampled and opted in by the pool, the tenant or the client's `x-tidegate-cache:
+use`; `Cache-Control: no-store` / `no-cache`; a tenant's opt-out). A cacheable request is answered
+from the in-process tier, else from Redis (shared by every gateway), else it joins the identical
+request already in flight, else it leads a new flight: one upstream request whose answer every
+member receives as it arrives (streams fanned out event by event), and which is stored when it ends
+complete. `x-tidegate-cache` says which: hit, miss, coalesced, bypass.
 
 A flight runs in a task of its own, not in its leader's handler, so that the leader's disconnect
 does not fail the followers; it is cancelled (closing the upstream request) only when every member
@@ -64,6 +64,7 @@ class ResponseCache:
 
     def __init__(self, settings: CacheSettings, pools: dict[str, PoolCacheSettings], registry: CollectorRegistry,
                  opted_out_tenants: frozenset[str] = frozenset(), clock: Callable[[], float] = time.monotonic,
+                 sampled_tenants: frozenset[str] = frozenset(),
                  semantic: dict[str, SemanticCache] | None = None) -> None:
         self.settings = settings
         self.pools = pools
@@ -72,6 +73,7 @@ class ResponseCache:
         self.memory = MemoryTier(settings.memory_bytes)
         self.redis = RedisTier(settings, self.metrics, clock) if settings.redis_url else None
         self._opted_out = opted_out_tenants
+        self._sampled_tenants = sampled_tenants  # their sampled requests are cached too (`response_cache: sampled`)
         self._flights: dict[str, Flight] = {}
         self._writes: set[asyncio.Task[None]] = set()  # Redis stores in the background
         self._evictions_seen = 0
@@ -87,12 +89,14 @@ class ResponseCache:
 
     async def serve(self, conn: HttpConnection, pool: str, endpoint: str, body: dict[str, Any], request_id: bytes,
                     tenant: str | None, authorization: bytes | None, cache_control: bytes | None,
-                    forward: Forward) -> tuple[int, str | None, bool]:
-        """Answers one request: (status, replica, whether this request's own upstream call answered it)."""
+                    forward: Forward, opt_in: bool = False) -> tuple[int, str | None, bool]:
+        """Answers one request: (status, replica, whether this request's own upstream call answered it).
+        `opt_in`: the client sent `x-tidegate-cache: use`, so its sampled request is cached too."""
         settings = self.pools[pool]
         results = self._results[pool]
         allowed = tenant is None or tenant not in self._opted_out
-        mode = cache_mode(body, cache_control, cache_sampled=settings.cache_sampled, tenant_allows=allowed)
+        sampled = settings.cache_sampled or opt_in or (tenant is not None and tenant in self._sampled_tenants)
+        mode = cache_mode(body, cache_control, cache_sampled=sampled, tenant_allows=allowed)
         scope = self.scope(tenant, authorization)
         keys = request_keys(scope, endpoint, body)
         semantic = self.semantic.get(pool)
@@ -161,7 +165,11 @@ class ResponseCache:
                 semantic.missed()
             return False
         semantic.served(hit, rung=rung)
-        similarity = b"x-tidegate-cache-similarity: %.3f\r\n" % hit.similarity
+        # the threshold it passed beside its similarity, so a client can tell how close a hit had to be
+        threshold = semantic.settings.rung_threshold if rung else semantic.settings.threshold
+        assert threshold is not None  # a rung lookup without one returned above
+        similarity = b"x-tidegate-cache-similarity: %.3f\r\nx-tidegate-cache-threshold: %.3f\r\n" % (
+            hit.similarity, threshold)
         if rung:
             head = degraded.replace(DEGRADATION_HEADER_LINE + Rung.PRESET_REPLY.value.encode(),
                                     DEGRADATION_HEADER_LINE + Rung.CACHED_ANSWER.value.encode())

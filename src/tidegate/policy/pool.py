@@ -129,6 +129,7 @@ from enum import Enum
 
 from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, is_routable, median
 from tidegate.policy.prediction import WaitPredictor, WorkUnit
+from tidegate.policy.length_classes import LengthClasses
 from tidegate.policy.prefix import CHARS_PER_TOKEN, AffinityLoad, CharsPerToken, PrefixIndex, index_blocks
 from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReason
 from tidegate.policy.resends import EarlyResends, HeldResends
@@ -313,9 +314,17 @@ class _Replica:
 
 class PoolController:
     def __init__(self, replicas: Sequence[PoolReplica], tiers: TierTable, settings: PoolSettings = PoolSettings(),
-                 *, shares: TenantShares | None = None, tenant_weights: Mapping[str, float] | None = None) -> None:
+                 *, shares: TenantShares | None = None, tenant_weights: Mapping[str, float] | None = None,
+                 length_classes: LengthClasses | None = None) -> None:
         if len({r.replica_id for r in replicas}) != len(replicas):
             raise ValueError("replica ids must be unique")
+        if length_classes is not None:
+            unknown = {r for c in length_classes.classes for r in c.replicas} - {r.replica_id for r in replicas}
+            if unknown:
+                raise ValueError(f"length classes name replicas not in the pool: {sorted(unknown)}")
+        self._length_classes = length_classes
+        # requests sent outside their length class because none of its replicas was routable
+        self.length_class_fallbacks = 0
         self.tiers = tiers
         self._tier_specs = {tier.name: tier for tier in tiers}  # a dict's lookup: no call on the hot path
         self.settings = settings
@@ -710,9 +719,14 @@ class PoolController:
         if enqueued_at_s is None:
             enqueued_at_s = request.enqueued_at_s  # type: ignore[union-attr]
         left_s = enqueued_at_s + tier.ttft_target_s - now_s
-        picked = self._pick(now_s, tier, level, request.prompt_tokens, exclude, left_s, prefix)
+        # without length classes no call on the hot path
+        outside = None if self._length_classes is None else self._outside_length_class(now_s, request.prompt_tokens)
+        picked = self._pick(now_s, tier, level, request.prompt_tokens,
+                            exclude if not outside else exclude | outside, left_s, prefix)
         if picked is None:
             return None
+        if outside is None and self._length_classes is not None:
+            self.length_class_fallbacks += 1
         replica, prefill_tokens, prefix_key, moved_from, moved_blocks = picked
         if prefix:
             self._prefixes.pop(request.request_id, None)
@@ -828,6 +842,15 @@ class PoolController:
         replica, own = owns[target]
         return replica, own, key, source, matched
 
+    def _outside_length_class(self, now_s: float, prompt_tokens: int) -> frozenset[str] | None:
+        """The replicas outside the prompt's length class (`policy.length_classes`): empty without
+        classes; None when none of its class is routable, so that it may go anywhere (a query)."""
+        classes = self._length_classes
+        if classes is None:
+            return frozenset()
+        return classes.outside(prompt_tokens, self._replicas,
+                               lambda replica_id: self._routable(self._replicas[replica_id], now_s))
+
     def _preempt_for(self, now_s: float, request: QueuedRequest) -> Preemption | None:
         """Rule 9: `request` found no slot; stop the youngest preemptible request of a worse tier whose
         replica would then take it, and end it here (its slot is free now). None: nothing to stop."""
@@ -837,10 +860,11 @@ class PoolController:
         level = self.engine_level(tier.name, self.service_class(now_s, tier.name, request.tenant))
         better_active = self._better_level_active(now_s, level)
         left_s = request.enqueued_at_s + tier.ttft_target_s - now_s
+        outside = self._outside_length_class(now_s, request.prompt_tokens) or frozenset()
         victim: _Sent | None = None
         for request_id in self._preemptible:
             sent = self._sent.get(request_id)
-            if sent is None or self.tiers[sent.request.tier].rank <= tier.rank \
+            if sent is None or self.tiers[sent.request.tier].rank <= tier.rank or sent.replica_id in outside \
                     or (victim is not None and sent.sent_s <= victim.sent_s):
                 continue
             if self._takes_in_place_of(now_s, self._replicas[sent.replica_id], sent, tier, level, better_active,
