@@ -103,7 +103,8 @@ def _pool(config: GatewayConfig, pool_name: str | None) -> PoolConfig:
 def pool_controller(config: GatewayConfig, pool_name: str | None, replica_ids: list[str]) -> tuple[PoolController, int]:
     """The controller `tidegate serve` builds for the pool (its first by default), over these
     replicas, and the pool's slot limit (what FIFO holds per replica)."""
-    backend = _pool(config, pool_name).backends[0]
+    pool = _pool(config, pool_name)
+    backend = pool.backends[0]
     orders_by_priority = getattr(backend, "forward_priority", True)  # embedded engines order by it
     overload = config.overload
     limits = overload.limits
@@ -114,7 +115,8 @@ def pool_controller(config: GatewayConfig, pool_name: str | None, replica_ids: l
                                              # 0: no prefix affinity, as `tidegate serve` reads it
                                              **({} if limits.prefix_cache_tokens is None
                                                 else {"prefix_cache_tokens": limits.prefix_cache_tokens})),
-                                shares=isolation.shares(None) if isolation is not None else None)
+                                shares=isolation.shares(None) if isolation is not None else None,
+                                length_classes=pool.length_class_policy(replica_ids))
     return controller, backend.slot_limit
 
 

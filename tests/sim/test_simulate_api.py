@@ -48,3 +48,19 @@ def test_the_simulated_pool_reads_prefix_affinity_as_serve_does(tmp_path) -> Non
         config.write_text(pools + limits)
         controller, _ = pool_controller(load_config(config), None, ["r0"])
         assert controller.prefix_index_blocks("r0") == blocks, limits
+
+
+def test_the_simulated_pool_routes_by_length_class_as_serve_does(tmp_path) -> None:
+    from tidegate.config import load_config
+    from tidegate.simulate import pool_controller
+    from tidegate.types import PoolRequest
+
+    config = tmp_path / "serve.yaml"
+    config.write_text("pools: [{name: chat, backends: [{type: embedded, model: tiny-random-llama, count: 2}],\n"
+                      "         length_classes: [{max_prompt_tokens: 500, replicas: [0]}, {replicas: [1]}]}]\n")
+    controller, _ = pool_controller(load_config(config), None, ["r0", "r1"])
+    placed = []
+    for number, prompt_tokens in enumerate((100, 2000, 300, 4000)):
+        decision = controller.on_arrival(0.0, PoolRequest(number, 0.0, "t", "standard", prompt_tokens, 20))
+        placed.append(decision.assignment.replica_id)
+    assert placed == ["r0", "r1", "r0", "r1"]
