@@ -16,10 +16,10 @@ log = logging.getLogger("tidegate.gateway")
 # Python's collector walks its youngest generation each time this many more container objects have
 # been made than freed since the last walk (CPython's default is 700). A request makes and frees
 # dozens, and every object of every request in flight at a walk is walked again and moved on, so at
-# 700 a gateway under load walks its in-flight requests hundreds of times a second. Tracing, which
-# keeps a few more objects a request alive, walked 47 times in 3,000 requests instead of 9: some 18k
-# instructions a request, a quarter of tracing's whole cost (bench/gateway_instructions.py --tracing,
-# docs/observability.md). Cyclic garbage waits a little longer for its walk; the gateway makes little.
+# 700 a gateway under load walks its in-flight requests hundreds of times a second. With tracing on,
+# which kept a few more objects a request alive, the walks were some 18k instructions a request, a
+# quarter of tracing's whole cost (docs/observability.md, "The collector"; at 20,000 they are rare).
+# Cyclic garbage waits a little longer for its walk; the gateway makes little.
 GC_YOUNG_THRESHOLD = 20_000
 
 

@@ -238,8 +238,7 @@ class RequestTrace:
         (`settle`) and they are let go, and the record goes to the sink. The built-in exporter encodes it
         at once, so that nothing of the request outlives it but bytes: a record kept until the next
         export (and the ticket and usage it held) aged into the garbage collector's older generations,
-        whose collections then traversed them again and again (bench/gateway_instructions.py
-        --tracing: some 15k instructions a request went to the collector)."""
+        whose collections then walked them again and again (docs/observability.md, "The collector")."""
         if self.token is not None:
             CURRENT_TRACE.reset(self.token)
             self.token = None
@@ -293,11 +292,13 @@ class RequestTrace:
             queued_ns = self.admitted_ns
         else:
             queued_ns = int(self.started_s * 1e9) if self.tenant is None else None
-        if ticket is not None and ticket.dispatched_s is not None:
+        if queued_ns is None:
+            dispatched_ns = None
+        elif ticket is not None and ticket.dispatched_s is not None:
             dispatched_ns = int(ticket.dispatched_s * 1e9)  # overload control's clock: the same, in seconds
         else:
             dispatched_ns = attempts[0][ATTEMPT_SENT_NS] if attempts else None
-        if queued_ns is not None and dispatched_ns is not None:
+        if dispatched_ns is not None:
             self.queued_ns = queued_ns
             self.dispatched_ns = max(queued_ns, dispatched_ns)
             self.predicted_wait_s = ticket.predicted_wait_s if ticket is not None else None
