@@ -31,6 +31,12 @@ _TENANTS = {"alice": {"api_keys": ["sk-alice"]}, "bob": {"api_keys": ["sk-bob"]}
             "sampler": {"api_keys": ["sk-sampler"], "response_cache": "sampled"}}
 
 
+def _stop(*processes) -> None:
+    """Stops the processes a test started (those it got to start), gateways before what they use."""
+    for process in processes:
+        if process is not None:
+            process.stop()
+
 def _mock(ttft_ms: int = 0, tokens: int = 6) -> tuple[ManagedProcess, int]:
     port = free_port()
     process = start_process(tidegate_argv("mock-upstream", "--port", str(port), "--tokens", str(tokens),
@@ -359,11 +365,7 @@ def test_two_gateways_share_the_redis_tier_and_serve_on_without_it(tmp_path: Pat
         assert _metric(second_base, "tidegate_response_cache_redis_up") == 0
         assert _chat(second_base, temperature=0, messages=messages).headers["x-tidegate-cache"] == "hit"  # memory
     finally:
-        for process in (first, second):
-            if process is not None:
-                process.stop()
-        mock.stop()
-        redis_process.stop()
+        _stop(first, second, mock, redis_process)
 
 
 def test_a_redis_entry_expires_after_its_ttl(tmp_path: Path) -> None:
@@ -392,11 +394,7 @@ def test_a_redis_entry_expires_after_its_ttl(tmp_path: Path) -> None:
         assert _metric(reader_base, "tidegate_response_cache_requests_total", result="hit_redis") == 0
         assert _upstream_requests(mock_port) == 2
     finally:
-        for process in (writer, reader):
-            if process is not None:
-                process.stop()
-        mock.stop()
-        redis_process.stop()
+        _stop(writer, reader, mock, redis_process)
 
 
 @pytest.mark.slow
@@ -468,8 +466,4 @@ def test_semantic_entries_kept_in_redis_are_restored_by_a_gateway_that_starts_la
         assert _metric(second_base, "tidegate_semantic_cache_lookups_total", result="hit") == 1
         assert _upstream_requests(mock_port) == 1
     finally:
-        for process in (first, second):
-            if process is not None:
-                process.stop()
-        mock.stop()
-        redis_process.stop()
+        _stop(first, second, mock, redis_process)
