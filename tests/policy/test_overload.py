@@ -180,6 +180,26 @@ def test_a_displaced_request_moves_to_the_fallback_pool_once() -> None:
     assert notice.request_id == waiting.request_id and notice.moved_to is None
 
 
+def test_a_request_moved_once_is_not_moved_again_down_a_chain_of_fallbacks() -> None:
+    """With no rate limit, a request is kept as its bare record until it moves: the move is remembered."""
+    full = _roomy_tiers()
+
+    def pool(name: str, fallback: str | None) -> PoolPolicies:
+        controller = PoolController((PoolReplica(name[0], max_requests=1),), full, settings=PoolSettings(max_queued=1))
+        return PoolPolicies.create(name, controller, LadderConfig(fallback_pool=fallback))
+
+    pools = {"big": pool("big", "small"), "small": pool("small", "tiny"), "tiny": pool("tiny", None)}
+    control = OverloadControl(full, RateLimiter(), pools)
+    for model in pools:
+        _take_the_slot(control, model)
+    waiting = _facts()
+    _arrive(control, 0.0, waiting)
+    notice, = _arrive(control, 1.0, _facts("critical")).shed
+    assert notice.moved_to == "small"
+    notice, = _arrive(control, 1.0, _facts("critical", model="small")).shed
+    assert notice.request_id == waiting.request_id and notice.moved_to is None
+
+
 def test_pressure_sends_a_tier_that_degrades_early_to_the_fallback_but_never_refuses_it() -> None:
     """Sheddable degrades at pressure 0.5: to a lighter pool if there is one; kept otherwise,
     since it would still start by its deadline."""

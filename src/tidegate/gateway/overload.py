@@ -239,23 +239,6 @@ class _PoolBody:
         self._timer = self._timer_at_s = None
         self.pump(self._runtime.clock())
 
-    def ended(self, now_s: float, ticket: Ticket, completion_tokens: int) -> None:
-        """The request is done with its replica however it ended: tell the controller, free the slot."""
-        replica = ticket.replica
-        assert replica is not None
-        ticket.replica = None
-        replica.outstanding -= 1
-        controller = self.controller
-        if ticket.failure is not None:
-            controller.on_failure(now_s, ticket.request_id, ticket.failure)
-        elif ticket.completed:
-            controller.on_finish(now_s, ticket.request_id, completion_tokens)
-        else:  # the client left, or the gateway failed, while it was at the replica
-            controller.on_cancel(now_s, ticket.request_id)
-        breaker = controller.breaker(now_s, replica.replica_id)
-        if breaker is not replica.breaker:  # the common case, a closed breaker left as it was, costs no call
-            self.pool.adopt_breaker(replica, breaker)
-
 
 class OverloadRuntime:
     """Owns the overload policies of a running gateway and drives them from the request path."""
@@ -485,7 +468,20 @@ class OverloadRuntime:
         if ticket.future is not None and body.waiting.pop(ticket.request_id, None) is not None:
             body.controller.on_cancel(now_s, ticket.request_id)  # the client left while it waited
         elif ticket.replica is not None:  # also when assigned just as the client left
-            body.ended(now_s, ticket, completion_tokens)
+            # done with its replica however it ended: the controller hears how, the slot is free
+            replica = ticket.replica
+            ticket.replica = None
+            replica.outstanding -= 1
+            controller = body.controller
+            if ticket.failure is not None:
+                controller.on_failure(now_s, ticket.request_id, ticket.failure)
+            elif ticket.completed:
+                controller.on_finish(now_s, ticket.request_id, completion_tokens)
+            else:  # the client left, or the gateway failed, while it was at the replica
+                controller.on_cancel(now_s, ticket.request_id)
+            breaker = controller.breaker(now_s, replica.replica_id)
+            if breaker is not replica.breaker:  # the common case, a closed breaker left as it was, costs no call
+                body.pool.adopt_breaker(replica, breaker)
         if prompt_tokens and ticket.prompt_chars:
             body.controller.on_prompt_usage(ticket.prompt_chars, prompt_tokens)
         used_tokens = ticket.prompt_tokens + completion_tokens

@@ -200,4 +200,5 @@ def median(values: list[float]) -> float:
 
 def is_routable(health: ReplicaHealth, breaker: Breaker, now_s: float) -> bool:
     """UNKNOWN counts as not yet routable: a replica is trusted after its first good health check."""
-    return health is ReplicaHealth.HEALTHY and breaker.admits(now_s)
+    # a closed breaker admits: asked first, without a call, as every pick asks for every replica
+    return health is ReplicaHealth.HEALTHY and (breaker.state is BreakerState.CLOSED or breaker.admits(now_s))

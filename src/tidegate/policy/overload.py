@@ -107,7 +107,9 @@ class OverloadControl:
         self.limiter = limiter
         self._no_limits = limiter.unlimited
         self.pools = dict(pools)
-        self._admitted: dict[str, _Admitted] = {}  # admitted and not yet settled
+        # admitted and not yet settled; a request with nothing to settle, no cached answer and not yet
+        # moved is kept as its own record (the common case: no `_Admitted` is built for it; `_admitted_of`)
+        self._admitted: dict[str, _Admitted | PoolRequest] = {}
 
     def arrive(self, now_s: float, model: str, request: PoolRequest, *, cached_answer_available: bool = False,
                admission: AdmissionDecision | None = None) -> Arrival | Assignment:
@@ -135,8 +137,11 @@ class OverloadControl:
             outcome = (ArrivalOutcome.TOO_LARGE if admission.outcome is AdmissionOutcome.TOO_LARGE
                        else ArrivalOutcome.RATE_LIMITED)
             return Arrival(outcome, tier, None, Rung.PRIMARY, admission, None, None, None, ())
-        self._admitted[request_id] = _Admitted(admission.reservation, request, False, cached_answer_available,
-                                               external)
+        if admission is _NO_LIMITS and not cached_answer_available:
+            self._admitted[request_id] = request
+        else:
+            self._admitted[request_id] = _Admitted(admission.reservation, request, False, cached_answer_available,
+                                                   external)
         decision = policies.controller.on_arrival(now_s, request)
         if type(decision) is Assignment:  # nothing waited: nothing pressed, nothing shed
             if admission is _NO_LIMITS:  # and no rate limit to report: the assignment says it all
@@ -179,14 +184,15 @@ class OverloadControl:
         a cached answer when the cache holds one, else the preset reply. A query."""
         admitted = self._admitted.get(str(refusal.request_id))
         return self.pools[pool].ladder.next_rung(Rung.FALLBACK_POOL, retry_after_s=refusal.retry_after_s,
-                                                 cached_answer_available=admitted is not None and admitted.cached_answer)
+                                                 cached_answer_available=type(admitted) is _Admitted
+                                                 and admitted.cached_answer)
 
     def finish(self, now_s: float, request_id: str, *, used_tokens: int) -> Settlement | None:
         """A request admitted by `arrive` ended, however it ended (served, failed, refused while
         queued, client gone): settle its reservation with the tokens it used. Idempotent. None: nothing
         to settle (settled already, or no rate limit is configured)."""
         admitted = self._admitted.pop(request_id, None)
-        if admitted is None or admitted.reservation is None:
+        if type(admitted) is not _Admitted or admitted.reservation is None:  # a bare request: nothing reserved
             return None
         if admitted.external:  # its limiter settles it: what it is to refund, or charge beyond the reservation
             reserved = admitted.reservation.reserved_tokens
@@ -216,7 +222,7 @@ class OverloadControl:
     def _move(self, now_s: float, fallback: PoolPolicies, request_id: str, request: PoolRequest,
               shed: list[ShedNotice]) -> ArrivalDecision | Assignment | None:
         """Queues the request in the fallback pool, once; None when that pool refuses it too."""
-        admitted = self._admitted[request_id]
+        admitted = self._admitted_of(request_id)
         if admitted.moved:
             return None
         decision = fallback.controller.on_arrival(now_s, request)
@@ -225,6 +231,14 @@ class OverloadControl:
             return None
         admitted.moved = True
         return decision
+
+    def _admitted_of(self, request_id: str) -> _Admitted:
+        """The request's `_Admitted`, built now for one kept as its bare request (`test_overload`'s
+        moves and sheds of requests admitted without rate limits)."""
+        admitted = self._admitted[request_id]
+        if type(admitted) is not _Admitted:
+            admitted = self._admitted[request_id] = _Admitted(None, admitted)
+        return admitted
 
     def _displaced(self, now_s: float, policies: PoolPolicies, refusals: tuple[Refusal, ...]) -> list[ShedNotice]:
         """Requests a better one pushed out of `policies`' queue try the fallback pool, once, with
@@ -237,7 +251,7 @@ class OverloadControl:
             admitted = self._admitted.get(request_id)
             if admitted is None:
                 continue
-            request = admitted.request
+            request = admitted if type(admitted) is PoolRequest else admitted.request
             if fallback is not None:
                 tier = self.tiers[request.tier]
                 left_s = tier.max_queue_wait_s - (now_s - request.arrival_s)

@@ -386,7 +386,9 @@ class PoolController:
         return self._shares.over_share(now_s, tier) if self._shares is not None else frozenset()
 
     def breaker(self, now_s: float, replica_id: str) -> Breaker:
-        return self._replicas[replica_id].breaker.current(now_s)
+        breaker = self._replicas[replica_id].breaker
+        # a closed breaker is current as it is: no call (the gateway asks at every request's end)
+        return breaker if breaker.state is BreakerState.CLOSED else breaker.current(now_s)
 
     def ttft_fit(self, replica_id: str) -> TtftFit | None:
         """The replica's fitted engine TTFT line (rule 3); None before its first token."""
