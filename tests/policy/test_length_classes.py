@@ -82,3 +82,18 @@ def test_bad_classes_are_refused_with_a_clear_error(classes: tuple[LengthClass, 
 def test_classes_naming_a_replica_not_in_the_pool_are_refused() -> None:
     with pytest.raises(ValueError, match="not in the pool"):
         pool(LengthClasses((LengthClass(None, frozenset({"elsewhere"})),)))
+
+
+def test_background_work_outside_a_request_s_class_is_not_preempted_for_it() -> None:
+    """Rule 9 stops background work only where the waiting request could then go: a slot freed on a
+    replica of another length class would be lost work and no help."""
+    ctl = PoolController([PoolReplica("short0", max_requests=1), PoolReplica("long0", max_requests=1)], TIERS,
+                         length_classes=LengthClasses((LengthClass(1000, frozenset({"short0"})),
+                                                       LengthClass(None, frozenset({"long0"})))))
+    background = ctl.on_arrival(0.0, PoolRequest(1, 0.0, "t", "batch", 200, 50, preemptible=True))
+    assert background.replica_id == "short0"
+    assert send(ctl, 2, 4000) == "long0"  # its class is full now
+    ctl.on_arrival(1.0, PoolRequest(3, 1.0, "t", "critical", 4000, 50))
+    dispatch = ctl.on_capacity(1.0)
+    assert dispatch.preemptions == () and dispatch.assignments == ()
+    assert ctl.held("short0") == 1

@@ -6,7 +6,10 @@ long ones. Classes are ordered by their prompt-token bound, the last unbounded; 
 to the first class whose bound its prompt-token estimate does not exceed, and the pool controller
 picks only among that class's replicas (`test_a_request_goes_only_to_its_length_class_replicas`).
 When none of the class's replicas is routable the request may go anywhere in the pool rather than
-wait for nothing (`test_a_request_falls_back_to_the_whole_pool_when_its_class_is_down`).
+wait for nothing (`test_a_request_falls_back_to_the_whole_pool_when_its_class_is_down`); a class
+whose replicas are only full waits for them (`test_a_full_class_waits_for_its_own_replicas`). Rule 9
+stops background work only on the waiting request's class
+(`test_background_work_outside_a_request_s_class_is_not_preempted_for_it`).
 """
 
 from __future__ import annotations

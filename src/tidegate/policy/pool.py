@@ -128,8 +128,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from tidegate.policy.health import Breaker, BreakerPolicy, BreakerState, is_routable, median
-from tidegate.policy.prediction import WaitPredictor, WorkUnit
 from tidegate.policy.length_classes import LengthClasses
+from tidegate.policy.prediction import WaitPredictor, WorkUnit
 from tidegate.policy.prefix import CHARS_PER_TOKEN, AffinityLoad, CharsPerToken, PrefixIndex, index_blocks
 from tidegate.policy.queueing import FairPriorityQueue, QueuedRequest, ShedReason
 from tidegate.policy.resends import EarlyResends, HeldResends
