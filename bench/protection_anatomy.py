@@ -13,6 +13,8 @@ and splits each critical request's TTFT (in the burst's window) into:
 - the rest: its own prompt's steps, and what equal or better work shared them.
 `--scenario noisy_tenant` does the same for the quiet tenants' requests beside a flood (bar < 1.1x).
 `--work` splits noisy_tenant's requests within target, control against FIFO, at the flood's end.
+`--tail` splits the TTFTs that set each run's P99, the unloaded run's beside the loaded one's, into
+queue, in-flight step, waiting in the engine after it, and the prompt's own steps (worse work in them).
 It then prints the P99 ratio with each part taken away, so the bound is a number: a P99 that is
 over 1.2x with the controller's queue at zero and only the in-flight step added cannot be brought
 under the bar by any dispatch policy, only by shorter engine steps (which cost throughput: the
@@ -62,6 +64,14 @@ class StepLog:
             return at_s
         start_s, step_s, _ = self.steps[replica_id][index]
         return max(at_s, start_s + step_s)
+
+    def first_chunk_s(self, record: RequestRecord) -> float:
+        """Start of the first step that computed part of `record`'s prompt."""
+        index = bisect.bisect_left(self.starts[record.replica_id], record.dispatch_s)
+        for start_s, _, batch in self.steps[record.replica_id][index:]:
+            if any(chunk.seq.seq_id == record.request_id for chunk in batch.chunks):
+                return start_s
+        raise ValueError(f"request {record.request_id}: no step computed its prompt")
 
     def worse_work_s(self, spec: S.ReplicaSpec, record: RequestRecord) -> float:
         """What chunks of a worse engine priority than its own added to the steps that computed
@@ -152,6 +162,45 @@ def noisy_work(seeds) -> None:
               f"{quiet_after[1]})")
 
 
+def tail_parts(spec: S.ReplicaSpec, log: StepLog, record: RequestRecord) -> tuple[float, ...]:
+    """`record`'s TTFT in parts, seconds: (queue at the gateway, the step in flight at dispatch,
+    waiting in the engine after it, its prompt's steps, of which worse work)."""
+    in_flight_end_s = log.in_flight_end(record.replica_id, record.dispatch_s)
+    first_chunk_s = log.first_chunk_s(record)
+    return (record.dispatch_s - record.arrival_s, in_flight_end_s - record.dispatch_s,
+            first_chunk_s - in_flight_end_s, record.first_token_s - first_chunk_s, log.worse_work_s(spec, record))
+
+
+TAIL = 3  # the requests with the longest TTFTs: the P99 of some fifty is between the first two
+
+
+def tail(make, seeds) -> None:
+    """The TTFTs that set each run's P99, in parts, unloaded beside loaded: where the extra time goes."""
+    cap = S.capacity_rps(S.REPLICAS)
+    spec = S.replica_spec("r0")
+    print(f"the {TAIL} longest TTFTs of each run, in ms: queue at the gateway + step in flight at dispatch + "
+          "waiting in the engine after it + its prompt's steps (of which worse work) = TTFT; prompt tokens")
+    sums = {"unloaded": np.zeros(5), "loaded": np.zeros(5)}
+    for seed in seeds:
+        requests, alone_requests, about, window = make(seed, cap)
+        print(f"seed {seed}")
+        for label, run_requests in (("unloaded", alone_requests), ("loaded", requests)):
+            log = StepLog()
+            run_ = run_logged(run_requests, log, window)
+            records = sorted((r for r in run_.records(None, *window) if about(r) and r.first_token_s is not None),
+                             key=lambda r: r.ttft_s, reverse=True)[:TAIL]
+            for record in records:
+                parts = np.asarray(tail_parts(spec, log, record))
+                sums[label] += parts
+                queue, in_flight, engine, steps, worse = parts * 1000
+                print(f"  {label:<8} {queue:5.1f} + {in_flight:5.1f} + {engine:5.1f} + {steps:6.1f} ({worse:5.1f}) = "
+                      f"{record.ttft_s * 1000:6.1f}; {record.prompt_tokens:5d}")
+    count = TAIL * len(seeds)
+    for label, total in sums.items():
+        queue, in_flight, engine, steps, worse = total / count * 1000
+        print(f"mean {label:<8} {queue:5.1f} + {in_flight:5.1f} + {engine:5.1f} + {steps:6.1f} ({worse:5.1f}) ms")
+
+
 SCENARIOS = {"critical_burst": (critical_burst_seed, S.BURST_SEEDS), "noisy_tenant": (noisy_tenant_seed, S.NOISY_SEEDS)}
 
 
@@ -160,7 +209,12 @@ def main() -> None:
     parser.add_argument("--scenario", choices=sorted(SCENARIOS), default="critical_burst")
     parser.add_argument("--seeds", type=int, default=10)
     parser.add_argument("--work", action="store_true", help="noisy_tenant's work-conservation deficit instead")
+    parser.add_argument("--tail", action="store_true", help="the TTFTs that set the P99, in parts, unloaded and loaded")
     args = parser.parse_args()
+    if args.tail:
+        make, seeds = SCENARIOS[args.scenario]
+        tail(make, seeds[:args.seeds])
+        return
     if args.work:
         noisy_work(S.NOISY_SEEDS[:args.seeds])
         return
