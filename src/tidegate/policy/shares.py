@@ -218,10 +218,11 @@ class TenantShares:
         requests = {tenant: count.amount(now_s) for tenant, count in self._requests.get(tier, {}).items()}
         weighted = {tenant: demand / self._weights.get(tenant, 1.0) for tenant, demand in demands.items()
                     if requests[tenant] >= 0.5}
-        counts = self._requests.get(tier, {})
-        over = frozenset(tenant for tenant in self._standing_out(weighted, level)
-                         if requests[tenant] >= self.MIN_REQUESTS
-                         and not self._stopped(now_s, counts[tenant]))
+        over = self._standing_out(weighted, level)
+        if over:  # a flood: is it still sending? (no look-up at all without one)
+            counts = self._requests[tier]
+            over = frozenset(tenant for tenant in over
+                             if requests[tenant] >= self.MIN_REQUESTS and not self._stopped(now_s, counts[tenant]))
         if now_s - self._first_arrival_s.get(tier, now_s) < self._half_life_s:
             over = frozenset()  # too few requests yet for a verdict
         verdict = self._verdicts[tier] = (now_s, over)
