@@ -203,24 +203,3 @@ def test_after_idle_a_tenants_first_few_requests_are_no_flood_but_a_real_one_is_
     for _ in range(10):  # a request per tenant per 0.1 s, but the flood's carry 10x the work
         now_s = _stream(shares, "standard", flood, served=1.0, seconds=0.1, start_s=now_s, dispatched=13.0)
     assert shares.over_share(now_s, "standard") == {"noisy"}
-
-
-def test_a_flood_ends_when_its_tenant_stops_sending_not_half_lives_later() -> None:
-    # the flood's requests come every 0.1 s; its decayed rate still stands out for seconds after
-    # the last, during which its backlog would stay demoted and expire in the slots others leave
-    shares = TenantShares(half_life_s=5.0)
-    now_s = _stream(shares, "standard", {"t1": 1.0, "noisy": 20.0}, served=3.0)
-    assert shares.over_share(now_s, "standard") == {"noisy"}
-    now_s = _stream(shares, "standard", {"t1": 1.0}, served=3.0, seconds=2.0, start_s=now_s)
-    assert shares.over_share(now_s, "standard") == frozenset()
-
-
-def test_a_flood_is_still_over_its_share_across_an_ordinary_gap_between_its_requests() -> None:
-    shares = TenantShares(half_life_s=5.0)
-    now_s = _stream(shares, "standard", {"t1": 1.0, "noisy": 20.0}, served=3.0)
-    # eight of its mean gaps without a request: a Poisson sender leaves one by chance (e^-8, 3e-4 a
-    # request: about once in a minute-long flood of 50 a second)
-    now_s = _stream(shares, "standard", {"t1": 1.0}, served=3.0, seconds=0.8, start_s=now_s)
-    assert shares.over_share(now_s, "standard") == {"noisy"}
-    now_s = _stream(shares, "standard", {"t1": 1.0, "noisy": 20.0}, served=3.0, seconds=0.1, start_s=now_s)
-    assert shares.over_share(now_s, "standard") == {"noisy"}

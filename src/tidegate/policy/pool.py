@@ -17,11 +17,7 @@ without it; a rule no scenario needs does not belong here):
    its tenant floods its tier (`TenantShares`). Engines that order by priority serve a level's
    prompts before a worse level's, so "protected" is one idea for the best tier and for a tenant
    within its share during a flood: nothing of a worse level is ahead of it in the engine.
-   (`noisy_tenant`, `critical_burst`) A tenant floods while it sends: once it stops, its backlog
-   is served at its tier's level again (`TenantShares.STOPPED_AFTER_GAPS`); kept demoted until its
-   decayed rate fell, the backlog expired in the slots the others left, and `noisy_tenant` served
-   102 fewer requests within target than FIFO over its five seeds (+2 with it, noise +-26)
-   (`test_a_flood_ends_when_its_tenant_stops_sending_not_half_lives_later`).
+   (`noisy_tenant`, `critical_burst`)
 3. Work budget, in the unit that sets TTFT. Each replica's prefill tokens sent and not yet
    answered by a first token are counted by level; its engine time to first token is the pool's
    line over those tokens at the replica's own speed (`ttft_model.pool_line`). A request may go to

@@ -32,10 +32,7 @@ idle, finishes lag arrivals by a service time, and until they catch up every ten
 over twice the fair level. No verdict is given in a tier's first `half_life_s`, while its rates
 still rest on a handful of requests, nor on fewer than `MIN_REQUESTS` of a tenant's recent
 requests (after idle, a tenant's first two stand out from the others' none); and a tenant gone
-quiet is no one to stand out from. A flood ends when its tenant stops sending
-(`STOPPED_AFTER_GAPS` of its own gaps without a request), not when its decayed rate has fallen
-several half-lives later: its backlog is then served at its tier's level, in fair turns with the
-others, instead of expiring in the slots they leave.
+quiet is no one to stand out from.
 
 Pure: every method takes `now_s`.
 """
@@ -62,11 +59,6 @@ class DecayingRate:
         self._value = self.amount(now_s) + amount
         if self._at_s is None or now_s > self._at_s:
             self._at_s = now_s
-
-    @property
-    def last_s(self) -> float | None:
-        """When an amount was last added (None: never)."""
-        return self._at_s
 
     def rate(self, now_s: float) -> float:
         """A query: reading changes nothing."""
@@ -106,13 +98,6 @@ class TenantShares:
     # from the others' none. A flood reaches it within a fraction of a second; a tenant sending
     # under MIN_REQUESTS / (half_life_s / ln 2) a second (1.1 at the default 5 s) is never judged
     MIN_REQUESTS = 8.0
-    # a flood has stopped once its tenant has sent nothing for this many of its mean gaps between
-    # requests lately: its decayed rate says "flooding" for several half-lives more (about 10 s for
-    # noisy_tenant's 10x flood), while its backlog, still demoted, got only the slots the others left
-    # and expired (`noisy_tenant`: 102 fewer within target than FIFO over five seeds, 9 more with
-    # this). A Poisson sender leaves such a gap by chance with probability e^-16 (1e-7) a request; at 4
-    # gaps (2 %) chance silences lifted the verdict mid-flood and the others' P99 went 1.2x -> 10x
-    STOPPED_AFTER_GAPS = 16.0
 
     def __init__(self, *, half_life_s: float = 5.0, over_share_factor: float = 2.0,
                  tenant_weights: Mapping[str, float] | None = None) -> None:
@@ -191,15 +176,6 @@ class TenantShares:
                 return frozenset(tenant for tenant, _ in ranked[:count])
         return frozenset()
 
-    def _stopped(self, now_s: float, count: DecayingRate) -> bool:
-        """Whether the tenant whose requests `count` counts has sent none for `STOPPED_AFTER_GAPS`
-        of its mean gaps, as its rate read at its last request."""
-        last_s = count.last_s
-        if last_s is None:
-            return True
-        mean_gap_s = self._half_life_s / math.log(2) / count.amount(last_s)
-        return now_s - last_s > self.STOPPED_AFTER_GAPS * mean_gap_s
-
     def _verdict(self, now_s: float, tier: str) -> tuple[float, frozenset[str]]:
         cached = self._verdicts.get(tier)
         if cached is not None and cached[0] == now_s:
@@ -218,11 +194,8 @@ class TenantShares:
         requests = {tenant: count.amount(now_s) for tenant, count in self._requests.get(tier, {}).items()}
         weighted = {tenant: demand / self._weights.get(tenant, 1.0) for tenant, demand in demands.items()
                     if requests[tenant] >= 0.5}
-        over = self._standing_out(weighted, level)
-        if over:  # a flood: is it still sending? (no look-up at all without one)
-            counts = self._requests[tier]
-            over = frozenset(tenant for tenant in over
-                             if requests[tenant] >= self.MIN_REQUESTS and not self._stopped(now_s, counts[tenant]))
+        over = frozenset(tenant for tenant in self._standing_out(weighted, level)
+                         if requests[tenant] >= self.MIN_REQUESTS)
         if now_s - self._first_arrival_s.get(tier, now_s) < self._half_life_s:
             over = frozenset()  # too few requests yet for a verdict
         verdict = self._verdicts[tier] = (now_s, over)
