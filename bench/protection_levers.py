@@ -2,7 +2,7 @@
 the step a protected prompt arrives during, swept, with the work it leaves against FIFO's.
 
     python bench/protection_levers.py [--scenario critical_burst|noisy_tenant] [--levels 32,24,16,8]
-                                      [--engine-caps 512,128,32]
+                                      [--engine-caps 256,128,64,32] [--budgets 256,128]
 
 `bench/protection_anatomy.py --tail` shows where the extra time of the TTFTs that set the P99 goes:
 nothing waits at the gateway or for an engine slot; the step in flight when the prompt arrives (a
@@ -12,7 +12,8 @@ headroom is one) has nothing left to win, and the bound is what shortening that 
   of a level and better, the rest headroom), so shorter decode steps and fewer prompts to prefill;
 - an engine lever no engine has (vLLM, SGLang and ours do not): at most N prompt tokens of a
   priority worse than the best a step, so a worse prefill step is short (critical_burst only; the
-  unloaded baseline, critical alone, never meets the cap).
+  unloaded baseline, critical alone, never meets the cap);
+- the engines' whole step budget, every priority alike (`--budgets`; the loaded runs only).
 First, the bar's own noise: the unloaded run against itself with every arrival moved by up to
 +-5 ms (`JITTER_DRAWS` seeded draws), no load added, read as the bar reads a loaded run.
 Each line: the bar's ratio over the seeds (worst, mean, per seed) and requests within target over
@@ -33,7 +34,24 @@ from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
 from tidegate.policy.shares import TenantShares
 from tidegate.sim import scenarios as S
 from tidegate.sim.harness import RequestRecord
+from tidegate.sim.replica import ReplicaSpec
 from tidegate.sim.seam import SimRequest
+
+
+@contextmanager
+def step_budget(tokens: int) -> Iterator[None]:
+    """The scenarios' engines with a step budget of `tokens` (every priority alike)."""
+    original = S.replica_spec
+
+    def spec(replica_id: str) -> ReplicaSpec:
+        made = original(replica_id)
+        return replace(made, scheduler=replace(made.scheduler, max_batch_tokens=tokens))
+
+    S.replica_spec = spec
+    try:
+        yield
+    finally:
+        S.replica_spec = original
 
 
 @contextmanager
@@ -98,7 +116,7 @@ def self_noise(make: Callable, seeds) -> None:
           f"{min(ratios):.2f}x-{max(ratios):.2f}x, {sum(r > 1.0 for r in ratios)} of {len(ratios)} over 1.0x")
 
 
-def sweep(make: Callable, seeds, levels: list[int], engine_caps: list[int]) -> None:
+def sweep(make: Callable, seeds, levels: list[int], engine_caps: list[int], budgets: list[int]) -> None:
     cap = S.capacity_rps(S.REPLICAS)
     cases, fifo_good = [], 0
     for seed in seeds:
@@ -125,6 +143,9 @@ def sweep(make: Callable, seeds, levels: list[int], engine_caps: list[int]) -> N
     for tokens in engine_caps:
         with worse_prefill_capped(tokens):
             line(f"engine: worse prompts <= {tokens} tokens a step", S.controller)
+    for tokens in budgets:
+        with step_budget(tokens):
+            line(f"engine: every step <= {tokens} tokens", S.controller)
 
 
 def main() -> None:
@@ -133,12 +154,14 @@ def main() -> None:
     parser.add_argument("--levels", default="32,24,16,8", help="slots of a level and better a replica, to sweep")
     parser.add_argument("--engine-caps", default="256,128,64,32",
                         help="worse prompt tokens a step, to sweep (critical_burst; empty: none)")
+    parser.add_argument("--budgets", default="", help="engine step budgets for the loaded runs, to sweep "
+                        "(the unloaded baseline and FIFO keep the scenarios' 512)")
     args = parser.parse_args()
     make, seeds = SCENARIOS[args.scenario]
     levels = [int(x) for x in args.levels.split(",") if x]
     caps = [int(x) for x in args.engine_caps.split(",") if x] if args.scenario == "critical_burst" else []
     self_noise(make, seeds)
-    sweep(make, seeds, levels, caps)
+    sweep(make, seeds, levels, caps, [int(x) for x in args.budgets.split(",") if x])
 
 
 if __name__ == "__main__":
