@@ -263,6 +263,9 @@ class OverloadRuntime:
         self.shared_limits: Any = None
         self._ttft_targets_s = {tier.name: tier.ttft_target_s for tier in self.control.tiers}
         self._default_tier = self.control.tiers.default.name  # an identity's tier when it names none
+        # without API keys every request is the anonymous tenant's: resolved once, not per request
+        self.auth_enabled = self.identity.auth_enabled
+        self.anonymous: Identity | None = None if self.auth_enabled else self.authenticate(None)
         self._prefix_affinity = self.config.limits.prefix_cache_tokens != 0
         for tier_name, target_s in self._ttft_targets_s.items():
             metrics.ttft_target.labels(tier_name).set(target_s)
@@ -322,14 +325,13 @@ class OverloadRuntime:
         # a prompt shorter than one block has no prefix to route by: not hashed
         prefix = prompt_prefix(body) if self._prefix_affinity and prompt_tokens > BLOCK_TOKENS else ()
         preemptible = identity.preemptible
+        tier = self._default_tier if identity.tier is None else identity.tier
         # the one record of the request the controllers keep, from its arrival to its end
-        request = PoolRequest(request_id, now_s, identity.tenant,
-                              self._default_tier if identity.tier is None else identity.tier, prompt_tokens,
-                              max_tokens, timeout_s, streamed, prefix, fingerprint, preemptible)
+        request = PoolRequest(request_id, now_s, identity.tenant, tier, prompt_tokens, max_tokens, timeout_s, streamed,
+                              prefix, fingerprint, preemptible)
         arrival = self.control.arrive(now_s, model, request, cached_answer_available=cached_answer_available,
                                       admission=None if shared is None else shared.decision)
         metrics = self.metrics
-        tier = request.tier
         if type(arrival) is Assignment:  # assigned at once, no rate limit to report
             assignment, headers, outcome = arrival, b"", _ASSIGNED
         else:

@@ -215,12 +215,12 @@ class Proxy:
 
     def _authenticate(self, request: HttpRequest) -> Identity | None:
         overload = self.overload
-        if overload is not None and overload.identity.auth_enabled:
+        if overload is not None and overload.auth_enabled:
             return overload.authenticate(request.authorization)  # tenants' keys: tenant and tier
         keys = self.settings.api_keys
         if keys and request.authorization not in keys:
             raise AuthenticationError("missing or invalid API key (send 'Authorization: Bearer <key>')")
-        return overload.authenticate(None) if overload is not None else None  # the anonymous tenant
+        return overload.anonymous if overload is not None else None  # the anonymous tenant
 
     def _send_error(self, conn: HttpConnection, error: TidegateError, request_id: bytes) -> None:
         headers = _JSON + b"x-request-id: " + request_id + b"\r\n" + extra_headers(error)

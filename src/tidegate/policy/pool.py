@@ -795,7 +795,7 @@ class PoolController:
               left_s: float, prefix: tuple[int, ...] = ()) -> _Pick | None:
         """The replica to send it to, and the prefill tokens it would cost there (its prompt's,
         less the prefix that replica probably holds: `policy.prefix`); None: none may take it now."""
-        better_active = self._better_level_active(now_s, level)
+        better_active: bool | None = None  # rule 5's question, asked of a replica at its `max_requests`
         best: _Replica | None = None
         best_key: tuple[bool, float, int, int, float] | None = None
         best_tokens = tokens
@@ -815,8 +815,13 @@ class PoolController:
             if (exclude and replica.config.replica_id in exclude) \
                     or not is_routable(replica.health, replica.breaker, now_s):
                 continue
-            if not replica.has_slot(level, better_active):
-                continue  # rule 5
+            # rule 5; a replica holding fewer than `max_requests` has a slot for any level, so only
+            # one holding that many asks whether a better level is active (the same answer, fewer questions)
+            if replica.requests >= replica.level_cap:
+                if better_active is None:
+                    better_active = self._better_level_active(now_s, level)
+                if not replica.has_slot(level, better_active):
+                    continue
             own, matched = tokens, 0
             if prefix and replica.prefixes is not None:
                 # rule 7: a cached prefix is prefill the engine skips; at least the last token is computed
@@ -833,8 +838,8 @@ class PoolController:
                     and fit.predict_s(ahead + own) > min(self.engine_budget_s(now_s, tier, replica.config), left_s):
                 continue  # rule 3
             # a replica not yet measured predicts in tokens (an idle one, 0, is tried first); a
-            # cached prefix also breaks ties there
-            predicted_s = fit.predict_s(ahead + own) if fit is not None else float(ahead)
+            # cached prefix also breaks ties there (its tokens as an int: compared exactly as their float)
+            predicted_s = fit.predict_s(ahead + own) if fit is not None else ahead
             if eligible is not None:
                 eligible.append((replica, own))
             piled_up = replica.requests > load_cap and replica.requests > PILE_UP_SLOT_SHARE * replica.slots()

@@ -300,7 +300,10 @@ class FairPriorityQueue:
         queue = self._queues[tier]
         if queue.by_tenant:
             raise ValueError(f"tier {tier!r} has requests waiting: queue this one")
-        charged = self._charge(prompt_tokens, expected_output_tokens, tenant)
+        # `_charge`, inline: this runs for every request sent at once
+        charged = self._input_weight * prompt_tokens + self._output_weight * expected_output_tokens
+        if self._weights:
+            charged /= self._weights.get(tenant, 1.0)
         counters = queue.counters
         counter = counters.get(tenant, 0.0)
         lifted = queue.idle_floor - charged
