@@ -457,7 +457,7 @@ class PoolController:
         if self._shares is not None:  # demand counts whether or not it is served
             self._shares.on_arrival(now_s, tier.name, request.tenant, request.prompt_tokens + request.max_output_tokens)
         # nothing waits and a replica takes it: the common case, first (a replica that takes it is routable)
-        if not self._queue and not self._retries and (request.timeout_s is None or request.timeout_s > 0):
+        if not self._queue.queued_ids and not self._retries and (request.timeout_s is None or request.timeout_s > 0):
             assignment = self._assign_at_once(now_s, tier, request)
             if assignment is not None:
                 return assignment
@@ -827,7 +827,7 @@ class PoolController:
                 # rule 7: a cached prefix is prefill the engine skips; at least the last token is computed
                 matched = replica.prefixes.matched(prefix)
                 own = max(1, tokens - tokens * matched // len(prefix)) if tokens else 0
-            ahead = replica.ahead(level)
+            ahead = replica.ahead(level) if replica.prefill_total else 0  # nothing to prefill: no call
             fit = replica.fit
             # rule 4: an empty prefill queue takes anything. Before its first token is measured a
             # replica has no budget, only its slots (rule 5): holding it to one prefill at a time

@@ -168,6 +168,9 @@ class FairPriorityQueue:
         self._output_weight = float(output_token_weight)
         self._queues = {spec.name: _TierQueue(spec) for spec in tiers}  # best rank first
         self._by_id: dict[str, tuple[int, QueuedRequest]] = {}
+        # the same dict, read-only outside: `not queue.queued_ids` asks "is it empty?" without a call
+        # (`len(queue)` runs `__len__` through the type's slot, on every arrival of the pool controller)
+        self.queued_ids: Mapping[str, object] = self._by_id
         self._deadlines: list[tuple[float, int, str]] = []  # lazy: stale items are skipped
         self._seq = itertools.count()
 
