@@ -318,3 +318,10 @@ def test_a_waiting_retry_does_not_hold_back_a_later_one_that_can_go() -> None:
     # the retry of 1 still has nowhere to go; the retry of 2 may take r0
     assert [(a.request_id, a.replica_id) for a in capacity(ctl, 0.2).assignments] == [(2, "r0")]
     assert ctl.snapshot(0.2).retries_waiting == 1
+
+
+def test_a_request_sent_at_once_reads_as_a_queue_record_in_the_fair_share_accounts() -> None:
+    """`PoolRequest.expected_output_tokens` is its `max_output_tokens` field read by index (a C getter,
+    at every request's end): a field moved before it would charge the wrong number."""
+    sent = PoolRequest(1, 0.0, "t", "standard", 100, 37)
+    assert (sent.expected_output_tokens, sent.tokens) == (37, 137)

@@ -175,7 +175,8 @@ class WaitPredictor:
                 rates[other] *= decay
         if now_s > self._arrivals_at_s:
             self._arrivals_at_s = now_s
-        work = 1.0 if self.unit is _REQUESTS else float(request_tokens)
+        # tokens divide as their float would (`on_queued`), without calling `float`
+        work = 1.0 if self.unit is _REQUESTS else request_tokens
         rates[rank] = rates.get(rank, 0.0) + work / self._time_constant_s
         if self._backlogged:  # the interval of the last backlogged dispatch ends here
             self.on_dispatch(now_s, request_tokens, queued_after=0)
