@@ -136,7 +136,7 @@ class OverloadControl:
         if admission is None:
             admission = _NO_LIMITS if self._no_limits else self.limiter.admit(
                 now_s, request.tenant, model, request.prompt_tokens, request.max_output_tokens)
-        if admission.outcome is not _ADMITTED:
+        if admission is not _NO_LIMITS and admission.outcome is not _ADMITTED:  # no limit: admitted, no read
             outcome = (ArrivalOutcome.TOO_LARGE if admission.outcome is AdmissionOutcome.TOO_LARGE
                        else ArrivalOutcome.RATE_LIMITED)
             return Arrival(outcome, tier, None, Rung.PRIMARY, admission, None, None, None, ())

@@ -323,6 +323,7 @@ class _Replica:
         return sum(self.prefill[: level + 1]) if self.config.orders_by_priority else self.prefill_total
 
     def add_prefill(self, level: int, tokens: int) -> None:
+        """Prefill tokens sent to it at `level` (negative: prefilled), kept with their total."""
         self.prefill[level] += tokens
         self.prefill_total += tokens
 
@@ -711,9 +712,9 @@ class PoolController:
         if assignment is None:
             return None
         if not streamed:
-            self._whole.add(assignment.request_id)
+            self._whole.add(request.request_id)
         if request.preemptible:
-            self._preemptible.add(assignment.request_id)
+            self._preemptible.add(request.request_id)
         prompt_tokens, output_tokens = request.prompt_tokens, request.max_output_tokens
         self._queue.charge_unqueued(tier.name, request.tenant, prompt_tokens, output_tokens)
         self._predictor.on_sent_at_once(now_s, tier.rank, prompt_tokens + output_tokens)
@@ -787,7 +788,8 @@ class PoolController:
         if prefilling:
             replica.add_prefill(level, prefill_tokens)
             if whole:
-                heapq.heappush(self._assumed_prefills, (now_s + fit.predict_s(ahead), request_id))  # type: ignore[union-attr]
+                done_s = now_s + fit.predict_s(ahead)  # type: ignore[union-attr]  # a whole answer prefilling has a fit
+                heapq.heappush(self._assumed_prefills, (done_s, request_id))
         self._sent[request_id] = _Sent(request, rid, level, now_s, ahead, prefill_tokens, prefilling, level)
         # `_make`: built by `tuple.__new__` from a plain call; the NamedTuple's own constructor goes through
         # the type's slot into a Python `__new__` (some 350 instructions more, on every request)
