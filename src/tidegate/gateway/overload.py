@@ -43,6 +43,7 @@ log = logging.getLogger("tidegate.overload")
 # read on every admission as a module name: through its class, on Python 3.10 and 3.11, the read goes
 # through `EnumType.__getattr__`'s slot hook (some 850 instructions)
 _ASSIGNED = ArrivalOutcome.ASSIGNED
+_PRIMARY = Rung.PRIMARY  # the rung of every request served by its own pool (with rate limits: an `Arrival`)
 
 
 class TenantRateLimitError(RateLimitError):
@@ -340,7 +341,7 @@ class OverloadRuntime:
             limits = arrival.admission.headers
             headers = _header_lines(limits.as_http_headers()) if limits is not None else b""
             outcome = arrival.outcome
-            assignment = arrival.assignment if arrival.rung is Rung.PRIMARY else None
+            assignment = arrival.assignment if arrival.rung is _PRIMARY else None
         if assignment is not None:
             # the common case below capacity: its prompt's work, its admission and its wait (none)
             # counted in one call, and nothing predicted, shed or degraded to answer

@@ -88,6 +88,8 @@ _NO_LIMITS = AdmissionDecision(AdmissionOutcome.ADMITTED, None, None, None, None
 # read on every arrival as a module name: through its class, on Python 3.10 and 3.11, the read goes
 # through `EnumType.__getattr__`'s slot hook (some 850 instructions)
 _ADMITTED = AdmissionOutcome.ADMITTED
+_ASSIGNED_OUTCOME = ArrivalOutcome.ASSIGNED  # and these two for every request assigned at once under rate limits
+_PRIMARY = Rung.PRIMARY
 
 
 @dataclass(slots=True)
@@ -149,7 +151,7 @@ class OverloadControl:
         if type(decision) is Assignment:  # nothing waited: nothing pressed, nothing shed
             if admission is _NO_LIMITS:  # and no rate limit to report: the assignment says it all
                 return decision
-            return Arrival(ArrivalOutcome.ASSIGNED, tier, model, Rung.PRIMARY, admission, 0.0, None, None, (),
+            return Arrival(_ASSIGNED_OUTCOME, tier, model, _PRIMARY, admission, 0.0, None, None, (),
                            decision)
         shed = self._displaced(now_s, policies, decision.displaced)
         fallback = self._fallback(policies)
