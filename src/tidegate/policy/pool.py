@@ -848,9 +848,13 @@ class PoolController:
                 eligible.append((replica, own))
             piled_up = replica.requests > load_cap and replica.requests > PILE_UP_SLOT_SHARE * replica.slots()
             key = (piled_up, predicted_s, own, replica.requests, replica.load.kv_cache_usage)
-            if best_key is None or key < best_key:
-                best, best_key, best_index, best_tokens, best_matched, best_ahead = replica, key, index, own, matched, \
-                    ahead
+            if best_key is None or key < best_key:  # one store each: six names at once would build a tuple
+                best = replica
+                best_key = key
+                best_index = index
+                best_tokens = own
+                best_matched = matched
+                best_ahead = ahead
         if best is None:
             return None
         self._cursor = (best_index + 1) % count
