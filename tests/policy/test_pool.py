@@ -91,6 +91,19 @@ def test_a_better_level_counts_only_its_own_work_ahead() -> None:
     assert [(a.request_id, a.priority) for a in capacity(ctl, 0.0).assignments] == [(2, 0)]
 
 
+def test_an_engine_ignoring_priority_counts_every_levels_prefill_ahead() -> None:
+    """Rule 3 on an engine that ignores priority: a critical request waits behind sheddable prefill
+    too (critical's budget 0.5 x 3 s; 4,000 tokens ahead of its first token at 1 ms a token)."""
+    ctl = controller(PoolReplica("r0", max_requests=16, orders_by_priority=False))
+    teach(ctl, "r0")
+    arrive_all(ctl, request(1, "sheddable", prompt_tokens=3000))
+    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [1]
+    arrive_all(ctl, request(2, "critical", prompt_tokens=1000))
+    assert capacity(ctl, 0.0).assignments == ()
+    ctl.on_first_token(1.0, 1)
+    assert [a.request_id for a in capacity(ctl, 1.0).assignments] == [2]
+
+
 def test_headroom_lets_a_better_request_past_a_full_replica() -> None:
     """Rule 5: sheddable requests fill `max_requests`; a critical one still starts at once."""
     ctl = controller(PoolReplica("r0", max_requests=2, headroom=1))

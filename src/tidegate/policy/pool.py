@@ -819,8 +819,9 @@ class PoolController:
             if (exclude and replica.config.replica_id in exclude) \
                     or not is_routable(replica.health, replica.breaker, now_s):
                 continue
-            # rule 5; a replica holding fewer than `max_requests` has a slot for any level, so only
-            # one holding that many asks whether a better level is active (the same answer, fewer questions)
+            # rule 5: a replica holding fewer than its `level_cap` (<= its slots) has a slot for any
+            # level, so only one holding that many asks whether a better level is active (the same
+            # answer, asked less: a call and a max over ranks on every pick)
             if replica.requests >= replica.level_cap:
                 if better_active is None:
                     better_active = self._better_level_active(now_s, level)
