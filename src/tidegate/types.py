@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from operator import itemgetter
 from typing import NamedTuple
 
 __all__ = ["ReplicaHealth", "ReplicaLoad", "ArrivalVerdict", "PoolRequest", "Refusal", "ArrivalDecision", "QUEUED",
@@ -73,10 +74,9 @@ class PoolRequest(NamedTuple):
     preemptible: bool = False
 
     # read as `policy.queueing.QueuedRequest` reads, so that a request sent at once, never queued, is
-    # its own record in the fair-share accounts (`FairPriorityQueue.charge_unqueued`, `settle_service`)
-    @property
-    def expected_output_tokens(self) -> int:
-        return self.max_output_tokens
+    # its own record in the fair-share accounts (`FairPriorityQueue.settle_service`): `max_output_tokens`
+    # (field 5) by a C getter, read at every request's end; a Python getter costs a frame more
+    expected_output_tokens = property(itemgetter(5))
 
     @property
     def tokens(self) -> int:

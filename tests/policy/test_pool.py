@@ -91,6 +91,19 @@ def test_a_better_level_counts_only_its_own_work_ahead() -> None:
     assert [(a.request_id, a.priority) for a in capacity(ctl, 0.0).assignments] == [(2, 0)]
 
 
+def test_an_engine_ignoring_priority_counts_every_levels_prefill_ahead() -> None:
+    """Rule 3 on an engine that ignores priority: a critical request waits behind sheddable prefill
+    too (critical's budget 0.5 x 3 s; 4,000 tokens ahead of its first token at 1 ms a token)."""
+    ctl = controller(PoolReplica("r0", max_requests=16, orders_by_priority=False))
+    teach(ctl, "r0")
+    arrive_all(ctl, request(1, "sheddable", prompt_tokens=3000))
+    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [1]
+    arrive_all(ctl, request(2, "critical", prompt_tokens=1000))
+    assert capacity(ctl, 0.0).assignments == ()
+    ctl.on_first_token(1.0, 1)
+    assert [a.request_id for a in capacity(ctl, 1.0).assignments] == [2]
+
+
 def test_headroom_lets_a_better_request_past_a_full_replica() -> None:
     """Rule 5: sheddable requests fill `max_requests`; a critical one still starts at once."""
     ctl = controller(PoolReplica("r0", max_requests=2, headroom=1))
@@ -318,3 +331,10 @@ def test_a_waiting_retry_does_not_hold_back_a_later_one_that_can_go() -> None:
     # the retry of 1 still has nowhere to go; the retry of 2 may take r0
     assert [(a.request_id, a.replica_id) for a in capacity(ctl, 0.2).assignments] == [(2, "r0")]
     assert ctl.snapshot(0.2).retries_waiting == 1
+
+
+def test_a_request_sent_at_once_reads_as_a_queue_record_in_the_fair_share_accounts() -> None:
+    """`PoolRequest.expected_output_tokens` is its `max_output_tokens` field read by index (a C getter,
+    at every request's end): a field moved before it would charge the wrong number."""
+    sent = PoolRequest(1, 0.0, "t", "standard", 100, 37)
+    assert (sent.expected_output_tokens, sent.tokens) == (37, 137)

@@ -345,7 +345,7 @@ def test_serving_a_request_unqueued_charges_as_enqueue_then_dequeue_would(served
     for tenant, tokens in served:
         _put(queued, 0.0, tenant=tenant, tokens=tokens)
         assert queued.dequeue(0.0).request is not None
-        unqueued.charge_unqueued(QueuedRequest(f"u{next(_ids)}", tenant, "standard", tokens, 0, 0.0, 1e9))
+        unqueued.charge_unqueued("standard", tenant, tokens, 0)
     for queue in (queued, unqueued):
         for tenant in "abc":
             _put(queue, 1.0, tenant=tenant, tokens=100, request_id=f"next-{tenant}")
@@ -356,4 +356,5 @@ def test_serving_unqueued_is_refused_while_its_tier_has_requests_waiting() -> No
     queue = FairPriorityQueue(_tiers(), max_queued=10)
     decision = _put(queue, 0.0)
     with pytest.raises(ValueError, match="waiting"):
-        queue.charge_unqueued(decision.request)
+        request = decision.request
+        queue.charge_unqueued(request.tier, request.tenant, request.prompt_tokens, request.expected_output_tokens)

@@ -275,7 +275,7 @@ class WorkTokens:
     def add_served(self, pool: str, prompt_tokens: int, output_tokens: int) -> None:
         """A request that generated `output_tokens` settled: its output arrives as work, and its
         prompt and output were served."""
-        row = self.row(pool)
+        row = self._by_pool.get(pool) or self.row(pool)  # the pool's row is there after its first request
         row[1] += output_tokens
         row[2] += prompt_tokens + output_tokens
 

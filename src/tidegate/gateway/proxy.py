@@ -215,12 +215,12 @@ class Proxy:
 
     def _authenticate(self, request: HttpRequest) -> Identity | None:
         overload = self.overload
-        if overload is not None and overload.identity.auth_enabled:
+        if overload is not None and overload.auth_enabled:
             return overload.authenticate(request.authorization)  # tenants' keys: tenant and tier
         keys = self.settings.api_keys
         if keys and request.authorization not in keys:
             raise AuthenticationError("missing or invalid API key (send 'Authorization: Bearer <key>')")
-        return overload.authenticate(None) if overload is not None else None  # the anonymous tenant
+        return overload.anonymous if overload is not None else None  # the anonymous tenant
 
     def _send_error(self, conn: HttpConnection, error: TidegateError, request_id: bytes) -> None:
         headers = _JSON + b"x-request-id: " + request_id + b"\r\n" + extra_headers(error)
@@ -762,9 +762,6 @@ class _Usage:
         self.reported: int | None = None  # completion_tokens of the upstream's usage, when it sent one
         self.prompt_tokens: int | None = None  # prompt_tokens of the upstream's usage, when it sent one
 
-    def answered_whole(self, body: bytes) -> None:
-        self._read_usage(body)
-
     def stream_pieces(self, pieces: list[bytes]) -> None:
         for piece in pieces:
             self.events += piece.count(b"data:")
@@ -776,10 +773,12 @@ class _Usage:
         if found is not None:
             self.reported = int(found.group(1))
             # its neighbour in the same usage object (engines order the two either way): not the whole
-            # answer scanned again
-            prompt = _PROMPT_TOKENS.search(text, max(0, found.start() - _USAGE_REACH), found.end() + _USAGE_REACH)
+            # answer scanned again (a start before the text's is its start, as `re` takes it)
+            prompt = _PROMPT_TOKENS.search(text, found.start() - _USAGE_REACH, found.end() + _USAGE_REACH)
             if prompt is not None:
                 self.prompt_tokens = int(prompt.group(1))
+
+    answered_whole = _read_usage  # a whole answer: its usage read at once (no frame around the call)
 
     def completion_tokens(self) -> int:
         if self.reported is not None:

@@ -85,6 +85,11 @@ class PoolPolicies:
 # every request's admission when no rate limit is configured (`RateLimiter.unlimited`): the limiter
 # would keep no account of it, so none is built (its reservation None: nothing reserved), nor settled
 _NO_LIMITS = AdmissionDecision(AdmissionOutcome.ADMITTED, None, None, None, None, "")
+# read on every arrival as a module name: through its class, on Python 3.10 and 3.11, the read goes
+# through `EnumType.__getattr__`'s slot hook (some 850 instructions)
+_ADMITTED = AdmissionOutcome.ADMITTED
+_ASSIGNED_OUTCOME = ArrivalOutcome.ASSIGNED  # and these two for every request assigned at once under rate limits
+_PRIMARY = Rung.PRIMARY
 
 
 @dataclass(slots=True)
@@ -133,7 +138,7 @@ class OverloadControl:
         if admission is None:
             admission = _NO_LIMITS if self._no_limits else self.limiter.admit(
                 now_s, request.tenant, model, request.prompt_tokens, request.max_output_tokens)
-        if admission.outcome is not AdmissionOutcome.ADMITTED:
+        if admission is not _NO_LIMITS and admission.outcome is not _ADMITTED:  # no limit: admitted, no read
             outcome = (ArrivalOutcome.TOO_LARGE if admission.outcome is AdmissionOutcome.TOO_LARGE
                        else ArrivalOutcome.RATE_LIMITED)
             return Arrival(outcome, tier, None, Rung.PRIMARY, admission, None, None, None, ())
@@ -146,7 +151,7 @@ class OverloadControl:
         if type(decision) is Assignment:  # nothing waited: nothing pressed, nothing shed
             if admission is _NO_LIMITS:  # and no rate limit to report: the assignment says it all
                 return decision
-            return Arrival(ArrivalOutcome.ASSIGNED, tier, model, Rung.PRIMARY, admission, 0.0, None, None, (),
+            return Arrival(_ASSIGNED_OUTCOME, tier, model, _PRIMARY, admission, 0.0, None, None, (),
                            decision)
         shed = self._displaced(now_s, policies, decision.displaced)
         fallback = self._fallback(policies)

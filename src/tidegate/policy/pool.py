@@ -147,6 +147,9 @@ __all__ = ["ServiceClass", "PoolReplica", "PoolSettings", "ReplicaSnapshot", "Po
            "REFUSED_UNKNOWN_TIER", "REFUSED_NO_REPLICA", "REFUSED_PREDICTED_MISS", "REFUSED_EARLY_RESEND"]
 
 REFUSED_UNKNOWN_TIER = "unknown_tier"
+# read on every request's way as a module name, not through its class: on Python 3.10 and 3.11
+# that read goes through `EnumType.__getattr__`'s slot hook (some 850 instructions)
+_CLOSED = BreakerState.CLOSED
 _NO_REPLICAS: frozenset[str] = frozenset()  # none excluded
 # A request with a prompt prefix prefers a replica only while it holds at most this many times the
 # requests of the least busy one (+1), or `PILE_UP_SLOT_SHARE` of its slots if that is more. The
@@ -246,8 +249,9 @@ class PoolSnapshot:
 #  its prefill tokens there: its prompt's, less the prefix the replica probably holds,
 #  the last block of the prefix it probably holds there (`AffinityLoad`), or None,
 #  the replica its prefix was held at and moved from (rule 7), or None,
-#  how many of its prefix blocks that replica held)
-_Pick = tuple["_Replica", int, "int | None", "_Replica | None", int]
+#  how many of its prefix blocks that replica held,
+#  the prefill tokens its engine does before it there, its own not included)
+_Pick = tuple["_Replica", int, "int | None", "_Replica | None", int, int]
 
 
 @dataclass(slots=True)
@@ -272,6 +276,7 @@ class _Replica:
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     requests: int = 0
     prefill: list[int] = field(default_factory=list)  # by level
+    prefill_total: int = 0  # `prefill` summed: an engine with nothing to prefill is told without a sum
     held: list[int] = field(default_factory=list)  # requests by level
     fit: TtftFit | None = None  # the pool's TTFT line at this replica's speed; None before its first token
     prefixes: PrefixIndex | None = None  # prefix blocks recently routed here; None: no affinity
@@ -279,21 +284,23 @@ class _Replica:
     # split them (`policy.slot_split`); None: all of them
     granted: int | None = None
     level_cap: int = 0  # `max_requests` scaled to the grant
+    # the requests it may hold (`slots()`), kept as the grant changes: every pick reads it
+    slot_total: int = 0
 
     def __post_init__(self) -> None:
         self.prefill = [0] * self.levels
         self.held = [0] * self.levels
         self.level_cap = self.config.max_requests
+        self.slot_total = self.config.max_requests + self.config.headroom
 
     def slots(self) -> int:
         """The requests it may hold: the engine's batch, or this gateway's grant of it (rule 8)."""
-        config = self.config
-        return config.max_requests + config.headroom if self.granted is None else self.granted
+        return self.slot_total
 
     def has_slot(self, level: int, better_active: bool) -> bool:
         """Rule 5: under the engine's batch (or this gateway's grant of it, rule 8), and, while a
         better level is active, under `max_requests` at this level and better."""
-        return (self.requests < self.slots()
+        return (self.requests < self.slot_total
                 and (not better_active or sum(self.held[: level + 1]) < self.level_cap))
 
     def grant(self, slots: int | None) -> None:
@@ -303,13 +310,22 @@ class _Replica:
         self.granted = slots
         if slots is None:
             self.level_cap = config.max_requests
+            self.slot_total = config.max_requests + config.headroom
             return
+        self.slot_total = slots
         headroom = round(slots * config.headroom / (config.max_requests + config.headroom))
         self.level_cap = slots - min(headroom, max(slots - 1, 0))
 
     def ahead(self, level: int) -> int:
         """Prefill tokens the engine does before a newcomer of `level` (its level's included)."""
-        return sum(self.prefill[: level + 1]) if self.config.orders_by_priority else sum(self.prefill)
+        if not self.prefill_total:  # nothing to prefill (every whole answer, a stream's idle engine)
+            return 0
+        return sum(self.prefill[: level + 1]) if self.config.orders_by_priority else self.prefill_total
+
+    def add_prefill(self, level: int, tokens: int) -> None:
+        """Prefill tokens sent to it at `level` (negative: prefilled), kept with their total."""
+        self.prefill[level] += tokens
+        self.prefill_total += tokens
 
 
 class PoolController:
@@ -388,7 +404,7 @@ class PoolController:
     def breaker(self, now_s: float, replica_id: str) -> Breaker:
         breaker = self._replicas[replica_id].breaker
         # a closed breaker is current as it is: no call (the gateway asks at every request's end)
-        return breaker if breaker.state is BreakerState.CLOSED else breaker.current(now_s)
+        return breaker if breaker.state is _CLOSED else breaker.current(now_s)
 
     def ttft_fit(self, replica_id: str) -> TtftFit | None:
         """The replica's fitted engine TTFT line (rule 3); None before its first token."""
@@ -442,7 +458,7 @@ class PoolController:
         if self._shares is not None:  # demand counts whether or not it is served
             self._shares.on_arrival(now_s, tier.name, request.tenant, request.prompt_tokens + request.max_output_tokens)
         # nothing waits and a replica takes it: the common case, first (a replica that takes it is routable)
-        if not self._queue and not self._retries and (request.timeout_s is None or request.timeout_s > 0):
+        if not self._queue.queued_ids and not self._retries and (request.timeout_s is None or request.timeout_s > 0):
             assignment = self._assign_at_once(now_s, tier, request)
             if assignment is not None:
                 return assignment
@@ -686,33 +702,39 @@ class PoolController:
         # (`test_a_whole_answers_predicted_prefill_ends_before_the_next_arrival_is_assigned_at_once`)
         if self._assumed_prefills:
             self._assume_prefills_done(now_s)
-        if self._shares is not None:
+        shares = self._shares
+        if shares is not None:
             self._demote_slots_of_new_floods(now_s)
-        # the request is its own account: no queue record is built for it (`_Sent.request`)
-        assignment = self._try_assign(now_s, request, _NO_REPLICAS, whole=not request.streamed, prefix=request.prefix,
-                                      enqueued_at_s=now_s)
+        streamed = request.streamed
+        # the request is its own account: no queue record is built for it (`_Sent.request`); its
+        # arguments by position (a call by keyword costs more, on every request)
+        assignment = self._try_assign(now_s, request, _NO_REPLICAS, None, not streamed, request.prefix, now_s, tier)
         if assignment is None:
             return None
-        if not request.streamed:
+        if not streamed:
             self._whole.add(request.request_id)
         if request.preemptible:
             self._preemptible.add(request.request_id)
-        tokens = request.prompt_tokens + request.max_output_tokens
-        self._queue.charge_unqueued(request)  # type: ignore[arg-type]
-        self._predictor.on_sent_at_once(now_s, tier.rank, tokens)
-        if self._shares is not None:
-            self._shares.on_dispatch(now_s, tier.name, tokens)
+        prompt_tokens, output_tokens = request.prompt_tokens, request.max_output_tokens
+        self._queue.charge_unqueued(tier.name, request.tenant, prompt_tokens, output_tokens)
+        self._predictor.on_sent_at_once(now_s, tier.rank, prompt_tokens + output_tokens)
+        if shares is not None:
+            shares.on_dispatch(now_s, tier.name, prompt_tokens + output_tokens)
         return assignment
 
     def _try_assign(self, now_s: float, request: QueuedRequest | PoolRequest, exclude: frozenset[str],
                     dequeue_skip: frozenset[str] | None = None, whole: bool | None = None,
-                    prefix: tuple[int, ...] | None = None, enqueued_at_s: float | None = None) -> Assignment | None:
+                    prefix: tuple[int, ...] | None = None, enqueued_at_s: float | None = None,
+                    tier: TierSpec | None = None) -> Assignment | None:
         """`whole`: the request reports no first token (None: look it up in `_whole`); `prefix`:
         its prefix blocks (None: look them up in `_prefixes`); `enqueued_at_s`: when its wait began,
-        given for a request sent at once (a `PoolRequest`), else the queued request's own."""
+        given for a request sent at once (a `PoolRequest`), else the queued request's own; `tier`:
+        its tier's spec, when the caller holds it."""
+        request_id = request.request_id
         if prefix is None:
-            prefix = self._prefixes.get(request.request_id, ())
-        tier = self._tier_specs[request.tier]
+            prefix = self._prefixes.get(request_id, ())
+        if tier is None:
+            tier = self._tier_specs[request.tier]
         shares = self._shares
         # `engine_level(service_class(...))` inline: this runs for every request
         level = 2 * tier.rank + (shares is not None and request.tenant in shares.over_share(now_s, tier.name))
@@ -722,16 +744,17 @@ class PoolController:
             enqueued_at_s = request.enqueued_at_s  # type: ignore[union-attr]
         left_s = enqueued_at_s + tier.ttft_target_s - now_s
         # without length classes no call on the hot path
-        outside = None if self._length_classes is None else self._outside_length_class(now_s, request.prompt_tokens)
+        classes = self._length_classes
+        outside = None if classes is None else self._outside_length_class(now_s, request.prompt_tokens)
         picked = self._pick(now_s, tier, level, request.prompt_tokens,
                             exclude if not outside else exclude | outside, left_s, prefix)
         if picked is None:
             return None
-        if outside is None and self._length_classes is not None:
+        if outside is None and classes is not None:
             self.length_class_fallbacks += 1
-        replica, prefill_tokens, prefix_key, moved_from, moved_blocks = picked
+        replica, prefill_tokens, prefix_key, moved_from, moved_blocks, ahead = picked
         if prefix:
-            self._prefixes.pop(request.request_id, None)
+            self._prefixes.pop(request_id, None)
             balance = self._affinity_load
             if balance is not None:
                 if moved_from is not None and moved_from.prefixes is not None and prefix_key is not None:
@@ -748,41 +771,41 @@ class PoolController:
             if self._shares is not None:
                 self._shares.on_dispatch(now_s, request.tier, request.tokens)
         rid = replica.config.replica_id
-        ahead = replica.ahead(level) + prefill_tokens
+        ahead += prefill_tokens  # its engine's prefill before its first token, its own included
         replica.requests += 1
         replica.held[level] += 1
         breaker = replica.breaker
-        if breaker.state is not BreakerState.CLOSED:  # a closed breaker stays as it is: no call
+        if breaker.state is not _CLOSED:  # a closed breaker stays as it is: no call
             replica.breaker = breaker.on_dispatch(now_s)
-        sent = self._sent[request.request_id] = _Sent(request, rid, level, now_s, ahead, prefill_tokens,
-                                                      slot_level=level)
         fit = replica.fit
         if whole is None:
-            whole = request.request_id in self._whole
-        if not whole:
-            replica.prefill[level] += prefill_tokens
-        elif fit is None:
-            sent.prefilling = False  # nothing tells when its prefill ends, nor predicts it
-        else:
-            # a whole answer reports no first token: its prefill is taken as done when the
-            # replica's fit predicts, so that it neither blocks the budget until its answer nor
-            # is forgotten at once (`test_a_whole_answer_holds_the_budget_for_its_predicted_prefill`)
-            replica.prefill[level] += prefill_tokens
-            heapq.heappush(self._assumed_prefills, (now_s + fit.predict_s(ahead), request.request_id))
-        return Assignment(request.request_id, rid, level,
-                          None if moved_from is None else moved_from.config.replica_id)
+            whole = request_id in self._whole
+        # a whole answer reports no first token: its prefill is taken as done when the replica's
+        # fit predicts, so that it neither blocks the budget until its answer nor is forgotten at
+        # once (`test_a_whole_answer_holds_the_budget_for_its_predicted_prefill`); before the
+        # replica has a fit nothing tells when its prefill ends, nor predicts it: not counted
+        prefilling = not whole or fit is not None
+        if prefilling:
+            replica.add_prefill(level, prefill_tokens)
+            if whole:
+                done_s = now_s + fit.predict_s(ahead)  # type: ignore[union-attr]  # a whole answer prefilling has a fit
+                heapq.heappush(self._assumed_prefills, (done_s, request_id))
+        self._sent[request_id] = _Sent(request, rid, level, now_s, ahead, prefill_tokens, prefilling, level)
+        # `_make`: built by `tuple.__new__` from a plain call; the NamedTuple's own constructor goes through
+        # the type's slot into a Python `__new__` (some 350 instructions more, on every request)
+        return Assignment._make((request_id, rid, level, None if moved_from is None else moved_from.config.replica_id))
 
     def _pick(self, now_s: float, tier: TierSpec, level: int, tokens: int, exclude: frozenset[str],
               left_s: float, prefix: tuple[int, ...] = ()) -> _Pick | None:
         """The replica to send it to, and the prefill tokens it would cost there (its prompt's,
         less the prefix that replica probably holds: `policy.prefix`); None: none may take it now."""
-        better_active = self._better_level_active(now_s, level)
+        better_active: bool | None = None  # rule 5's question, asked of a replica at its `max_requests`
         best: _Replica | None = None
         best_key: tuple[bool, float, int, int, float] | None = None
         best_tokens = tokens
         order, cursor = self._order, self._cursor
         count = len(order)
-        best_index = best_matched = 0
+        best_index = best_matched = best_ahead = 0
         # (replica, its prefill tokens there): all that may take a request with a prefix (rule 7's moves)
         eligible: list[tuple[_Replica, int]] | None = [] if prefix and self._affinity_load is not None else None
         # rule 7: the prediction counts prefill, not the decodes a replica already runs
@@ -796,14 +819,20 @@ class PoolController:
             if (exclude and replica.config.replica_id in exclude) \
                     or not is_routable(replica.health, replica.breaker, now_s):
                 continue
-            if not replica.has_slot(level, better_active):
-                continue  # rule 5
+            # rule 5: a replica holding fewer than its `level_cap` (<= its slots) has a slot for any
+            # level, so only one holding that many asks whether a better level is active (the same
+            # answer, asked less: a call and a max over ranks on every pick)
+            if replica.requests >= replica.level_cap:
+                if better_active is None:
+                    better_active = self._better_level_active(now_s, level)
+                if not replica.has_slot(level, better_active):
+                    continue
             own, matched = tokens, 0
             if prefix and replica.prefixes is not None:
                 # rule 7: a cached prefix is prefill the engine skips; at least the last token is computed
                 matched = replica.prefixes.matched(prefix)
                 own = max(1, tokens - tokens * matched // len(prefix)) if tokens else 0
-            ahead = replica.ahead(level)
+            ahead = replica.ahead(level) if replica.prefill_total else 0  # nothing to prefill: no call
             fit = replica.fit
             # rule 4: an empty prefill queue takes anything. Before its first token is measured a
             # replica has no budget, only its slots (rule 5): holding it to one prefill at a time
@@ -814,23 +843,28 @@ class PoolController:
                     and fit.predict_s(ahead + own) > min(self.engine_budget_s(now_s, tier, replica.config), left_s):
                 continue  # rule 3
             # a replica not yet measured predicts in tokens (an idle one, 0, is tried first); a
-            # cached prefix also breaks ties there
-            predicted_s = fit.predict_s(ahead + own) if fit is not None else float(ahead)
+            # cached prefix also breaks ties there (its tokens as an int: compared exactly as their float)
+            predicted_s = fit.predict_s(ahead + own) if fit is not None else ahead
             if eligible is not None:
                 eligible.append((replica, own))
             piled_up = replica.requests > load_cap and replica.requests > PILE_UP_SLOT_SHARE * replica.slots()
             key = (piled_up, predicted_s, own, replica.requests, replica.load.kv_cache_usage)
-            if best_key is None or key < best_key:
-                best, best_key, best_index, best_tokens, best_matched = replica, key, index, own, matched
+            if best_key is None or key < best_key:  # one store each: six names at once would build a tuple
+                best = replica
+                best_key = key
+                best_index = index
+                best_tokens = own
+                best_matched = matched
+                best_ahead = ahead
         if best is None:
             return None
         self._cursor = (best_index + 1) % count
-        pick: _Pick = (best, best_tokens, None, None, 0)
+        pick: _Pick = (best, best_tokens, None, None, 0, best_ahead)
         return pick if eligible is None or not best_matched else self._rebalanced(now_s, prefix, pick, best_matched,
-                                                                                   eligible)
+                                                                                   eligible, level)
 
     def _rebalanced(self, now_s: float, prefix: tuple[int, ...], pick: _Pick, matched: int,
-                    eligible: list[tuple[_Replica, int]]) -> _Pick:
+                    eligible: list[tuple[_Replica, int]], level: int) -> _Pick:
         """Rule 7's balance over time: a request whose prefix the picked replica holds (its first `matched`
         blocks) goes instead to the least loaded replica that may take it, its prefix moved there,
         when `AffinityLoad` says the move evens their recent loads out by more than noise (a query)."""
@@ -840,9 +874,9 @@ class PoolController:
         owns = {r.config.replica_id: (r, own) for r, own in eligible if r is not source}
         target = balance.move_target(now_s, key, source.config.replica_id, owns)
         if target is None:
-            return source, pick[1], key, None, 0
+            return source, pick[1], key, None, 0, pick[5]
         replica, own = owns[target]
-        return replica, own, key, source, matched
+        return replica, own, key, source, matched, replica.ahead(level)
 
     def _outside_length_class(self, now_s: float, prompt_tokens: int) -> frozenset[str] | None:
         """The replicas outside the prompt's length class (`policy.length_classes`): empty without
@@ -1016,7 +1050,7 @@ class PoolController:
                     break
                 self._held.take_newest(tier)
                 tokens = request.tokens
-                self._queue.charge_unqueued(request)
+                self._queue.charge_unqueued(tier, request.tenant, request.prompt_tokens, request.expected_output_tokens)
                 self._predictor.on_sent_at_once(now_s, self.tiers[tier].rank, tokens)
                 if self._shares is not None:
                     self._shares.on_dispatch(now_s, tier, tokens)
@@ -1061,7 +1095,7 @@ class PoolController:
 
     def _prefilled(self, replica: _Replica, sent: _Sent) -> None:
         sent.prefilling = False
-        replica.prefill[sent.level] -= sent.prefill_tokens
+        replica.add_prefill(sent.level, -sent.prefill_tokens)
 
     def _end(self, request_id: int | str) -> _Sent | None:
         sent = self._sent.pop(request_id, None)

@@ -163,10 +163,14 @@ class FairPriorityQueue:
         self._weights = dict(tenant_weights or {})
         if any(weight <= 0 for weight in self._weights.values()):
             raise ValueError("tenant weights must be > 0")
-        self._input_weight = input_token_weight
-        self._output_weight = output_token_weight
+        # floats whatever is passed: a charge is then a float with or without a tenant's weight (`_charge`)
+        self._input_weight = float(input_token_weight)
+        self._output_weight = float(output_token_weight)
         self._queues = {spec.name: _TierQueue(spec) for spec in tiers}  # best rank first
         self._by_id: dict[str, tuple[int, QueuedRequest]] = {}
+        # the same dict, read-only outside: `not queue.queued_ids` asks "is it empty?" without a call
+        # (`len(queue)` runs `__len__` through the type's slot, on every arrival of the pool controller)
+        self.queued_ids: Mapping[str, object] = self._by_id
         self._deadlines: list[tuple[float, int, str]] = []  # lazy: stale items are skipped
         self._seq = itertools.count()
 
@@ -292,27 +296,39 @@ class FairPriorityQueue:
             self._push_tenant(queue, tenant)
         return DequeueResult(request, expired, charged)
 
-    def charge_unqueued(self, request: QueuedRequest) -> float:
+    def charge_unqueued(self, tier: str, tenant: str, prompt_tokens: int, expected_output_tokens: int) -> float:
         """A request of a tier with nobody waiting is served without queueing: its tenant's counter
-        moves as `enqueue` then `dequeue` would move it (the idle lift, then the charge)."""
-        queue = self._queues[request.tier]
+        moves as `enqueue` then `dequeue` would move it (the idle lift, then the charge). Its fields
+        come one by one: the caller (every request sent at once) holds them already."""
+        queue = self._queues[tier]
         if queue.by_tenant:
-            raise ValueError(f"tier {request.tier!r} has requests waiting: queue this one")
-        charged = self._charge(request.prompt_tokens, request.expected_output_tokens, request.tenant)
-        counter = max(queue.counters.get(request.tenant, 0.0), queue.idle_floor - charged) + charged
-        queue.counters[request.tenant] = counter
+            raise ValueError(f"tier {tier!r} has requests waiting: queue this one")
+        # `_charge`, inline: this runs for every request sent at once
+        charged = self._input_weight * prompt_tokens + self._output_weight * expected_output_tokens
+        if self._weights:
+            charged /= self._weights.get(tenant, 1.0)
+        counters = queue.counters
+        counter = counters.get(tenant, 0.0)
+        lifted = queue.idle_floor - charged
+        # `max(counter, lifted)` as an expression: no builtin call (the first of equals, as max keeps)
+        counter = (lifted if lifted > counter else counter) + charged
+        counters[tenant] = counter
         queue.idle_floor = counter
         return charged
 
     def settle_service(self, request: QueuedRequest, actual_output_tokens: int) -> None:
         """Corrects the tenant's fair-share counter once the real output length is known."""
+        tenant = request.tenant
         queue = self._queues[request.tier]
-        if request.tenant not in queue.counters:
+        counters = queue.counters
+        if tenant not in counters:
             return
-        delta = actual_output_tokens - request.expected_output_tokens
-        queue.counters[request.tenant] += self._output_weight * delta / self._weights.get(request.tenant, 1.0)
-        if request.tenant in queue.by_tenant:
-            self._push_tenant(queue, request.tenant)
+        delta = self._output_weight * (actual_output_tokens - request.expected_output_tokens)
+        weights = self._weights
+        # a tenant without a weight has 1.0, and dividing by 1.0 changes nothing: not done
+        counters[tenant] += delta / weights.get(tenant, 1.0) if weights else delta
+        if tenant in queue.by_tenant:
+            self._push_tenant(queue, tenant)
 
     def cancel(self, request_id: str) -> QueuedRequest | None:
         """Removes a request whose client went away; None if it is not queued."""
@@ -384,7 +400,9 @@ class FairPriorityQueue:
 
     def _charge(self, prompt_tokens: int, output_tokens: int, tenant: str) -> float:
         """What serving such a request adds to the tenant's counter."""
-        return (self._input_weight * prompt_tokens + self._output_weight * output_tokens) / self._weights.get(tenant, 1.0)
+        charged = self._input_weight * prompt_tokens + self._output_weight * output_tokens
+        # a tenant without a weight has 1.0, and dividing by 1.0 changes nothing: not done
+        return charged / self._weights.get(tenant, 1.0) if self._weights else charged
 
     def _is_current(self, item: tuple[float, int, str]) -> bool:
         held = self._by_id.get(item[2])
