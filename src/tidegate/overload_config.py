@@ -22,7 +22,7 @@ limits:
   default: {requests_per_minute: 60}        # tenants without their own limit
   max_queued: 10000                         # per pool, all tiers together
   engine_share: 0.5                         # of a tier's TTFT target, the engine's queue may take
-  headroom_share: 0.33                      # of a replica's slot_limit, only better levels may take
+  headroom_share: 0.33                      # of a replica's slot_limit: the most kept for better levels
   isolation: {over_share_factor: 2.0}     # a flooding tenant goes one engine level down; null: off
 degradation:
   preset_reply: "系统繁忙，请稍后重试"
@@ -146,7 +146,8 @@ class LimitsConfig(_Strict):
     max_queued: int = Field(10_000, ge=1)  # per pool, every tier together
     # the share of a tier's TTFT target the engine's own queue may take (the controller's rule 3)
     engine_share: float = Field(0.5, gt=0, le=1)
-    # the share of a replica's `slot_limit` that only a better engine level may take (rule 5)
+    # the most of a replica's `slot_limit` that only a better engine level may take (rule 5; the
+    # controller keeps less while the better levels' arrivals need less)
     headroom_share: float = Field(1 / 3, ge=0, lt=1)
     isolation: IsolationConfig | None = IsolationConfig()  # null: no isolation beyond fair queueing
     default_max_tokens: int = Field(256, ge=1)  # reserved when a request names no max_tokens

@@ -134,6 +134,33 @@ def test_a_tier_with_no_better_one_active_uses_the_headroom_too() -> None:
     assert [a.request_id for a in capacity(ctl, 3.1).assignments] == [5]  # critical not seen for 2 s
 
 
+def test_the_headroom_follows_the_better_levels_arrivals() -> None:
+    """Rule 5's headroom sized to demand (`noisy_tenant`'s work): while a critical request is sent
+    for every one that ends, the whole configured headroom stays critical's; once one is sent for
+    nine that end, the sheddable level may take all but the floor (3 of 8) and one more slot; when
+    critical requests come again, the headroom is theirs again at the next tick."""
+    ctl = controller(PoolReplica("r0", max_requests=8, headroom=8))
+    arrive_all(ctl, request(0, "critical"))
+    assert [a.request_id for a in capacity(ctl, 0.0).assignments] == [0]
+    ctl.on_finish(0.01, 0)
+    arrive_all(ctl, *(request(i, "sheddable") for i in range(1, 40)), now_s=0.1)
+    assert len(capacity(ctl, 0.1).assignments) == 8  # one sent, one ended: 6 + 3 wanted, 8 kept
+    for i in range(1, 9):
+        ctl.on_finish(0.2, i)
+    assert len(capacity(ctl, 0.3).assignments) == 12  # one sent for nine ended: 1 + 3 kept
+    arrive_all(ctl, request(100, "critical", now_s=0.3), now_s=0.3)
+    assert [a.request_id for a in capacity(ctl, 0.3).assignments] == [100]  # past the sheddable cap
+    for request_id in (100, *range(9, 21)):
+        ctl.on_finish(0.4, request_id)
+    capacity(ctl, 20.0)  # the sheddable requests left are past their deadline; the counts decay
+    arrive_all(ctl, *(request(i, "critical", now_s=20.0) for i in range(101, 105)), now_s=20.0)
+    for i in range(101, 105):
+        ctl.on_finish(20.1, i)
+    assert len(capacity(ctl, 20.1).assignments) == 4  # the body's call after they end: a tick
+    arrive_all(ctl, *(request(i, "sheddable", now_s=20.1) for i in range(200, 220)), now_s=20.1)
+    assert len(capacity(ctl, 20.1).assignments) == 8  # four sent for about five ended: 8 kept again
+
+
 def test_a_flooding_tenant_is_demoted_one_level() -> None:
     shares = TenantShares(half_life_s=1.0)
     ctl = controller(PoolReplica("r0", max_requests=1), shares=shares)

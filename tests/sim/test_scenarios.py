@@ -23,7 +23,7 @@ def test_goodput_past_capacity_holds_and_conserves_work() -> None:
 
 def test_critical_burst_protects_critical_far_better_than_fifo_with_the_replicas_busy() -> None:
     verdict = scenarios.critical_burst(scenarios.BURST_SEEDS[:4])  # the bench runs all ten
-    assert verdict.value("control_mean_slowdown") <= 1.4, verdict.figures  # bar 1.2x: not met (1.32x over ten)
+    assert verdict.value("control_mean_slowdown") <= 1.4, verdict.figures  # bar 1.2x: not met (1.37x over ten)
     assert verdict.value("critical_good_share") >= 0.99 > 0.2 > verdict.value("fifo_critical_good_share"), \
         verdict.figures
     assert verdict.value("good") >= verdict.value("fifo_good") - verdict.value("noise"), verdict.figures
@@ -35,9 +35,9 @@ def test_noisy_tenant_is_held_off_the_others_with_the_replicas_busy() -> None:
     verdict = scenarios.noisy_tenant()
     assert verdict.value("control_slowdown") <= 1.4, verdict.figures  # every seed (8x before rule 5's move)
     assert verdict.value("control_slowdown") * 5 < verdict.value("fifo_slowdown"), verdict.figures
-    # over whole runs the flood's backlog that FIFO serves after the flood, by making the others
-    # wait into the idle tail, is refused at its deadline here: 3.6 % fewer within target (not met)
-    assert verdict.value("good") >= 0.95 * verdict.value("fifo_good"), verdict.figures
+    # at least FIFO's requests within target (within the paired noise): with the whole configured
+    # headroom kept for the quiet tenants, 102 short (noise +-37); sized to their arrivals, +58
+    assert verdict.value("good") >= verdict.value("fifo_good") - verdict.value("noise"), verdict.figures
     assert verdict.value("control_busy") >= 0.8, verdict.figures
 
 
