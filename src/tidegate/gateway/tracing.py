@@ -141,7 +141,7 @@ class RequestTrace:
         "output_tokens", "usage",
         "span_base",
         # set by `end` and `settle`
-        "settled", "ended_ns", "model", "status", "replica_id", "error",
+        "ended_ns", "model", "status", "replica_id", "error",
         "error_type", "rung", "output_estimate", "queued_ns", "dispatched_ns", "predicted_wait_s", "span_count")
 
     def __init__(self, tracing: Tracing, trace_id: int, parent_id: int, tracestate: bytes | None,
@@ -168,7 +168,6 @@ class RequestTrace:
         self.output_tokens: int | None = None
         self.usage: Any = None  # overload control's `_Usage`: a stream's completion tokens
         # read off the request's end: by `end` when it failed, by `settle` after
-        self.settled = False
         self.rung: str | None = None
         self.error: str | None = None
         self.error_type: str | None = None
@@ -239,8 +238,9 @@ class RequestTrace:
         at once, so that nothing of the request outlives it but bytes: a record kept until the next
         export (and the ticket and usage it held) aged into the garbage collector's older generations,
         whose collections then walked them again and again (docs/observability.md, "The collector")."""
-        if self.token is not None:
-            CURRENT_TRACE.reset(self.token)
+        token = self.token
+        if token is not None:
+            CURRENT_TRACE.reset(token)
             self.token = None
         tracing = self.tracing
         try:
@@ -251,9 +251,6 @@ class RequestTrace:
             if status >= 400 or error is not None:
                 self._failed(status, error)
             self.settle()
-            # spans: the root, one per attempt, admission (overload control decided) and the wait for
-            # a replica (`settle` found one), counted for the exporter's bound
-            self.span_count = 1 + len(self.attempts) + (self.tenant is not None) + (self.queued_ns is not None)
             tracing.sink.submit_trace(self)
         except Exception:  # a tracing fault must never fail a request
             tracing.failed += 1
@@ -269,40 +266,45 @@ class RequestTrace:
             self.verdict = _refusal_verdict(error, status, self.rung)
 
     def settle(self) -> None:
-        """The facts the spans need, read off the ticket and usage (which are let go). Done once, by `end`."""
-        if self.settled:
-            return
-        self.settled = True
-        ticket, usage, attempts, status = self.ticket, self.usage, self.attempts, self.status
+        """The facts the spans need, read off the ticket and usage (which are let go), and how many spans
+        there are (the exporter's bound counts them). Once, by `end`."""
+        ticket, usage = self.ticket, self.usage
+        spans = 1 + len(self.attempts)  # the root and one per attempt
         if ticket is not None:
             headers = ticket.response_headers
-            self.rung = _rung(headers) if headers and b"degradation" in headers else None
-        if usage is not None and self.input_tokens is None:
-            self.input_tokens = usage.prompt_tokens
-        if usage is not None and self.output_tokens is None:
-            self.output_tokens = usage.reported
-            if usage.reported is None and self.first_token_ns is not None:  # a stream without usage: its events
-                self.output_estimate = usage.completion_tokens()
-        if self.tenant is not None:
-            if self.verdict is None:  # answered 200 without a ticket: overload control's cached answer
-                self.verdict = _refusal_verdict(None, status, self.rung)
+            if headers and b"degradation" in headers:  # else None, as `admitted` left it
+                self.rung = _rung(headers)
+            self.ticket = None
+        if usage is not None:
+            if self.input_tokens is None:
+                self.input_tokens = usage.prompt_tokens
+            if self.output_tokens is None:
+                reported = self.output_tokens = usage.reported
+                if reported is None and self.first_token_ns is not None:  # a stream without usage: its events
+                    self.output_estimate = usage.completion_tokens()
+            self.usage = None
         # the wait for a replica: admitted -> dispatched (overload control; none when it was assigned one
         # at arrival), or, without overload control, arrival -> first attempt (the wait for a free slot)
-        if self.verdict == "queued":
-            queued_ns = self.admitted_ns
+        if self.tenant is None:
+            queued_ns = int(self.started_s * 1e9)
         else:
-            queued_ns = int(self.started_s * 1e9) if self.tenant is None else None
-        if queued_ns is None:
-            dispatched_ns = None
-        elif ticket is not None and ticket.dispatched_s is not None:
-            dispatched_ns = int(ticket.dispatched_s * 1e9)  # overload control's clock: the same, in seconds
-        else:
-            dispatched_ns = attempts[0][ATTEMPT_SENT_NS] if attempts else None
-        if dispatched_ns is not None:
-            self.queued_ns = queued_ns
-            self.dispatched_ns = max(queued_ns, dispatched_ns)
-            self.predicted_wait_s = ticket.predicted_wait_s if ticket is not None else None
-        self.ticket = self.usage = None
+            spans += 1  # overload control decided: the admission span
+            verdict = self.verdict
+            if verdict is None:  # answered 200 without a ticket: overload control's cached answer
+                verdict = self.verdict = _refusal_verdict(None, self.status, self.rung)
+            queued_ns = self.admitted_ns if verdict == "queued" else None
+        if queued_ns is not None:
+            if ticket is not None and ticket.dispatched_s is not None:
+                dispatched_ns = int(ticket.dispatched_s * 1e9)  # overload control's clock: the same, in seconds
+            else:
+                attempts = self.attempts
+                dispatched_ns = attempts[0][ATTEMPT_SENT_NS] if attempts else None
+            if dispatched_ns is not None:
+                spans += 1  # the queue's span
+                self.queued_ns = queued_ns
+                self.dispatched_ns = max(queued_ns, dispatched_ns)
+                self.predicted_wait_s = ticket.predicted_wait_s if ticket is not None else None
+        self.span_count = spans
 
     # -- spans, as records (the SDK's sink, and the tests that check the encoder against it)
     def spans(self, monotonic_ns: int, unix_ns: int) -> list[SpanRecord]:
