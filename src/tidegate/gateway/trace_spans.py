@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Hashable
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from tidegate.gateway.tracing import (
@@ -30,6 +31,7 @@ from tidegate.gateway.tracing import (
     ATTEMPT_REPLICA,
     ATTEMPT_SENT_NS,
     ATTEMPT_SPAN_BYTE,
+    ATTEMPT_STREAMED,
     QUEUE_SPAN,
     ROOT_SPAN,
     admission_attributes,
@@ -65,6 +67,9 @@ _VARINTS = [bytes((value,)) for value in range(0x80)] + [bytes(((value & 0x7F) |
 _IDS, _BASE, _PARENT, _TIME, _DOUBLE = "25s", "7s", "8s", "Q", "d"
 _SIZES = {_IDS: 25, _BASE: 7, _PARENT: 8, _TIME: 8, _DOUBLE: 8}
 _SPAN_ID_TAG = b"\x12\x08"  # Span.span_id (2), 8 bytes: between the trace id and the span id's base
+_IDS_PACK = struct.Struct("<16s2s7s").pack  # trace id, span id's tag, base: the `_IDS` hole's bytes
+# what shapes an attempt's span beyond its holes: replica, outcome (None: ended with the request), a first token
+_ATTEMPT_SHAPE = itemgetter(ATTEMPT_REPLICA, ATTEMPT_OUTCOME, ATTEMPT_STREAMED)
 # A hole: its struct code and the Python expression that fills it, in the scope of `_Layout.fill`:
 # `t` the trace, `a` its attempts, `offset` (the tracer's clock to Unix time), and what
 # `TraceEncoder.encode_trace` prepared: `start` (the request's arrival, Unix ns; root and admission
@@ -132,9 +137,9 @@ class TraceEncoder:
         """The spans of one ended trace, framed as elements of `ScopeSpans.spans`; `offset`: what turns
         the tracer's times into Unix time (Unix nanoseconds minus the tracer's clock, read together)."""
         trace_id = trace.id_bytes or trace.trace_id.to_bytes(16, "big")
-        base = trace.span_base or trace_id[:7]
-        # what every span's ids share: the trace id, the span id's tag and its first 7 bytes (one hole)
-        ids = trace_id + _SPAN_ID_TAG + base
+        # what every span's ids share: the trace id, the span id's tag and its first 7 bytes (a trace that
+        # starts here: its trace id's, which the 7-byte field takes); one struct hole
+        ids = _IDS_PACK(trace_id, _SPAN_ID_TAG, trace.span_base or trace_id)
         state, error = trace.tracestate, trace.error
         if error:
             error = error.encode()
@@ -157,25 +162,20 @@ class TraceEncoder:
         output_tokens = None if tokens is None else (_VARINTS[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
 
         # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them, and
-        # whether admission came with a ticket from the verdict); then the attempts': replica, outcome
-        # (None: ended with the request), a first token
-        key = [trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id, trace.rung,
+        # whether admission came with a ticket from the verdict), then each attempt's (`_ATTEMPT_SHAPE`)
+        key = (trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id, trace.rung,
                trace.error_type, trace.verdict, None if queued_ns is None else trace.predicted_wait_s is None,
                trace.parent_id == 0, trace.first_token_ns is None, request_id_form,
                input_tokens and len(input_tokens), output_form, output_tokens and len(output_tokens),
-               state and len(state), error and len(error)]
-        for attempt in trace.attempts:
-            key += (attempt[ATTEMPT_REPLICA], attempt[ATTEMPT_ENDED_NS] is not None and attempt[ATTEMPT_OUTCOME],
-                    attempt[ATTEMPT_FIRST_TOKEN_NS] is None)
-        key = tuple(key)
+               state and len(state), error and len(error), *map(_ATTEMPT_SHAPE, trace.attempts))
         layout = self._layouts.get(key)
         if layout is None:
             if len(self._layouts) >= _LAYOUTS:
                 self._layouts.clear()
             layout = self._layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form,
                                                        output_tokens)
-        return layout.fill(trace, offset, int(trace.started_s * 1e9) + offset, ids, base, request_id, input_tokens,
-                           output_tokens, error)
+        return layout.fill(trace, offset, int(trace.started_s * 1e9) + offset, ids, trace.span_base or trace_id,
+                           request_id, input_tokens, output_tokens, error)
 
     def _layout(self, trace: RequestTrace, request_id_form: int, input_tokens: bytes | None, output_form: int,
                 output_tokens: bytes | None) -> _Layout:

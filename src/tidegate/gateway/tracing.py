@@ -52,7 +52,7 @@ __all__ = ["CURRENT_TRACE", "Tracing", "TracingSettings", "SpanSink", "RequestTr
            "root_key", "ROOT_SPAN", "ADMISSION_SPAN", "QUEUE_SPAN", "root_attributes", "root_own_attributes",
            "admission_key", "admission_decided_ns", "attempt_end",
            "admission_attributes", "queue_attributes", "attempt_attributes", "ATTEMPT_SPAN_BYTE", "ATTEMPT_REPLICA",
-           "ATTEMPT_SENT_NS", "ATTEMPT_ENDED_NS", "ATTEMPT_OUTCOME", "ATTEMPT_FIRST_TOKEN_NS"]
+           "ATTEMPT_SENT_NS", "ATTEMPT_ENDED_NS", "ATTEMPT_OUTCOME", "ATTEMPT_STREAMED", "ATTEMPT_FIRST_TOKEN_NS"]
 
 # the trace of the request the running task serves; None when it has none. Read only from the
 # request's own task (and tasks it starts), never from protocol callbacks: a pooled upstream
@@ -124,9 +124,12 @@ class PassThrough:
 
 # An upstream attempt's record: a list, not an object, because a record made for every request must be
 # cheap (a slotted object's constructor costs some 2k instructions more), read through these indices.
-# [the last byte of its span id (`RequestTrace.span_id`), the replica, sent, ended (None: not yet; an
-# attempt the request outlived without a verdict ends with it), outcome, first token] (times: tracer ns)
-ATTEMPT_SPAN_BYTE, ATTEMPT_REPLICA, ATTEMPT_SENT_NS, ATTEMPT_ENDED_NS, ATTEMPT_OUTCOME, ATTEMPT_FIRST_TOKEN_NS = range(6)
+# [the last byte of its span id (`RequestTrace.span_id`), the replica, outcome (None until it ended; an
+# attempt the request outlived without a verdict ends with it), whether a first token came, sent, ended,
+# first token] (times: tracer ns). The replica, outcome and first token's presence shape its span's bytes
+# and lie side by side: the encoder reads them in one `itemgetter` call (gateway/trace_spans.py).
+(ATTEMPT_SPAN_BYTE, ATTEMPT_REPLICA, ATTEMPT_OUTCOME, ATTEMPT_STREAMED, ATTEMPT_SENT_NS, ATTEMPT_ENDED_NS,
+ ATTEMPT_FIRST_TOKEN_NS) = range(7)
 
 
 class RequestTrace:
@@ -194,9 +197,10 @@ class RequestTrace:
         if span_byte > _MAX_ATTEMPT_SPAN:
             span_byte = _MAX_ATTEMPT_SPAN
         sent_ns = self.tracing.clock_ns()
-        if attempts and attempts[-1][ATTEMPT_ENDED_NS] is None:
-            attempts[-1][ATTEMPT_ENDED_NS] = sent_ns  # resent on a fresh connection without a verdict
-        attempts.append([span_byte, replica, sent_ns, None, "ok", None])
+        if attempts and attempts[-1][ATTEMPT_ENDED_NS] is None:  # resent on a fresh connection without a verdict
+            attempts[-1][ATTEMPT_ENDED_NS] = sent_ns
+            attempts[-1][ATTEMPT_OUTCOME] = "ok"
+        attempts.append([span_byte, replica, None, False, sent_ns, None, None])
         if not self.tracing.settings.propagate:
             return b""
         id_bytes = self.id_bytes
@@ -223,7 +227,9 @@ class RequestTrace:
         if self.first_token_ns is None:
             self.first_token_ns = now_ns
         if self.attempts and self.attempts[-1][ATTEMPT_FIRST_TOKEN_NS] is None:
-            self.attempts[-1][ATTEMPT_FIRST_TOKEN_NS] = now_ns
+            attempt = self.attempts[-1]
+            attempt[ATTEMPT_FIRST_TOKEN_NS] = now_ns
+            attempt[ATTEMPT_STREAMED] = True
 
     def answered(self, body: bytes) -> None:
         """A whole answer without overload control (with it, its `_Usage` reads them, and `settle` takes
