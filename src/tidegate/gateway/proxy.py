@@ -598,7 +598,7 @@ class Proxy:
         else:
             self._record(pool, replica, sent_s, usage, None)
             if usage is not None:
-                usage.answered_whole(body)  # its token counts are the trace's too (`RequestTrace.settle`)
+                usage.answered_whole(body)  # its token counts are the trace's too (`RequestTrace.end`)
             elif self.tracing is not None:
                 trace = CURRENT_TRACE.get()
                 if trace is not None:

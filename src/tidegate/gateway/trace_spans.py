@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Hashable
+from math import floor
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -174,7 +175,8 @@ class TraceEncoder:
                 self._layouts.clear()
             layout = self._layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form,
                                                        output_tokens)
-        return layout.fill(trace, offset, int(trace.started_s * 1e9) + offset, ids, trace.span_base or trace_id,
+        # floor, not int(): the same integer for a time (never negative), in a C call instead of a type's
+        return layout.fill(trace, offset, floor(trace.started_s * 1e9) + offset, ids, trace.span_base or trace_id,
                            request_id, input_tokens, output_tokens, error)
 
     def _layout(self, trace: RequestTrace, request_id_form: int, input_tokens: bytes | None, output_form: int,

@@ -26,6 +26,7 @@ import time
 from binascii import hexlify
 from collections.abc import Callable, Hashable
 from contextvars import ContextVar, Token
+from math import floor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tidegate.errors import TidegateError
@@ -135,7 +136,7 @@ class PassThrough:
 class RequestTrace:
     """One recorded request: its ids, and the times and facts its spans are built from. Each hook
     stores a little and returns; nothing here awaits. `end` reads what the spans need of the request's
-    end (`settle`) and hands the record to the sink, which encodes it (gateway/trace_spans.py)."""
+    end and hands the record to the sink, which encodes it (gateway/trace_spans.py)."""
 
     __slots__ = (
         # set on the request's way
@@ -143,7 +144,7 @@ class RequestTrace:
         "attempts", "first_token_ns", "tenant", "tier", "ticket", "admitted_ns", "verdict", "input_tokens",
         "output_tokens", "usage",
         "span_base",
-        # set by `end` and `settle`
+        # set by `end`
         "ended_ns", "model", "status", "replica_id", "error",
         "error_type", "rung", "output_estimate", "queued_ns", "dispatched_ns", "predicted_wait_s", "span_count")
 
@@ -170,7 +171,7 @@ class RequestTrace:
         self.input_tokens: int | None = None  # as the upstream reported them
         self.output_tokens: int | None = None
         self.usage: Any = None  # overload control's `_Usage`: a stream's completion tokens
-        # read off the request's end: by `end` when it failed, by `settle` after
+        # read off the request's end, by `end`
         self.rung: str | None = None
         self.error: str | None = None
         self.error_type: str | None = None
@@ -182,8 +183,9 @@ class RequestTrace:
         """Overload control admitted the request (`ticket`; `usage`: what counts a stream's completion
         tokens), or (no ticket) refused it or answered it itself; the proxy calls it once, either way."""
         self.tenant = identity.tenant
-        self.tier = identity.tier
-        if ticket is not None:
+        if ticket is None:
+            self.tier = identity.tier
+        else:
             self.ticket = ticket
             self.tier = ticket.tier
             self.usage = usage
@@ -192,16 +194,20 @@ class RequestTrace:
 
     def upstream_headers(self, replica: Replica) -> bytes:
         """An attempt starts on `replica`: the trace header lines for its request, with its own span id."""
-        attempts = self.attempts
-        span_byte = FIRST_ATTEMPT_SPAN + len(attempts)
-        if span_byte > _MAX_ATTEMPT_SPAN:
-            span_byte = _MAX_ATTEMPT_SPAN
-        sent_ns = self.tracing.clock_ns()
-        if attempts and attempts[-1][ATTEMPT_ENDED_NS] is None:  # resent on a fresh connection without a verdict
-            attempts[-1][ATTEMPT_ENDED_NS] = sent_ns
-            attempts[-1][ATTEMPT_OUTCOME] = "ok"
+        attempts, tracing = self.attempts, self.tracing
+        sent_ns = tracing.clock_ns()
+        if attempts:
+            last = attempts[-1]
+            if last[ATTEMPT_ENDED_NS] is None:  # resent on a fresh connection without a verdict
+                last[ATTEMPT_ENDED_NS] = sent_ns
+                last[ATTEMPT_OUTCOME] = "ok"
+            span_byte = FIRST_ATTEMPT_SPAN + len(attempts)
+            if span_byte > _MAX_ATTEMPT_SPAN:
+                span_byte = _MAX_ATTEMPT_SPAN
+        else:
+            span_byte = FIRST_ATTEMPT_SPAN
         attempts.append([span_byte, replica, None, False, sent_ns, None, None])
-        if not self.tracing.settings.propagate:
+        if not tracing.propagate:
             return b""
         id_bytes = self.id_bytes
         if id_bytes is None:  # bytes to hex costs half of formatting the number as hex
@@ -232,7 +238,7 @@ class RequestTrace:
             attempt[ATTEMPT_STREAMED] = True
 
     def answered(self, body: bytes) -> None:
-        """A whole answer without overload control (with it, its `_Usage` reads them, and `settle` takes
+        """A whole answer without overload control (with it, its `_Usage` reads them, and `end` takes
         them from there): the token counts of its `usage`, which closes an OpenAI answer (found from the
         end: a long answer is not scanned)."""
         self.input_tokens = _usage_count(body, b'"prompt_tokens"')
@@ -240,10 +246,12 @@ class RequestTrace:
 
     def end(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None) -> None:
         """The request is answered: what its spans need of the error, the ticket and the usage is read now
-        (`settle`) and they are let go, and the record goes to the sink. The built-in exporter encodes it
-        at once, so that nothing of the request outlives it but bytes: a record kept until the next
-        export (and the ticket and usage it held) aged into the garbage collector's older generations,
-        whose collections then walked them again and again (docs/observability.md, "The collector")."""
+        and they are let go, the spans are counted (the exporter's bound counts them), and the record goes
+        to the sink. The built-in exporter encodes it at once, so that nothing of the request outlives it
+        but bytes: a record kept until the next export (and the ticket and usage it held) aged into the
+        garbage collector's older generations, whose collections then walked them again and again
+        (docs/observability.md, "The collector"). One method, not one a step: a call costs as much as
+        reading a few facts."""
         token = self.token
         if token is not None:
             CURRENT_TRACE.reset(token)
@@ -256,7 +264,43 @@ class RequestTrace:
             self.replica_id = replica_id
             if status >= 400 or error is not None:
                 self._failed(status, error)
-            self.settle()
+            ticket, usage = self.ticket, self.usage
+            spans = 1 + len(self.attempts)  # the root and one per attempt
+            if ticket is not None:
+                headers = ticket.response_headers
+                if headers and b"degradation" in headers:  # else None, as `admitted` left it
+                    self.rung = _rung(headers)
+                self.ticket = None
+            if usage is not None:
+                if self.input_tokens is None:
+                    self.input_tokens = usage.prompt_tokens
+                if self.output_tokens is None:
+                    reported = self.output_tokens = usage.reported
+                    if reported is None and self.first_token_ns is not None:  # a stream without usage: its events
+                        self.output_estimate = usage.completion_tokens()
+                self.usage = None
+            # the wait for a replica: admitted -> dispatched (overload control; none when it was assigned one
+            # at arrival), or, without overload control, arrival -> first attempt (the wait for a free slot)
+            if self.tenant is None:
+                queued_ns = floor(self.started_s * 1e9)  # as int() for a time, cheaper (trace_spans.py)
+            else:
+                spans += 1  # overload control decided: the admission span
+                verdict = self.verdict
+                if verdict is None:  # answered 200 without a ticket: overload control's cached answer
+                    verdict = self.verdict = _refusal_verdict(None, status, self.rung)
+                queued_ns = self.admitted_ns if verdict == "queued" else None
+            if queued_ns is not None:
+                if ticket is not None and ticket.dispatched_s is not None:
+                    dispatched_ns = floor(ticket.dispatched_s * 1e9)  # overload control's clock, in seconds
+                else:
+                    attempts = self.attempts
+                    dispatched_ns = attempts[0][ATTEMPT_SENT_NS] if attempts else None
+                if dispatched_ns is not None:
+                    spans += 1  # the queue's span
+                    self.queued_ns = queued_ns
+                    self.dispatched_ns = dispatched_ns if dispatched_ns > queued_ns else queued_ns
+                    self.predicted_wait_s = ticket.predicted_wait_s if ticket is not None else None
+            self.span_count = spans
             tracing.sink.submit_trace(self)
         except Exception:  # a tracing fault must never fail a request
             tracing.failed += 1
@@ -270,47 +314,6 @@ class RequestTrace:
             self.error = (str(error) or str(status)) if status >= 500 or status == 499 else None
         if self.tenant is not None and self.verdict is None:
             self.verdict = _refusal_verdict(error, status, self.rung)
-
-    def settle(self) -> None:
-        """The facts the spans need, read off the ticket and usage (which are let go), and how many spans
-        there are (the exporter's bound counts them). Once, by `end`."""
-        ticket, usage = self.ticket, self.usage
-        spans = 1 + len(self.attempts)  # the root and one per attempt
-        if ticket is not None:
-            headers = ticket.response_headers
-            if headers and b"degradation" in headers:  # else None, as `admitted` left it
-                self.rung = _rung(headers)
-            self.ticket = None
-        if usage is not None:
-            if self.input_tokens is None:
-                self.input_tokens = usage.prompt_tokens
-            if self.output_tokens is None:
-                reported = self.output_tokens = usage.reported
-                if reported is None and self.first_token_ns is not None:  # a stream without usage: its events
-                    self.output_estimate = usage.completion_tokens()
-            self.usage = None
-        # the wait for a replica: admitted -> dispatched (overload control; none when it was assigned one
-        # at arrival), or, without overload control, arrival -> first attempt (the wait for a free slot)
-        if self.tenant is None:
-            queued_ns = int(self.started_s * 1e9)
-        else:
-            spans += 1  # overload control decided: the admission span
-            verdict = self.verdict
-            if verdict is None:  # answered 200 without a ticket: overload control's cached answer
-                verdict = self.verdict = _refusal_verdict(None, self.status, self.rung)
-            queued_ns = self.admitted_ns if verdict == "queued" else None
-        if queued_ns is not None:
-            if ticket is not None and ticket.dispatched_s is not None:
-                dispatched_ns = int(ticket.dispatched_s * 1e9)  # overload control's clock: the same, in seconds
-            else:
-                attempts = self.attempts
-                dispatched_ns = attempts[0][ATTEMPT_SENT_NS] if attempts else None
-            if dispatched_ns is not None:
-                spans += 1  # the queue's span
-                self.queued_ns = queued_ns
-                self.dispatched_ns = max(queued_ns, dispatched_ns)
-                self.predicted_wait_s = ticket.predicted_wait_s if ticket is not None else None
-        self.span_count = spans
 
     # -- spans, as records (the SDK's sink, and the tests that check the encoder against it)
     def spans(self, monotonic_ns: int, unix_ns: int) -> list[SpanRecord]:
@@ -326,7 +329,7 @@ class RequestTrace:
         key = root_key(self)
         attributes = tracing.attribute_set(key, root_attributes)
         own = root_own_attributes(self)
-        start_ns = int(self.started_s * 1e9) + offset_ns
+        start_ns = floor(self.started_s * 1e9) + offset_ns
         events = () if self.first_token_ns is None else (("first_token", ns(self.first_token_ns), {}),)
         spans = [SpanRecord(f"{self.operation} {self.model}", trace_id, root_id, self.parent_id, SpanKind.SERVER,
                             start_ns, ns(self.ended_ns), attributes, events, error=self.error, tracestate=state,
@@ -473,9 +476,11 @@ class Tracing:
         # the spans' times: the monotonic clock the gateway's `started` and overload control's times read
         # (time.monotonic), in integer nanoseconds, which the encoder shifts to Unix time by one addition
         self.clock_ns = clock_ns
+        self.propagate = settings.propagate  # read on every attempt
         self.failed = 0  # spans of requests whose export hand-off raised
         # threshold of TraceIdRatioBased: a trace id's low 64 bits below it are sampled
         self._ratio_bound = round(settings.sampling_ratio * 2**64)
+        self._samples_all = self._ratio_bound >= _ALL_SAMPLED
         self._attribute_sets: dict[Hashable, dict[str, AttributeValue]] = {}
 
     def attribute_set(self, key: Hashable, build: Callable[[Any], dict[str, AttributeValue]]
@@ -492,7 +497,7 @@ class Tracing:
               ) -> RequestTrace | PassThrough:
         """The request's trace (`begin`), made current for its task (and the tasks it starts); `end` it in
         a `finally`. A request without a client's trace, every trace sampled: the short way."""
-        if request.traceparent is None and self._ratio_bound >= _ALL_SAMPLED:
+        if request.traceparent is None and self._samples_all:
             trace: RequestTrace | PassThrough = RequestTrace(self, random_bits(128) or 1, 0, None,
                                                              _OPERATIONS[endpoint], request_id, started_s)
         else:
