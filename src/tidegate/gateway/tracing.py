@@ -1,9 +1,10 @@
 """Request tracing: W3C `traceparent` in from clients and out to upstreams, and OpenTelemetry spans of a
 request's way through the gateway, exported over OTLP (docs/observability.md, "Tracing").
 
-Cheap by construction. Tracing off, a request the client sent no `traceparent` with costs one check
-in `Proxy.handle`, and a `ContextVar` read per upstream attempt. Tracing on, the request path only
-stores times and facts on a `RequestTrace` (a slotted record, in the request's context); at its end
+Cheap by construction. Tracing off, a request the client sent no `traceparent` with costs two checks
+in `Proxy.handle`. Tracing on, the request path only stores times and facts on a `RequestTrace` (a
+slotted record the proxy passes along the request's way, not a context variable: setting and resetting
+one cost some 2k instructions a request, and each read another few hundred); at its end
 the built-in exporter encodes its spans (gateway/trace_spans.py: a template per arrangement of spans,
 filled by one `struct` call) and queues the bytes, which its background task exports in batches.
 
@@ -25,7 +26,6 @@ import re
 import time
 from binascii import hexlify
 from collections.abc import Callable, Hashable
-from contextvars import ContextVar, Token
 from math import floor
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -49,16 +49,11 @@ if TYPE_CHECKING:
     from tidegate.gateway.overload import Ticket
     from tidegate.policy.identity import Identity
 
-__all__ = ["CURRENT_TRACE", "Tracing", "TracingSettings", "SpanSink", "RequestTrace", "PassThrough", "start_trace",
+__all__ = ["Tracing", "TracingSettings", "SpanSink", "RequestTrace", "PassThrough", "start_trace",
            "root_key", "ROOT_SPAN", "ADMISSION_SPAN", "QUEUE_SPAN", "root_attributes", "root_own_attributes",
            "admission_key", "admission_decided_ns", "attempt_end",
            "admission_attributes", "queue_attributes", "attempt_attributes", "ATTEMPT_SPAN_BYTE", "ATTEMPT_REPLICA",
            "ATTEMPT_SENT_NS", "ATTEMPT_ENDED_NS", "ATTEMPT_OUTCOME", "ATTEMPT_STREAMED", "ATTEMPT_FIRST_TOKEN_NS"]
-
-# the trace of the request the running task serves; None when it has none. Read only from the
-# request's own task (and tasks it starts), never from protocol callbacks: a pooled upstream
-# connection's callbacks run in whatever context opened the connection
-CURRENT_TRACE: ContextVar[RequestTrace | PassThrough | None] = ContextVar("tidegate_trace", default=None)
 
 _OPERATIONS = {Endpoint.CHAT: "chat", Endpoint.COMPLETIONS: "text_completion", Endpoint.EMBEDDINGS: "embeddings"}
 _ROUTES = {operation: "/v1" + endpoint.value for endpoint, operation in _OPERATIONS.items()}
@@ -96,11 +91,10 @@ class PassThrough:
     """A request that is not recorded: the upstream gets the same trace header lines on every attempt
     (the client's own, tracing off; or the gateway's unsampled context, tracing on)."""
 
-    __slots__ = ("lines", "token", "trace_id")
+    __slots__ = ("lines", "trace_id")
 
     def __init__(self, lines: bytes, trace_id: int) -> None:
         self.lines = lines
-        self.token: Token | None = None
         self.trace_id = trace_id  # for the access log
 
     def upstream_headers(self, replica: Replica) -> bytes:
@@ -119,8 +113,7 @@ class PassThrough:
         pass
 
     def end(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None) -> None:
-        if self.token is not None:
-            CURRENT_TRACE.reset(self.token)
+        pass
 
 
 # An upstream attempt's record: a list, not an object, because a record made for every request must be
@@ -140,7 +133,7 @@ class RequestTrace:
 
     __slots__ = (
         # set on the request's way
-        "tracing", "token", "trace_id", "id_bytes", "parent_id", "tracestate", "operation", "request_id", "started_s",
+        "tracing", "trace_id", "id_bytes", "parent_id", "tracestate", "operation", "request_id", "started_s",
         "attempts", "first_token_ns", "tenant", "tier", "ticket", "admitted_ns", "verdict", "input_tokens",
         "output_tokens", "usage",
         "span_base",
@@ -151,7 +144,6 @@ class RequestTrace:
     def __init__(self, tracing: Tracing, trace_id: int, parent_id: int, tracestate: bytes | None,
                  operation: str, request_id: bytes, started_s: float) -> None:
         self.tracing = tracing
-        self.token: Token | None = None
         self.trace_id = trace_id
         self.id_bytes: bytes | None = None  # its 16 bytes, once an attempt's traceparent needed them
         self.parent_id = parent_id  # the client's span; 0: the trace starts here
@@ -252,10 +244,6 @@ class RequestTrace:
         garbage collector's older generations, whose collections then walked them again and again
         (docs/observability.md, "The collector"). One method, not one a step: a call costs as much as
         reading a few facts."""
-        token = self.token
-        if token is not None:
-            CURRENT_TRACE.reset(token)
-            self.token = None
         tracing = self.tracing
         try:
             self.ended_ns = tracing.clock_ns()
@@ -495,15 +483,11 @@ class Tracing:
 
     def start(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes, started_s: float
               ) -> RequestTrace | PassThrough:
-        """The request's trace (`begin`), made current for its task (and the tasks it starts); `end` it in
-        a `finally`. A request without a client's trace, every trace sampled: the short way."""
+        """The request's trace (`begin`), for the proxy to pass along its way; `end` it in a `finally`. A
+        request without a client's trace, every trace sampled: the short way."""
         if request.traceparent is None and self._samples_all:
-            trace: RequestTrace | PassThrough = RequestTrace(self, random_bits(128) or 1, 0, None,
-                                                             _OPERATIONS[endpoint], request_id, started_s)
-        else:
-            trace = self.begin(request, endpoint, request_id, started_s)
-        trace.token = CURRENT_TRACE.set(trace)
-        return trace
+            return RequestTrace(self, random_bits(128) or 1, 0, None, _OPERATIONS[endpoint], request_id, started_s)
+        return self.begin(request, endpoint, request_id, started_s)
 
     def begin(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes, started_s: float
               ) -> RequestTrace | PassThrough:
@@ -540,10 +524,7 @@ def _pass_through(request: HttpRequest) -> PassThrough | None:
 
 def start_trace(tracing: Tracing | None, request: HttpRequest, endpoint: Endpoint, request_id: bytes,
                 started_s: float) -> RequestTrace | PassThrough | None:
-    """The request's trace, made current for its task (and the tasks it starts); `end` it in a `finally`."""
+    """The request's trace (tracing off: a client's traceparent to pass on, or None); `end` it in a `finally`."""
     if tracing is not None:
         return tracing.start(request, endpoint, request_id, started_s)
-    trace = _pass_through(request)
-    if trace is not None:
-        trace.token = CURRENT_TRACE.set(trace)
-    return trace
+    return _pass_through(request)
