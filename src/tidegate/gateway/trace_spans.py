@@ -147,11 +147,10 @@ class TraceEncoder:
         queued_ns = trace.queued_ns
         # the request's own attributes: its id (as it is, where its length fits one byte) and token counts
         request_id = trace.request_id
-        if len(request_id) >= 100 or not request_id.isascii():
+        request_id_form = len(request_id)
+        if request_id_form >= 100 or not request_id.isascii():
             request_id = span_attribute(_REQUEST_ID, request_id.decode("latin-1"))
             request_id_form = -len(request_id)  # the whole attribute, encoded here
-        else:
-            request_id_form = len(request_id)
         tokens = trace.input_tokens
         input_tokens = None if tokens is None else (_VARINTS[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
         tokens = trace.output_tokens
@@ -169,8 +168,9 @@ class TraceEncoder:
                trace.parent_id == 0, trace.first_token_ns is None, request_id_form,
                input_tokens and len(input_tokens), output_form, output_tokens and len(output_tokens),
                state and len(state), error and len(error), *map(_ATTEMPT_SHAPE, trace.attempts))
-        layout = self._layouts.get(key)
-        if layout is None:
+        try:
+            layout = self._layouts[key]
+        except KeyError:  # a new arrangement (rare: a subscript is cheaper than get() when found)
             if len(self._layouts) >= _LAYOUTS:
                 self._layouts.clear()
             layout = self._layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form,
