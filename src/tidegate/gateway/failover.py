@@ -431,7 +431,8 @@ class StreamFailover:
                      endpoint_path: str, body: dict, request_id: bytes, started: float, usage: Any,
                      failure: UpstreamFailure, trace: Any = None) -> int | None:
         """Continues the stream elsewhere and ends it: the status to log, or None when it may not be
-        continued (the caller then ends it with an error event, as without failover)."""
+        continued (the caller then ends it with an error event, as without failover). `trace`: the
+        request's (`Proxy._record` tells it how each continuation ended)."""
         policy: FailoverPolicy = pool.failover
         proxy = self.proxy
         settings = proxy.settings
