@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry  # noqa: E402
 
 from stage_instructions import print_stages  # noqa: E402
 from tidegate.gateway.trace_export import OtlpHttpExporter  # noqa: E402
-from tidegate.gateway.tracing import CURRENT_TRACE, Tracing, TracingSettings  # noqa: E402
+from tidegate.gateway.tracing import Tracing, TracingSettings  # noqa: E402
 from tidegate.gateway.validation import Endpoint  # noqa: E402
 from tidegate.telemetry.otlp import export_request_head  # noqa: E402
 
@@ -85,7 +85,6 @@ def run(requests: int, upto: str = "batch") -> tuple[float, float, int]:
             elif stage == "end":
                 trace.end("mock", 200, replica.replica_id, None)
         if last < STAGES.index("end"):
-            CURRENT_TRACE.reset(trace.token)
             continue
         if last == STAGES.index("end"):
             exporter._pending.clear()

@@ -237,4 +237,4 @@ def test_a_whole_answer_without_overload_control_gives_its_token_counts(tracing,
     assert (trace.input_tokens, trace.output_tokens) == (12, 16)
     trace.answered(b'{"choices":[]}')  # no usage: nothing read
     assert (trace.input_tokens, trace.output_tokens) == (None, None)
-    trace.end("m", 200, None, None)  # lets the request's context go
+    trace.end("m", 200, None, None)

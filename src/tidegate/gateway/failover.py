@@ -429,9 +429,10 @@ class StreamFailover:
 
     async def resume(self, conn: HttpConnection, pool: ModelPool, failed: Replica, sent: SentStream,
                      endpoint_path: str, body: dict, request_id: bytes, started: float, usage: Any,
-                     failure: UpstreamFailure) -> int | None:
+                     failure: UpstreamFailure, trace: Any = None) -> int | None:
         """Continues the stream elsewhere and ends it: the status to log, or None when it may not be
-        continued (the caller then ends it with an error event, as without failover)."""
+        continued (the caller then ends it with an error event, as without failover). `trace`: the
+        request's (`Proxy._record` tells it how each continuation ended)."""
         policy: FailoverPolicy = pool.failover
         proxy = self.proxy
         settings = proxy.settings
@@ -464,7 +465,7 @@ class StreamFailover:
             tried.append(replica.replica_id)
             try:
                 outcome = await self._continue_on(conn, pool, replica, state, body, endpoint_path, request_id,
-                                                  started, usage, include_usage)
+                                                  started, usage, include_usage, trace)
             finally:
                 if held is not None:
                     proxy._release(held)
@@ -475,7 +476,7 @@ class StreamFailover:
 
     async def _continue_on(self, conn: HttpConnection, pool: ModelPool, replica: Replica, state: StreamSoFar,
                            body: dict, endpoint_path: str, request_id: bytes, started: float, usage: Any,
-                           include_usage: bool) -> int | UpstreamFailure:
+                           include_usage: bool, trace: Any = None) -> int | UpstreamFailure:
         """One continuation on `replica`: the status when the stream ended well (ended here), or the
         failure (the client's stream is still open and consistent: only whole events were sent)."""
         proxy = self.proxy
@@ -495,7 +496,7 @@ class StreamFailover:
             try:
                 connection, _reused = await replica.connections.connection(fresh=True)
             except UpstreamFailure as failure:
-                proxy._record(pool, replica, sent_s, usage, "connect")
+                proxy._record(pool, replica, sent_s, usage, "connect", trace)
                 return failure
             relay.connection = connection
             exchange = Exchange(loop, relay)
@@ -522,16 +523,16 @@ class StreamFailover:
             try:
                 await exchange.done
             except UpstreamFailure as failure:
-                proxy._record(pool, replica, sent_s, usage, "timeout" if failure.timed_out else "broken")
+                proxy._record(pool, replica, sent_s, usage, "timeout" if failure.timed_out else "broken", trace)
                 proxy.metrics.upstream_errors.labels(pool.name, replica.replica_id,
                                                      "timeout" if failure.timed_out else "broken").inc()
                 return failure
             if exchange.status != 200:
-                proxy._record(pool, replica, sent_s, usage, "status_5xx" if exchange.status >= 500 else None)
+                proxy._record(pool, replica, sent_s, usage, "status_5xx" if exchange.status >= 500 else None, trace)
                 return UpstreamFailure(f"the continuation was answered {exchange.status}: "
                                        f"{exchange.body()[:200]!r}", before_first_byte=True)
             relay.flush(at_end=True)
-            proxy._record(pool, replica, sent_s, usage, None)
+            proxy._record(pool, replica, sent_s, usage, None, trace)
             if usage is not None and splice.completion_tokens is not None:
                 usage.reported = splice.completion_tokens
             if not splice.done:

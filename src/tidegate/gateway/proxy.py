@@ -40,7 +40,7 @@ from tidegate.gateway.response_cache import ResponseCache, replay
 from tidegate.gateway.scaling import ScaleLoop
 from tidegate.gateway.scrub import SecretScrubber, StreamScrubber, safe_content_type
 from tidegate.gateway.status import StatusPage
-from tidegate.gateway.tracing import CURRENT_TRACE, Tracing, start_trace
+from tidegate.gateway.tracing import PassThrough, RequestTrace, Tracing, start_trace
 from tidegate.gateway.upstream import Exchange, UpstreamFailure, UpstreamConnection
 from tidegate.gateway.validation import Endpoint, check_body, check_nesting
 from tidegate.policy.health import is_routable
@@ -181,12 +181,12 @@ class Proxy:
                     # requests: it is never cancelled for one of them (`policy.pool` rule 9)
                     identity = Identity(identity.tenant, identity.tier)
                 status, replica_id = await self._forward_cached(cache, conn, request, pool, endpoint, body, stream,
-                                                                request_id, started, identity, timeout_s)
+                                                                request_id, started, identity, timeout_s, trace)
             else:
                 # straight to the way with overload control: one coroutine less to resume a request
                 forward = self._forward if identity is None or self.overload is None else self._forward_controlled
                 status, replica_id = await forward(conn, pool, endpoint, body, request.body, stream,
-                                                   request_id, started, identity, timeout_s)
+                                                   request_id, started, identity, timeout_s, trace=trace)
         except TidegateError as refused:
             status = refused.status
             if trace is not None:
@@ -312,10 +312,11 @@ class Proxy:
     # -- proxying
     async def _forward_cached(self, cache: ResponseCache, conn: HttpConnection, request: HttpRequest,
                               pool: ModelPool, endpoint: Endpoint, body: dict, stream: bool, request_id: bytes,
-                              started: float, identity: Identity | None,
-                              timeout_s: float | None) -> tuple[int, str | None]:
+                              started: float, identity: Identity | None, timeout_s: float | None,
+                              trace: RequestTrace | PassThrough | None) -> tuple[int, str | None]:
         """A pool with a response cache: a hit or a coalesced request is answered without a replica;
-        the rest go through `_forward` (once for all identical requests in flight)."""
+        the rest go through `_forward` (once for all identical requests in flight, under the trace of the
+        request that leads the flight)."""
         overload = self.overload
         tenant = identity.tenant if identity is not None and overload is not None \
             and overload.identity.auth_enabled else None
@@ -323,7 +324,7 @@ class Proxy:
         async def forward(target: HttpConnection, forwarded_id: bytes,
                           cached_fallback: CachedAnswer | None) -> tuple[int, str | None]:
             return await self._forward(target, pool, endpoint, body, request.body, stream, forwarded_id, started,
-                                       identity, timeout_s, cached_fallback)
+                                       identity, timeout_s, cached_fallback, trace=trace)
 
         status, replica_id, upstream = await cache.serve(conn, pool.name, endpoint.name, body, request_id, tenant,
                                                          request.authorization, request.cache_control, forward,
@@ -335,10 +336,13 @@ class Proxy:
     async def _forward(self, conn: HttpConnection, pool: ModelPool, endpoint: Endpoint, body: dict,
                        raw_body: bytes, stream: bool, request_id: bytes, started: float,
                        identity: Identity | None = None, timeout_s: float | None = None,
-                       cached_fallback: CachedAnswer | None = None) -> tuple[int, str | None]:
+                       cached_fallback: CachedAnswer | None = None, *,
+                       trace: RequestTrace | PassThrough | None = None) -> tuple[int, str | None]:
+        """`trace`: the request's (`Tracing.start`), passed along, not read from a context variable (a
+        set and reset cost some 2k instructions a request)."""
         if self.overload is not None and identity is not None:
             return await self._forward_controlled(conn, pool, endpoint, body, raw_body, stream, request_id, started,
-                                                  identity, timeout_s, cached_fallback)
+                                                  identity, timeout_s, cached_fallback, trace=trace)
         # Whoever holds a replica slot gives it back in the `finally` below, on every way out:
         # an exception anywhere between acquiring and releasing must not leak it (eight leaked
         # slots once disabled a pool until restart)
@@ -350,7 +354,7 @@ class Proxy:
             pool.retry_budget.on_attempt()
             try:
                 status = await self._exchange_on(conn, pool, held, endpoint, body, raw_body, stream,
-                                                 request_id, started, metrics)
+                                                 request_id, started, metrics, trace=trace)
             except _RetryElsewhere as retry:
                 # nothing reached the client and the replica failed: one more try, on another
                 # replica, if the pool's retry budget allows (retries must not amplify an outage)
@@ -364,7 +368,7 @@ class Proxy:
                     raise retry.error from None
                 self.metrics.upstream_retries.labels(pool.name, retry.reason).inc()
                 status = await self._exchange_on(conn, pool, held, endpoint, body, raw_body, stream,
-                                                 request_id, started, metrics, retried=True)
+                                                 request_id, started, metrics, retried=True, trace=trace)
             metrics.count(status)
             metrics.e2e.observe(self.clock() - started)
             return status, held.replica_id
@@ -376,13 +380,13 @@ class Proxy:
     async def _forward_controlled(self, conn: HttpConnection, pool: ModelPool, endpoint: Endpoint, body: dict,
                                   raw_body: bytes, stream: bool, request_id: bytes, started: float,
                                   identity: Identity, timeout_s: float | None,
-                                  cached_fallback: CachedAnswer | None = None) -> tuple[int, str | None]:
+                                  cached_fallback: CachedAnswer | None = None, *,
+                                  trace: RequestTrace | PassThrough | None = None) -> tuple[int, str | None]:
         """The same way through with overload control: its pool's controller decides when and where
         the request goes, and hears how it ended (`OverloadRuntime.settle`, on every way out).
         `cached_fallback`: the cache's answer to the same question, for the ladder's cached-answer rung."""
         overload = self.overload
         assert overload is not None
-        trace = CURRENT_TRACE.get() if self.tracing is not None else None
         # raises the answer for a refusal (429, or 503 with the preset reply) at once
         try:
             # rate limits shared by several gateways (`shared_state: redis`): decided there first
@@ -422,7 +426,7 @@ class Proxy:
             pool.retry_budget.on_attempt()
             try:
                 status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
-                                                 request_id, started, metrics, usage=usage)
+                                                 request_id, started, metrics, usage=usage, trace=trace)
             except _RetryElsewhere as retry:
                 failed_id = replica.replica_id
                 try:
@@ -432,7 +436,8 @@ class Proxy:
                     raise retry.error from None
                 self.metrics.upstream_retries.labels(pool.name, retry.reason).inc()
                 status = await self._exchange_on(conn, pool, replica, endpoint, body, raw_body, stream,
-                                                 request_id, started, metrics, retried=True, usage=usage)
+                                                 request_id, started, metrics, retried=True, usage=usage,
+                                                 trace=trace)
             metrics.count(status)
             metrics.e2e.observe(self.clock() - started)
             return status, replica.replica_id
@@ -449,7 +454,8 @@ class Proxy:
 
     async def _exchange_on(self, conn: HttpConnection, pool: ModelPool, replica: Replica, endpoint: Endpoint,
                            body: dict, raw_body: bytes, stream: bool, request_id: bytes, started: float,
-                           metrics: PoolMetrics, retried: bool = False, usage: _Usage | None = None) -> int:
+                           metrics: PoolMetrics, retried: bool = False, usage: _Usage | None = None,
+                           trace: RequestTrace | PassThrough | None = None) -> int:
         """One attempt on `replica`, whose slot the caller holds and gives back."""
         rewrites: dict = {}
         if replica.upstream_model != body["model"]:
@@ -459,7 +465,6 @@ class Proxy:
             # the client may have sent
             rewrites["priority"] = usage.ticket.priority
         payload = orjson.dumps({**body, **rewrites}) if rewrites else raw_body
-        trace = CURRENT_TRACE.get()  # tracing off, still the client's traceparent to pass on
         trace_lines = b"" if trace is None else trace.upstream_headers(replica)
         path = _ENDPOINT_PATHS[endpoint]
         data = b"".join((replica.request_head(path), trace_lines, b"x-request-id: ", request_id,
@@ -467,11 +472,11 @@ class Proxy:
         sent_s = self.clock()
         try:
             return await self._exchange(conn, replica, data, stream, request_id, started, metrics, usage, sent_s,
-                                        may_retry=not retried, request=(path, body))
+                                        may_retry=not retried, request=(path, body), trace=trace)
         except UpstreamFailure as failure:
             kind = "timeout" if failure.timed_out else ("connect" if failure.connect else "broken")
             self.metrics.upstream_errors.labels(pool.name, replica.replica_id, kind).inc()
-            self._record(pool, replica, sent_s, usage, kind)
+            self._record(pool, replica, sent_s, usage, kind, trace)
             if failure.timed_out:
                 raise UpstreamTimeoutError("the upstream did not answer in time") from None
             error = UpstreamError(f"upstream replica failed: {failure}")
@@ -485,14 +490,12 @@ class Proxy:
             raise error from None
 
     def _record(self, pool: ModelPool, replica: Replica, sent_s: float, usage: _Usage | None,
-                failure: str | None) -> None:
+                failure: str | None, trace: RequestTrace | PassThrough | None) -> None:
         """How the attempt ended, for the replica's breaker: the pool's, or its controller's."""
         if failure is not None and pool.on_replica_failed is not None:
             pool.on_replica_failed(replica)  # a dead worker's spare takes over before any retry
-        if self.tracing is not None:
-            trace = CURRENT_TRACE.get()
-            if trace is not None:
-                trace.attempt_ended(failure)
+        if trace is not None:
+            trace.attempt_ended(failure)
         if usage is not None:
             self.overload.ended(usage.ticket, failure)  # type: ignore[union-attr]
         elif failure is None:
@@ -515,12 +518,13 @@ class Proxy:
 
     async def _exchange(self, conn: HttpConnection, replica: Replica, data: bytes, stream: bool,
                         request_id: bytes, started: float, metrics: PoolMetrics, usage: _Usage | None,
-                        sent_s: float, may_retry: bool, request: tuple[str, dict] | None = None) -> int:
+                        sent_s: float, may_retry: bool, request: tuple[str, dict] | None = None,
+                        trace: RequestTrace | PassThrough | None = None) -> int:
         loop = asyncio.get_running_loop()
         settings = self.settings
         connection, reused = await replica.connections.connection()
         relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage,
-                             replica.scrubber) if stream else None
+                             replica.scrubber, trace) if stream else None
         exchange = Exchange(loop, relay)
         connection.send(data, exchange)
         timeout_s = settings.first_byte_timeout_s if stream else settings.whole_answer_timeout_s
@@ -537,7 +541,7 @@ class Proxy:
                 timer.cancel()
                 connection, _ = await replica.connections.connection(fresh=True)
                 relay = _StreamRelay(self, conn, connection, request_id, started, metrics, usage,
-                                     replica.scrubber) if stream else None
+                                     replica.scrubber, trace) if stream else None
                 exchange = Exchange(loop, relay)
                 connection.send(data, exchange)
                 timer = loop.call_later(timeout_s, _time_out, connection, exchange)
@@ -548,8 +552,8 @@ class Proxy:
                 # what it held: a stream that ended with no output event, or a last line without its newline
                 relay.flush(at_end=True)
             if relay is None or not relay.streaming:
-                return self._answer_whole(conn, replica, exchange, request_id, usage, sent_s, may_retry)
-            self._record(self.pools[replica.pool_name], replica, sent_s, usage, None)
+                return self._answer_whole(conn, replica, exchange, request_id, usage, sent_s, may_retry, trace)
+            self._record(self.pools[replica.pool_name], replica, sent_s, usage, None, trace)
             conn.end_stream()
             return 200
         except UpstreamFailure as failure:
@@ -564,12 +568,12 @@ class Proxy:
             # what happened in the stream, then end it, so it cannot look complete
             pool = self.pools[replica.pool_name]
             kind = "timeout" if failure.timed_out else "broken"
-            self._record(pool, replica, sent_s, usage, kind)
+            self._record(pool, replica, sent_s, usage, kind, trace)
             self.metrics.upstream_errors.labels(pool.name, replica.replica_id, kind).inc()
             relay.timer.cancel()  # type: ignore[union-attr]
             if request is not None:
                 status = await self.failover.resume(conn, pool, replica, relay.sent, request[0], request[1],
-                                                    request_id, started, usage, failure)
+                                                    request_id, started, usage, failure, trace)
                 if status is not None:
                     return status
             conn.stream_chunk(error_event(failure))
@@ -583,26 +587,25 @@ class Proxy:
                 connection.close()  # client gone or timed out: stop the upstream's work
 
     def _answer_whole(self, conn: HttpConnection, replica: Replica, exchange: Exchange, request_id: bytes,
-                      usage: _Usage | None, sent_s: float, may_retry: bool) -> int:
+                      usage: _Usage | None, sent_s: float, may_retry: bool,
+                      trace: RequestTrace | PassThrough | None) -> int:
         status = exchange.status
         body = exchange.body()
         pool = self.pools[replica.pool_name]
         now_s = self.clock()
         if status >= 500:
             # the replica failed: it counts towards ejection
-            self._record(pool, replica, sent_s, usage, "status_5xx")
+            self._record(pool, replica, sent_s, usage, "status_5xx", trace)
             self.metrics.upstream_errors.labels(pool.name, replica.replica_id, "status_5xx").inc()
             if may_retry and self._may_retry(pool, replica, now_s):
                 # nothing has reached the client yet: another replica may answer it well
                 raise _RetryElsewhere(UpstreamError(f"upstream replica answered {status}"), "status_5xx")
         else:
-            self._record(pool, replica, sent_s, usage, None)
+            self._record(pool, replica, sent_s, usage, None, trace)
             if usage is not None:
-                usage.answered_whole(body)  # its token counts are the trace's too (`RequestTrace.settle`)
-            elif self.tracing is not None:
-                trace = CURRENT_TRACE.get()
-                if trace is not None:
-                    trace.answered(body)
+                usage.answered_whole(body)  # its token counts are the trace's too (`RequestTrace.end`)
+            elif trace is not None:
+                trace.answered(body)
         extra = usage.ticket.response_headers if usage is not None else b""
         scrubber = replica.scrubber
         if scrubber is not None:
@@ -622,7 +625,7 @@ class _StreamRelay:
 
     def __init__(self, proxy: Proxy, conn: HttpConnection, connection: UpstreamConnection, request_id: bytes,
                  started: float, metrics: PoolMetrics, usage: _Usage | None = None,
-                 scrubber: SecretScrubber | None = None) -> None:
+                 scrubber: SecretScrubber | None = None, trace: RequestTrace | PassThrough | None = None) -> None:
         self.proxy = proxy
         self.conn = conn
         self.connection = connection
@@ -639,8 +642,7 @@ class _StreamRelay:
         self.client_paused = False  # the client reads slower than the upstream writes: not the upstream's silence
         # the replica's key kept out of the stream: body pieces go through it, whole lines come out
         self.scrub = StreamScrubber(scrubber) if scrubber is not None else None
-        # its callbacks run outside the request's context: the trace is kept here
-        self.trace = CURRENT_TRACE.get() if proxy.tracing is not None else None
+        self.trace = trace  # the request's, for its first token
         self.sent = SentStream()  # what the client got, for a continuation should the upstream break
 
     def on_head(self, exchange: Exchange) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Hashable
+from math import floor
+from operator import itemgetter
 from typing import TYPE_CHECKING
 
 from tidegate.gateway.tracing import (
@@ -30,6 +32,7 @@ from tidegate.gateway.tracing import (
     ATTEMPT_REPLICA,
     ATTEMPT_SENT_NS,
     ATTEMPT_SPAN_BYTE,
+    ATTEMPT_STREAMED,
     QUEUE_SPAN,
     ROOT_SPAN,
     admission_attributes,
@@ -59,22 +62,27 @@ _VARINTS_KEPT = 1 << 14  # token counts below it take their varint from a table 
 _VARINTS = [bytes((value,)) for value in range(0x80)] + [bytes(((value & 0x7F) | 0x80, value >> 7))
                                                         for value in range(0x80, _VARINTS_KEPT)]
 
-# a hole's struct code by what fills it: a trace id, a span base (7 of a span id's 8 bytes), a
-# parent span id, a time (fixed64 Unix nanoseconds), a double; bytes of a length the layout knows
-_TRACE_ID, _BASE, _PARENT, _TIME, _DOUBLE = "16s", "7s", "8s", "Q", "d"
-_SIZES = {_TRACE_ID: 16, _BASE: 7, _PARENT: 8, _TIME: 8, _DOUBLE: 8}
+# a hole's struct code by what fills it: a span's ids up to the byte that names it (the trace id,
+# Span.span_id's tag, the span base: 7 of a span id's 8 bytes), a span base (a parent's), a parent
+# span id, a time (fixed64 Unix nanoseconds), a double; bytes of a length the layout knows
+_IDS, _BASE, _PARENT, _TIME, _DOUBLE = "25s", "7s", "8s", "Q", "d"
+_SIZES = {_IDS: 25, _BASE: 7, _PARENT: 8, _TIME: 8, _DOUBLE: 8}
+_SPAN_ID_TAG = b"\x12\x08"  # Span.span_id (2), 8 bytes: between the trace id and the span id's base
+_IDS_PACK = struct.Struct("<16s2s7s").pack  # trace id, span id's tag, base: the `_IDS` hole's bytes
+# what shapes an attempt's span beyond its holes: replica, outcome (None: ended with the request), a first token
+_ATTEMPT_SHAPE = itemgetter(ATTEMPT_REPLICA, ATTEMPT_OUTCOME, ATTEMPT_STREAMED)
 # A hole: its struct code and the Python expression that fills it, in the scope of `_Layout.fill`:
 # `t` the trace, `a` its attempts, `offset` (the tracer's clock to Unix time), and what
 # `TraceEncoder.encode_trace` prepared: `start` (the request's arrival, Unix ns; root and admission
-# spans start there), `tid` (the trace id's 16 bytes), `base` (the span ids' first 7),
+# spans start there), `ids` (the trace id, the span id's tag, its base), `base` (the span ids' first 7),
 # `rid` (the request id, or its whole attribute), `inp`, `out` (token counts' varints), `err` (bytes)
 Hole = tuple[str, str]
-_FILL_ARGUMENTS = "t, offset, start, tid, base, rid, inp, out, err"
+_FILL_ARGUMENTS = "t, offset, start, ids, base, rid, inp, out, err"
 
 
 class _Layout:
     """The spans of requests that share everything but ids, times and their own attributes' bytes: a
-    template of constant bytes with holes between them. `fill(t, offset, start, tid, base, rid, inp,
+    template of constant bytes with holes between them. `fill(t, offset, start, ids, base, rid, inp,
     out, err)` returns one request's bytes: a function made for this layout (as `dataclasses` makes its
     methods), one `struct` call whose arguments are the template's constants and the holes'
     expressions, so that no list of values is assembled a request."""
@@ -129,52 +137,47 @@ class TraceEncoder:
     def encode_trace(self, trace: RequestTrace, offset: int) -> bytes:
         """The spans of one ended trace, framed as elements of `ScopeSpans.spans`; `offset`: what turns
         the tracer's times into Unix time (Unix nanoseconds minus the tracer's clock, read together)."""
-        varints = _VARINTS
         trace_id = trace.id_bytes or trace.trace_id.to_bytes(16, "big")
-        base = trace.span_base or trace_id  # its first 7 bytes (a hole of 7)
-        parent, state = trace.parent_id, trace.tracestate
-        error = trace.error.encode() if trace.error else None
-        first_token_ns, queued_ns = trace.first_token_ns, trace.queued_ns
-        predicted_s = None if queued_ns is None else trace.predicted_wait_s
+        # what every span's ids share: the trace id, the span id's tag and its first 7 bytes (a trace that
+        # starts here: its trace id's, which the 7-byte field takes); one struct hole
+        ids = _IDS_PACK(trace_id, _SPAN_ID_TAG, trace.span_base or trace_id)
+        state, error = trace.tracestate, trace.error
+        if error:
+            error = error.encode()
+        queued_ns = trace.queued_ns
         # the request's own attributes: its id (as it is, where its length fits one byte) and token counts
         request_id = trace.request_id
-        if len(request_id) >= 100 or not request_id.isascii():
+        request_id_form = len(request_id)
+        if request_id_form >= 100 or not request_id.isascii():
             request_id = span_attribute(_REQUEST_ID, request_id.decode("latin-1"))
             request_id_form = -len(request_id)  # the whole attribute, encoded here
-        else:
-            request_id_form = len(request_id)
         tokens = trace.input_tokens
-        input_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
+        input_tokens = None if tokens is None else (_VARINTS[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
         tokens = trace.output_tokens
         if tokens is None:
             tokens = trace.output_estimate
             output_form = 0 if tokens is None else -1  # -1: an estimate
         else:
             output_form = 1
-        output_tokens = None if tokens is None else (varints[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
+        output_tokens = None if tokens is None else (_VARINTS[tokens] if tokens < _VARINTS_KEPT else varint(tokens))
 
-        # what shapes the attempts' spans: replica, outcome (None: ended with the request), a first token
-        attempt_facts: list = []
-        for attempt in trace.attempts:
-            attempt_facts.append(attempt[ATTEMPT_REPLICA])
-            attempt_facts.append(None if attempt[ATTEMPT_ENDED_NS] is None else attempt[ATTEMPT_OUTCOME])
-            if attempt[ATTEMPT_FIRST_TOKEN_NS] is not None:
-                attempt_facts.append(True)
-
-        # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them)
-        key = (trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id,
-               trace.rung, trace.error_type, trace.verdict, trace.admitted_ns is None, queued_ns is None,
-               predicted_s is None, parent == 0, first_token_ns is None, request_id_form,
+        # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them, and
+        # whether admission came with a ticket from the verdict), then each attempt's (`_ATTEMPT_SHAPE`)
+        key = (trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id, trace.rung,
+               trace.error_type, trace.verdict, None if queued_ns is None else trace.predicted_wait_s is None,
+               trace.parent_id == 0, trace.first_token_ns is None, request_id_form,
                input_tokens and len(input_tokens), output_form, output_tokens and len(output_tokens),
-               state and len(state), error and len(error), *attempt_facts)
-        layouts = self._layouts
-        layout = layouts.get(key)
-        if layout is None:
-            if len(layouts) >= _LAYOUTS:
-                layouts.clear()
-            layout = layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form, output_tokens)
-        return layout.fill(trace, offset, int(trace.started_s * 1e9) + offset, trace_id, base, request_id, input_tokens,
-                           output_tokens, error)
+               state and len(state), error and len(error), *map(_ATTEMPT_SHAPE, trace.attempts))
+        try:
+            layout = self._layouts[key]
+        except KeyError:  # a new arrangement (rare: a subscript is cheaper than get() when found)
+            if len(self._layouts) >= _LAYOUTS:
+                self._layouts.clear()
+            layout = self._layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form,
+                                                       output_tokens)
+        # floor, not int(): the same integer for a time (never negative), in a C call instead of a type's
+        return layout.fill(trace, offset, floor(trace.started_s * 1e9) + offset, ids, trace.span_base or trace_id,
+                           request_id, input_tokens, output_tokens, error)
 
     def _layout(self, trace: RequestTrace, request_id_form: int, input_tokens: bytes | None, output_form: int,
                 output_tokens: bytes | None) -> _Layout:
@@ -182,7 +185,7 @@ class TraceEncoder:
         state = trace.tracestate
         state_part: list[bytes | Hole] = [b"\x1a" + varint(len(state)), (f"{len(state)}s", "t.tracestate")] \
             if state else []
-        ids: list[bytes | Hole] = [b"\x0a\x10", (_TRACE_ID, "tid"), b"\x12\x08", (_BASE, "base")]
+        ids: list[bytes | Hole] = [b"\x0a\x10", (_IDS, "ids")]  # the trace id, then the span id's first 7 bytes
         under_root: list[bytes | Hole] = [*state_part, b"\x22\x08", (_BASE, "base"), bytes((ROOT_SPAN,))]
 
         def times(started: str, ended: str) -> list[bytes | Hole]:

@@ -1,9 +1,10 @@
 """Request tracing: W3C `traceparent` in from clients and out to upstreams, and OpenTelemetry spans of a
 request's way through the gateway, exported over OTLP (docs/observability.md, "Tracing").
 
-Cheap by construction. Tracing off, a request the client sent no `traceparent` with costs one check
-in `Proxy.handle`, and a `ContextVar` read per upstream attempt. Tracing on, the request path only
-stores times and facts on a `RequestTrace` (a slotted record, in the request's context); at its end
+Cheap by construction. Tracing off, a request the client sent no `traceparent` with costs two checks
+in `Proxy.handle`. Tracing on, the request path only stores times and facts on a `RequestTrace` (a
+slotted record the proxy passes along the request's way, not a context variable: setting and resetting
+one cost some 2k instructions a request, and each read another few hundred); at its end
 the built-in exporter encodes its spans (gateway/trace_spans.py: a template per arrangement of spans,
 filled by one `struct` call) and queues the bytes, which its background task exports in batches.
 
@@ -25,7 +26,7 @@ import re
 import time
 from binascii import hexlify
 from collections.abc import Callable, Hashable
-from contextvars import ContextVar, Token
+from math import floor
 from typing import TYPE_CHECKING, Any, Protocol
 
 from tidegate.errors import TidegateError
@@ -48,16 +49,11 @@ if TYPE_CHECKING:
     from tidegate.gateway.overload import Ticket
     from tidegate.policy.identity import Identity
 
-__all__ = ["CURRENT_TRACE", "Tracing", "TracingSettings", "SpanSink", "RequestTrace", "PassThrough", "start_trace",
+__all__ = ["Tracing", "TracingSettings", "SpanSink", "RequestTrace", "PassThrough", "start_trace",
            "root_key", "ROOT_SPAN", "ADMISSION_SPAN", "QUEUE_SPAN", "root_attributes", "root_own_attributes",
            "admission_key", "admission_decided_ns", "attempt_end",
            "admission_attributes", "queue_attributes", "attempt_attributes", "ATTEMPT_SPAN_BYTE", "ATTEMPT_REPLICA",
-           "ATTEMPT_SENT_NS", "ATTEMPT_ENDED_NS", "ATTEMPT_OUTCOME", "ATTEMPT_FIRST_TOKEN_NS"]
-
-# the trace of the request the running task serves; None when it has none. Read only from the
-# request's own task (and tasks it starts), never from protocol callbacks: a pooled upstream
-# connection's callbacks run in whatever context opened the connection
-CURRENT_TRACE: ContextVar[RequestTrace | PassThrough | None] = ContextVar("tidegate_trace", default=None)
+           "ATTEMPT_SENT_NS", "ATTEMPT_ENDED_NS", "ATTEMPT_OUTCOME", "ATTEMPT_STREAMED", "ATTEMPT_FIRST_TOKEN_NS"]
 
 _OPERATIONS = {Endpoint.CHAT: "chat", Endpoint.COMPLETIONS: "text_completion", Endpoint.EMBEDDINGS: "embeddings"}
 _ROUTES = {operation: "/v1" + endpoint.value for endpoint, operation in _OPERATIONS.items()}
@@ -95,11 +91,10 @@ class PassThrough:
     """A request that is not recorded: the upstream gets the same trace header lines on every attempt
     (the client's own, tracing off; or the gateway's unsampled context, tracing on)."""
 
-    __slots__ = ("lines", "token", "trace_id")
+    __slots__ = ("lines", "trace_id")
 
     def __init__(self, lines: bytes, trace_id: int) -> None:
         self.lines = lines
-        self.token: Token | None = None
         self.trace_id = trace_id  # for the access log
 
     def upstream_headers(self, replica: Replica) -> bytes:
@@ -118,36 +113,37 @@ class PassThrough:
         pass
 
     def end(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None) -> None:
-        if self.token is not None:
-            CURRENT_TRACE.reset(self.token)
+        pass
 
 
 # An upstream attempt's record: a list, not an object, because a record made for every request must be
 # cheap (a slotted object's constructor costs some 2k instructions more), read through these indices.
-# [the last byte of its span id (`RequestTrace.span_id`), the replica, sent, ended (None: not yet; an
-# attempt the request outlived without a verdict ends with it), outcome, first token] (times: tracer ns)
-ATTEMPT_SPAN_BYTE, ATTEMPT_REPLICA, ATTEMPT_SENT_NS, ATTEMPT_ENDED_NS, ATTEMPT_OUTCOME, ATTEMPT_FIRST_TOKEN_NS = range(6)
+# [the last byte of its span id (`RequestTrace.span_id`), the replica, outcome (None until it ended; an
+# attempt the request outlived without a verdict ends with it), whether a first token came, sent, ended,
+# first token] (times: tracer ns). The replica, outcome and first token's presence shape its span's bytes
+# and lie side by side: the encoder reads them in one `itemgetter` call (gateway/trace_spans.py).
+(ATTEMPT_SPAN_BYTE, ATTEMPT_REPLICA, ATTEMPT_OUTCOME, ATTEMPT_STREAMED, ATTEMPT_SENT_NS, ATTEMPT_ENDED_NS,
+ ATTEMPT_FIRST_TOKEN_NS) = range(7)
 
 
 class RequestTrace:
     """One recorded request: its ids, and the times and facts its spans are built from. Each hook
     stores a little and returns; nothing here awaits. `end` reads what the spans need of the request's
-    end (`settle`) and hands the record to the sink, which encodes it (gateway/trace_spans.py)."""
+    end and hands the record to the sink, which encodes it (gateway/trace_spans.py)."""
 
     __slots__ = (
         # set on the request's way
-        "tracing", "token", "trace_id", "id_bytes", "parent_id", "tracestate", "operation", "request_id", "started_s",
+        "tracing", "trace_id", "id_bytes", "parent_id", "tracestate", "operation", "request_id", "started_s",
         "attempts", "first_token_ns", "tenant", "tier", "ticket", "admitted_ns", "verdict", "input_tokens",
         "output_tokens", "usage",
         "span_base",
-        # set by `end` and `settle`
-        "settled", "ended_ns", "model", "status", "replica_id", "error",
+        # set by `end`
+        "ended_ns", "model", "status", "replica_id", "error",
         "error_type", "rung", "output_estimate", "queued_ns", "dispatched_ns", "predicted_wait_s", "span_count")
 
     def __init__(self, tracing: Tracing, trace_id: int, parent_id: int, tracestate: bytes | None,
                  operation: str, request_id: bytes, started_s: float) -> None:
         self.tracing = tracing
-        self.token: Token | None = None
         self.trace_id = trace_id
         self.id_bytes: bytes | None = None  # its 16 bytes, once an attempt's traceparent needed them
         self.parent_id = parent_id  # the client's span; 0: the trace starts here
@@ -167,8 +163,7 @@ class RequestTrace:
         self.input_tokens: int | None = None  # as the upstream reported them
         self.output_tokens: int | None = None
         self.usage: Any = None  # overload control's `_Usage`: a stream's completion tokens
-        # read off the request's end: by `end` when it failed, by `settle` after
-        self.settled = False
+        # read off the request's end, by `end`
         self.rung: str | None = None
         self.error: str | None = None
         self.error_type: str | None = None
@@ -180,8 +175,9 @@ class RequestTrace:
         """Overload control admitted the request (`ticket`; `usage`: what counts a stream's completion
         tokens), or (no ticket) refused it or answered it itself; the proxy calls it once, either way."""
         self.tenant = identity.tenant
-        self.tier = identity.tier
-        if ticket is not None:
+        if ticket is None:
+            self.tier = identity.tier
+        else:
             self.ticket = ticket
             self.tier = ticket.tier
             self.usage = usage
@@ -190,15 +186,20 @@ class RequestTrace:
 
     def upstream_headers(self, replica: Replica) -> bytes:
         """An attempt starts on `replica`: the trace header lines for its request, with its own span id."""
-        attempts = self.attempts
-        span_byte = FIRST_ATTEMPT_SPAN + len(attempts)
-        if span_byte > _MAX_ATTEMPT_SPAN:
-            span_byte = _MAX_ATTEMPT_SPAN
-        sent_ns = self.tracing.clock_ns()
-        if attempts and attempts[-1][ATTEMPT_ENDED_NS] is None:
-            attempts[-1][ATTEMPT_ENDED_NS] = sent_ns  # resent on a fresh connection without a verdict
-        attempts.append([span_byte, replica, sent_ns, None, "ok", None])
-        if not self.tracing.settings.propagate:
+        attempts, tracing = self.attempts, self.tracing
+        sent_ns = tracing.clock_ns()
+        if attempts:
+            last = attempts[-1]
+            if last[ATTEMPT_ENDED_NS] is None:  # resent on a fresh connection without a verdict
+                last[ATTEMPT_ENDED_NS] = sent_ns
+                last[ATTEMPT_OUTCOME] = "ok"
+            span_byte = FIRST_ATTEMPT_SPAN + len(attempts)
+            if span_byte > _MAX_ATTEMPT_SPAN:
+                span_byte = _MAX_ATTEMPT_SPAN
+        else:
+            span_byte = FIRST_ATTEMPT_SPAN
+        attempts.append([span_byte, replica, None, False, sent_ns, None, None])
+        if not tracing.propagate:
             return b""
         id_bytes = self.id_bytes
         if id_bytes is None:  # bytes to hex costs half of formatting the number as hex
@@ -224,10 +225,12 @@ class RequestTrace:
         if self.first_token_ns is None:
             self.first_token_ns = now_ns
         if self.attempts and self.attempts[-1][ATTEMPT_FIRST_TOKEN_NS] is None:
-            self.attempts[-1][ATTEMPT_FIRST_TOKEN_NS] = now_ns
+            attempt = self.attempts[-1]
+            attempt[ATTEMPT_FIRST_TOKEN_NS] = now_ns
+            attempt[ATTEMPT_STREAMED] = True
 
     def answered(self, body: bytes) -> None:
-        """A whole answer without overload control (with it, its `_Usage` reads them, and `settle` takes
+        """A whole answer without overload control (with it, its `_Usage` reads them, and `end` takes
         them from there): the token counts of its `usage`, which closes an OpenAI answer (found from the
         end: a long answer is not scanned)."""
         self.input_tokens = _usage_count(body, b'"prompt_tokens"')
@@ -235,13 +238,12 @@ class RequestTrace:
 
     def end(self, model: str | None, status: int, replica_id: str | None, error: BaseException | None) -> None:
         """The request is answered: what its spans need of the error, the ticket and the usage is read now
-        (`settle`) and they are let go, and the record goes to the sink. The built-in exporter encodes it
-        at once, so that nothing of the request outlives it but bytes: a record kept until the next
-        export (and the ticket and usage it held) aged into the garbage collector's older generations,
-        whose collections then walked them again and again (docs/observability.md, "The collector")."""
-        if self.token is not None:
-            CURRENT_TRACE.reset(self.token)
-            self.token = None
+        and they are let go, the spans are counted (the exporter's bound counts them), and the record goes
+        to the sink. The built-in exporter encodes it at once, so that nothing of the request outlives it
+        but bytes: a record kept until the next export (and the ticket and usage it held) aged into the
+        garbage collector's older generations, whose collections then walked them again and again
+        (docs/observability.md, "The collector"). One method, not one a step: a call costs as much as
+        reading a few facts."""
         tracing = self.tracing
         try:
             self.ended_ns = tracing.clock_ns()
@@ -250,10 +252,43 @@ class RequestTrace:
             self.replica_id = replica_id
             if status >= 400 or error is not None:
                 self._failed(status, error)
-            self.settle()
-            # spans: the root, one per attempt, admission (overload control decided) and the wait for
-            # a replica (`settle` found one), counted for the exporter's bound
-            self.span_count = 1 + len(self.attempts) + (self.tenant is not None) + (self.queued_ns is not None)
+            ticket, usage = self.ticket, self.usage
+            spans = 1 + len(self.attempts)  # the root and one per attempt
+            if ticket is not None:
+                headers = ticket.response_headers
+                if headers and b"degradation" in headers:  # else None, as `admitted` left it
+                    self.rung = _rung(headers)
+                self.ticket = None
+            if usage is not None:
+                if self.input_tokens is None:
+                    self.input_tokens = usage.prompt_tokens
+                if self.output_tokens is None:
+                    reported = self.output_tokens = usage.reported
+                    if reported is None and self.first_token_ns is not None:  # a stream without usage: its events
+                        self.output_estimate = usage.completion_tokens()
+                self.usage = None
+            # the wait for a replica: admitted -> dispatched (overload control; none when it was assigned one
+            # at arrival), or, without overload control, arrival -> first attempt (the wait for a free slot)
+            if self.tenant is None:
+                queued_ns = floor(self.started_s * 1e9)  # as int() for a time, cheaper (trace_spans.py)
+            else:
+                spans += 1  # overload control decided: the admission span
+                verdict = self.verdict
+                if verdict is None:  # answered 200 without a ticket: overload control's cached answer
+                    verdict = self.verdict = _refusal_verdict(None, status, self.rung)
+                queued_ns = self.admitted_ns if verdict == "queued" else None
+            if queued_ns is not None:
+                if ticket is not None and ticket.dispatched_s is not None:
+                    dispatched_ns = floor(ticket.dispatched_s * 1e9)  # overload control's clock, in seconds
+                else:
+                    attempts = self.attempts
+                    dispatched_ns = attempts[0][ATTEMPT_SENT_NS] if attempts else None
+                if dispatched_ns is not None:
+                    spans += 1  # the queue's span
+                    self.queued_ns = queued_ns
+                    self.dispatched_ns = dispatched_ns if dispatched_ns > queued_ns else queued_ns
+                    self.predicted_wait_s = ticket.predicted_wait_s if ticket is not None else None
+            self.span_count = spans
             tracing.sink.submit_trace(self)
         except Exception:  # a tracing fault must never fail a request
             tracing.failed += 1
@@ -267,42 +302,6 @@ class RequestTrace:
             self.error = (str(error) or str(status)) if status >= 500 or status == 499 else None
         if self.tenant is not None and self.verdict is None:
             self.verdict = _refusal_verdict(error, status, self.rung)
-
-    def settle(self) -> None:
-        """The facts the spans need, read off the ticket and usage (which are let go). Done once, by `end`."""
-        if self.settled:
-            return
-        self.settled = True
-        ticket, usage, attempts, status = self.ticket, self.usage, self.attempts, self.status
-        if ticket is not None:
-            headers = ticket.response_headers
-            self.rung = _rung(headers) if headers and b"degradation" in headers else None
-        if usage is not None and self.input_tokens is None:
-            self.input_tokens = usage.prompt_tokens
-        if usage is not None and self.output_tokens is None:
-            self.output_tokens = usage.reported
-            if usage.reported is None and self.first_token_ns is not None:  # a stream without usage: its events
-                self.output_estimate = usage.completion_tokens()
-        if self.tenant is not None:
-            if self.verdict is None:  # answered 200 without a ticket: overload control's cached answer
-                self.verdict = _refusal_verdict(None, status, self.rung)
-        # the wait for a replica: admitted -> dispatched (overload control; none when it was assigned one
-        # at arrival), or, without overload control, arrival -> first attempt (the wait for a free slot)
-        if self.verdict == "queued":
-            queued_ns = self.admitted_ns
-        else:
-            queued_ns = int(self.started_s * 1e9) if self.tenant is None else None
-        if queued_ns is None:
-            dispatched_ns = None
-        elif ticket is not None and ticket.dispatched_s is not None:
-            dispatched_ns = int(ticket.dispatched_s * 1e9)  # overload control's clock: the same, in seconds
-        else:
-            dispatched_ns = attempts[0][ATTEMPT_SENT_NS] if attempts else None
-        if dispatched_ns is not None:
-            self.queued_ns = queued_ns
-            self.dispatched_ns = max(queued_ns, dispatched_ns)
-            self.predicted_wait_s = ticket.predicted_wait_s if ticket is not None else None
-        self.ticket = self.usage = None
 
     # -- spans, as records (the SDK's sink, and the tests that check the encoder against it)
     def spans(self, monotonic_ns: int, unix_ns: int) -> list[SpanRecord]:
@@ -318,7 +317,7 @@ class RequestTrace:
         key = root_key(self)
         attributes = tracing.attribute_set(key, root_attributes)
         own = root_own_attributes(self)
-        start_ns = int(self.started_s * 1e9) + offset_ns
+        start_ns = floor(self.started_s * 1e9) + offset_ns
         events = () if self.first_token_ns is None else (("first_token", ns(self.first_token_ns), {}),)
         spans = [SpanRecord(f"{self.operation} {self.model}", trace_id, root_id, self.parent_id, SpanKind.SERVER,
                             start_ns, ns(self.ended_ns), attributes, events, error=self.error, tracestate=state,
@@ -465,9 +464,11 @@ class Tracing:
         # the spans' times: the monotonic clock the gateway's `started` and overload control's times read
         # (time.monotonic), in integer nanoseconds, which the encoder shifts to Unix time by one addition
         self.clock_ns = clock_ns
+        self.propagate = settings.propagate  # read on every attempt
         self.failed = 0  # spans of requests whose export hand-off raised
         # threshold of TraceIdRatioBased: a trace id's low 64 bits below it are sampled
         self._ratio_bound = round(settings.sampling_ratio * 2**64)
+        self._samples_all = self._ratio_bound >= _ALL_SAMPLED
         self._attribute_sets: dict[Hashable, dict[str, AttributeValue]] = {}
 
     def attribute_set(self, key: Hashable, build: Callable[[Any], dict[str, AttributeValue]]
@@ -482,15 +483,11 @@ class Tracing:
 
     def start(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes, started_s: float
               ) -> RequestTrace | PassThrough:
-        """The request's trace (`begin`), made current for its task (and the tasks it starts); `end` it in
-        a `finally`. A request without a client's trace, every trace sampled: the short way."""
-        if request.traceparent is None and self._ratio_bound >= _ALL_SAMPLED:
-            trace: RequestTrace | PassThrough = RequestTrace(self, random_bits(128) or 1, 0, None,
-                                                             _OPERATIONS[endpoint], request_id, started_s)
-        else:
-            trace = self.begin(request, endpoint, request_id, started_s)
-        trace.token = CURRENT_TRACE.set(trace)
-        return trace
+        """The request's trace (`begin`), for the proxy to pass along its way; `end` it in a `finally`. A
+        request without a client's trace, every trace sampled: the short way."""
+        if request.traceparent is None and self._samples_all:
+            return RequestTrace(self, random_bits(128) or 1, 0, None, _OPERATIONS[endpoint], request_id, started_s)
+        return self.begin(request, endpoint, request_id, started_s)
 
     def begin(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes, started_s: float
               ) -> RequestTrace | PassThrough:
@@ -527,10 +524,7 @@ def _pass_through(request: HttpRequest) -> PassThrough | None:
 
 def start_trace(tracing: Tracing | None, request: HttpRequest, endpoint: Endpoint, request_id: bytes,
                 started_s: float) -> RequestTrace | PassThrough | None:
-    """The request's trace, made current for its task (and the tasks it starts); `end` it in a `finally`."""
+    """The request's trace (tracing off: a client's traceparent to pass on, or None); `end` it in a `finally`."""
     if tracing is not None:
         return tracing.start(request, endpoint, request_id, started_s)
-    trace = _pass_through(request)
-    if trace is not None:
-        trace.token = CURRENT_TRACE.set(trace)
-    return trace
+    return _pass_through(request)
