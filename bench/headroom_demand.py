@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Mapping
 
 import numpy as np
-from protection_levers import SCENARIOS
+from protection_levers import SCENARIOS, window_p99
 
 from tidegate.policy import pool
 from tidegate.policy.pool import PoolController, PoolReplica, PoolSettings
@@ -161,8 +161,7 @@ def main() -> None:
     cases = []
     for seed in seeds:
         requests, alone_requests, about, window, bar = make(seed, cap)
-        alone = S.run(S.controller, S.REPLICAS, alone_requests)
-        unloaded = alone.p99_ttft_s([r for r in alone.records(None, *window) if about(r)])
+        unloaded = window_p99(S.controller, alone_requests, about, window)
         cases.append((requests, about, window, unloaded, S.run(S.fifo, S.REPLICAS, requests, probes_s=window)))
     print(f"{args.scenario}: bar {bar}x over {len(seeds)} seeds")
     wanted = [v for v in args.only.split(",") if v] or list(VARIANTS)

@@ -96,6 +96,12 @@ JITTER_S = 0.005
 JITTER_DRAWS = 5
 
 
+def window_p99(kind: S.Kind, requests, about: Callable, window, **options) -> float:
+    """P99 TTFT of the requests `about` picks, among those in `window`, with `kind` serving `requests`."""
+    run_ = S.run(kind, S.REPLICAS, requests, **options)
+    return run_.p99_ttft_s([r for r in run_.records(None, *window) if about(r)])
+
+
 def jittered(requests, draw: int) -> tuple[SimRequest, ...]:
     rng = np.random.default_rng(1000 + draw)
     return tuple(replace(r, arrival_s=max(0.0, r.arrival_s + rng.uniform(-JITTER_S, JITTER_S))) for r in requests)
@@ -107,11 +113,9 @@ def self_noise(make: Callable, seeds) -> None:
     ratios = []
     for seed in seeds:
         _, alone_requests, about, window, _ = make(seed, cap)
-        base = S.run(S.controller, S.REPLICAS, alone_requests)
-        p99 = base.p99_ttft_s([r for r in base.records(None, *window) if about(r)])
+        p99 = window_p99(S.controller, alone_requests, about, window)
         for draw in range(JITTER_DRAWS):
-            run_ = S.run(S.controller, S.REPLICAS, jittered(alone_requests, draw))
-            ratios.append(run_.p99_ttft_s([r for r in run_.records(None, *window) if about(r)]) / p99)
+            ratios.append(window_p99(S.controller, jittered(alone_requests, draw), about, window) / p99)
     print(f"unloaded against itself, arrivals jittered +-{JITTER_S * 1000:.0f} ms ({JITTER_DRAWS} draws a seed): "
           f"{min(ratios):.2f}x-{max(ratios):.2f}x, {sum(r > 1.0 for r in ratios)} of {len(ratios)} over 1.0x")
 
@@ -121,8 +125,7 @@ def sweep(make: Callable, seeds, levels: list[int], engine_caps: list[int], budg
     cases, fifo_good = [], 0
     for seed in seeds:
         requests, alone_requests, about, window, bar = make(seed, cap)
-        alone = S.run(S.controller, S.REPLICAS, alone_requests)
-        unloaded = alone.p99_ttft_s([r for r in alone.records(None, *window) if about(r)])
+        unloaded = window_p99(S.controller, alone_requests, about, window)
         cases.append((requests, about, window, unloaded))
         fifo_good += S.run(S.fifo, S.REPLICAS, requests, probes_s=window).good()
     print(f"bar {bar}x; FIFO within target over {len(seeds)} whole runs: {fifo_good}")
