@@ -256,7 +256,9 @@ class RequestTrace:
             spans = 1 + len(self.attempts)  # the root and one per attempt
             if ticket is not None:
                 headers = ticket.response_headers
-                if headers and b"degradation" in headers:  # else None, as `admitted` left it
+                # else None, as `admitted` left it; find(), not `in`: on bytes, `in` first tries the needle as
+                # an integer, and the TypeError it raises and clears costs ~2k instructions
+                if headers and headers.find(b"degradation") >= 0:
                     self.rung = _rung(headers)
                 self.ticket = None
             if usage is not None:
@@ -296,7 +298,7 @@ class RequestTrace:
     def _failed(self, status: int, error: BaseException | None) -> None:
         """What the spans say of an error, read now: the error (and its traceback) is not kept."""
         headers = getattr(error, "headers", b"") if self.ticket is None else b""
-        self.rung = _rung(headers) if headers and b"degradation" in headers else None
+        self.rung = _rung(headers) if headers and headers.find(b"degradation") >= 0 else None  # find(): see `end`
         if status >= 400:
             self.error_type = error.code if isinstance(error, TidegateError) and error.code else str(status)
             self.error = (str(error) or str(status)) if status >= 500 or status == 499 else None
