@@ -1,6 +1,7 @@
 """Chaos bars, measured: three experiments against `tidegate serve` over five mock replicas.
 
     python bench/chaos.py [--overload-control] [--only kill,outliers,restart,embedded,embedded-kill20] [--latency-factor X]
+                          [--embedded-pairs N]
 
 Starts what it measures: five `tidegate mock-upstream` replicas (50 ms to the first token, 10 ms
 between tokens, 16 tokens: 0.2 s per answer), one `tidegate serve` per scenario over them (each
@@ -28,11 +29,16 @@ open loop (Poisson), streaming chat, on loopback only.
    flight at SIGTERM finished.
 
 4. embedded (gateway/spares.py): two `tidegate engine` workers serving at 70 % of their measured capacity
-   (measured in the first run; the same load in both), one SIGKILLed at 5 s; run without a spare and
-   with `spare: 1`. Bars: with the spare, less time with fewer than two workers taking traffic, and a
-   lower median end-to-end time, than without (same run). Also printed: each worker's CPU (share of
-   a core, nice value) before the kill and while the killed worker's replacement loaded, and how long
-   that load took (`bench/chaos_cpu.py`; the replacement is followed up to 60 s past the load).
+   (measured in the first arm; the same load in every arm), one SIGKILLed at 5 s; run without a spare
+   and with `spare: 1`, in pairs (`--embedded-pairs N`, default 1, run ABBA). Bars: with the spare,
+   less time with fewer than two workers taking traffic than without; and a smaller slowdown from
+   the kill: each arm's median end-to-end time of the requests sent from the kill until the worker
+   restarted without a spare served again, over the same arm's median before the kill (a ratio
+   within one run, so the machine's speed in that run cancels), spare over no spare < 1 (median of
+   the pairs). Also printed: the whole runs' medians (the former bar, which machine drift between
+   two runs decided), success and served work of each arm, each worker's CPU (share of a core, the
+   nice values of its threads) before the kill and while the killed worker's replacement loaded, and
+   how long that load took (`bench/chaos_cpu.py`; the replacement is followed up to 60 s past the load).
 
 5. embedded-kill20 (bench/chaos_embedded_kill.py): five `tidegate engine` workers, no spare, streaming load
    at 70 % of their measured capacity; one (20 %) SIGKILLed at 4 s. Bar: success >= 99.5 %.
@@ -87,7 +93,7 @@ async def main(options: BenchOptions, only: tuple[str, ...]) -> int:
         if "restart" in only:
             await asyncio.wait_for(scenario_restart(options, procs, mocks, log_dir), 90)
         if "embedded" in only:
-            await asyncio.wait_for(scenario_embedded(options, procs, log_dir), 600)
+            await asyncio.wait_for(scenario_embedded(options, procs, log_dir), 600 * options.embedded_pairs)
         if "embedded-kill20" in only:
             await asyncio.wait_for(scenario_embedded_kill20(options, procs, log_dir), 600)
     finally:
@@ -104,12 +110,16 @@ def _parse(argv: list[str]) -> tuple[BenchOptions, tuple[str, ...]]:
     parser.add_argument("--only", default=",".join(SCENARIOS), help=f"comma-separated subset of {','.join(SCENARIOS)}")
     parser.add_argument("--latency-factor", type=float, default=None,
                         help="health.latency_factor for the mock scenarios (the latency outlier rule; off by default)")
+    parser.add_argument("--embedded-pairs", type=int, default=1,
+                        help="pairs of arms (without, with a spare) of the embedded scenario, run ABBA (default 1)")
     args = parser.parse_args(argv)
     only = tuple(name.strip() for name in args.only.split(",") if name.strip())
     unknown = set(only) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenario(s): {', '.join(sorted(unknown))}")
-    return BenchOptions(args.overload_control, args.latency_factor), only
+    if args.embedded_pairs < 1:
+        parser.error("--embedded-pairs must be at least 1")
+    return BenchOptions(args.overload_control, args.latency_factor, args.embedded_pairs), only
 
 
 if __name__ == "__main__":

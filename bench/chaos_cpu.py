@@ -1,5 +1,5 @@
 """Per-worker CPU for `bench/chaos_embedded.py`: a thread samples, every half second, each worker
-process of a gateway (its children in /proc: CPU seconds and nice value) and each replica's health
+process of a gateway (its children in /proc: CPU seconds and the nice value of every thread) and each replica's health
 (`/status.json`), so that a run can say how busy the serving engines were while the dead worker's
 replacement loaded its model, and at which priority it loaded. Linux only; elsewhere it samples nothing."""
 
@@ -22,20 +22,35 @@ class CpuSample:
     port: int  # the worker's port: the replica it serves, across restarts
     pid: int
     cpu_s: float  # user + system CPU of the process so far
-    nice: int  # of its main thread
+    nices: frozenset[int]  # of every thread (a nice value is per thread on Linux: a promoted spare's must all be restored)
 
 
-def _worker_stat(pid: int) -> tuple[int, float, int] | None:
-    """(port, CPU seconds, nice) of an engine process, None when it is not one (or is gone)."""
+def _stat_fields(path: str) -> list[str]:
+    return Path(path).read_text().rpartition(")")[2].split()
+
+
+def _thread_nices(pid: int) -> frozenset[int]:
+    nices = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            nices.add(int(_stat_fields(f"/proc/{pid}/task/{tid}/stat")[16]))
+        except OSError:  # that thread ended
+            continue
+    return frozenset(nices)
+
+
+def _worker_stat(pid: int) -> tuple[int, float, frozenset[int]] | None:
+    """(port, CPU seconds, every thread's nice) of an engine process, None when it is not one (or is gone)."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+        fields = _stat_fields(f"/proc/{pid}/stat")
+        nices = _thread_nices(pid)
     except OSError:
         return None
     if b"--port" not in argv:
         return None
     port = int(argv[argv.index(b"--port") + 1])
-    return port, (int(fields[11]) + int(fields[12])) / _TICKS_S, int(fields[16])
+    return port, (int(fields[11]) + int(fields[12])) / _TICKS_S, nices
 
 
 class WorkerCpu:
@@ -89,8 +104,8 @@ class WorkerCpu:
         return next((t for t, p, h in self.health if p == port and t > after_s and h in health), None)
 
     def busy(self, port: int, start_s: float, end_s: float) -> tuple[float, set[int]]:
-        """The port's processes' CPU in [start_s, end_s] as a fraction of one core, and their nice
-        values then. A process first seen in the window counts from 0 (it started there)."""
+        """The port's processes' CPU in [start_s, end_s] as a fraction of one core, and their threads'
+        nice values then. A process first seen in the window counts from 0 (it started there)."""
         first_seen: dict[int, float] = {}
         for sample in self.samples:
             first_seen.setdefault(sample.pid, sample.t_s)
@@ -100,4 +115,4 @@ class WorkerCpu:
             own = [s for s in inside if s.pid == pid]
             began = 0.0 if first_seen[pid] > start_s else own[0].cpu_s
             used += own[-1].cpu_s - began
-        return (used / (end_s - start_s) if end_s > start_s else 0.0), {s.nice for s in inside}
+        return (used / (end_s - start_s) if end_s > start_s else 0.0), {nice for s in inside for nice in s.nices}

@@ -33,6 +33,7 @@ class BenchOptions:
     # and refused (429/503) the rest at 40/s, so the load is no longer "near capacity" but far past it
     overload_control: bool = False
     latency_factor: float | None = None  # health.latency_factor: the latency outlier rule, off unless set
+    embedded_pairs: int = 1  # the embedded scenario's pairs of arms (without, with a spare), run ABBA
 
 
 def free_port() -> int:
