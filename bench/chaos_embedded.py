@@ -159,10 +159,11 @@ def _arm_order(pairs: int) -> list[int]:
     return [arm for pair in range(pairs) for arm in ((0, 1) if pair % 2 == 0 else (1, 0))]
 
 
-async def _run_arm(options: BenchOptions, procs: Processes, log_dir: Path, spare: int,
-                   rate: float | None) -> dict:
-    """One arm: a gateway with `spare` spares, its capacity measured, the load (at `rate`, or 70 % of
-    this measure when None), the kill; what it printed and its result for the pair's bars."""
+async def _run_arm(options: BenchOptions, procs: Processes, log_dir: Path, spare: int, rate: float | None,
+                   duration_s: float = DURATION_S, load_fraction: float = 0.7) -> dict:
+    """One arm: a gateway with `spare` spares, its capacity measured, the load (at `rate`, or
+    `load_fraction` of this measure when None) for `duration_s`, the kill; what it printed and its
+    result for the pair's bars."""
     port = free_port()
     base = f"http://127.0.0.1:{port}"
     name = f"gw-embedded-spare{spare}-{free_port()}"
@@ -171,10 +172,10 @@ async def _run_arm(options: BenchOptions, procs: Processes, log_dir: Path, spare
     try:
         _wait_health(base, ["healthy"] * SERVING + ["standby"] * spare)
         capacity_rps = _measure_capacity_rps(base)
-        rate = rate if rate is not None else 0.7 * capacity_rps
+        rate = rate if rate is not None else load_fraction * capacity_rps
         victim = _replicas(base)[0]["replica"].rpartition("@")[2]
         experiment = parse_experiment(yaml.safe_dump({
-            "name": f"bench-embedded-spare{spare}", "duration_s": DURATION_S, "tail_s": 2,
+            "name": f"bench-embedded-spare{spare}", "duration_s": duration_s, "tail_s": 2,
             "load": {"url": base, "model": MODEL, "endpoint": "chat", "stream": True, "arrival": "poisson",
                      "rate": round(rate, 2), "prompt_tokens": "const:32", "max_tokens": f"const:{MAX_TOKENS}",
                      "ignore_eos": True,  # answers of the asked length, not cut short by a random EOS
@@ -198,10 +199,10 @@ async def _run_arm(options: BenchOptions, procs: Processes, log_dir: Path, spare
                    "failed": summary["requests"] - summary["ok"], "e2e_p50_s": summary["e2e_p50_s"] or 0.0,
                    "e2e_p99_s": summary["e2e_p99_s"] or 0.0, "load_rps": rate, "capacity_rps": capacity_rps}
         print(f"  spare {spare}: measured capacity {capacity_rps:.1f}/s with {SERVING} workers, load {rate:.1f}/s "
-              f"(70 % of the first arm's); killed {victim} at {kill.t_s:.2f} s ({kill.outcome.value}); "
+              f"({load_fraction:.0%} of the first arm's); killed {victim} at {kill.t_s:.2f} s ({kill.outcome.value}); "
               f"fewer than {SERVING} workers taking traffic for {short_s:.2f} s after the kill")
         print(f"  spare {spare}: {outcome_line(summary)}")
-        windows = (0.0, kill.t_s, kill.t_s + 5, kill.t_s + 10, DURATION_S + 1)
+        windows = (0.0, kill.t_s, kill.t_s + 5, kill.t_s + 10, duration_s + 1)
         print(f"  spare {spare}: {_p50_by_window(result, windows)}")
         outcome.update(_print_cpu(cpu, spare, victim_port, load_ended_s))
         held = outstanding_by_replica(result, kill.t_s, kill.t_s + 10)
