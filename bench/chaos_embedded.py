@@ -107,7 +107,7 @@ def _time_short_s(result: ChaosResult, kill_t_s: float) -> float:
         if sample.metric == "tidegate_replica_healthy" and sample.t_s >= kill_t_s:
             by_time[sample.t_s] = by_time.get(sample.t_s, 0) + int(sample.value)
     times = sorted(by_time)
-    return sum(later - earlier for earlier, later in zip(times, times[1:]) if by_time[earlier] < SERVING)
+    return sum((later - earlier for earlier, later in zip(times, times[1:]) if by_time[earlier] < SERVING), 0.0)
 
 
 def _print_cpu(cpu: WorkerCpu, spare: int, victim_port: int, load_ended_s: float) -> dict:
@@ -139,8 +139,10 @@ def _print_cpu(cpu: WorkerCpu, spare: int, victim_port: int, load_ended_s: float
     if spare:  # the promoted spare must serve at the gateway's priority from the kill on, every thread
         standby = {port for t, port, health in cpu.health if t < killed and health == "standby"}
         after = [s for s in cpu.samples if s.port in standby and s.t_s >= killed]
+        restored = next((s.t_s for s in after if s.nices == {0}), None)
         print(f"  spare {spare}: the promoted spare's threads' nice values at the first sample after the kill "
-              f"(+{after[0].t_s - killed:.1f} s): {sorted(after[0].nices)}; over the window: "
+              f"(+{after[0].t_s - killed:.2f} s): {sorted(after[0].nices)}, all at 0 from "
+              f"+{(restored if restored is not None else float('nan')) - killed:.2f} s; over the window: "
               f"{sorted({n for s in after if s.t_s <= end for n in s.nices})}" if after else
               f"  spare {spare}: no sample of the promoted spare after the kill")
     refill_s = loaded - killed if loaded is not None else float("nan")
