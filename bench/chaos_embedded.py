@@ -122,16 +122,19 @@ def _print_cpu(cpu: WorkerCpu, spare: int, victim_port: int, load_ended_s: float
     end = min(loaded if loaded is not None else cpu.samples[-1].t_s, load_ended_s)  # CPU under load only
     ports = sorted({s.port for s in cpu.samples})
 
+    def serving_ports(start: float, stop: float) -> set[int]:  # by health: an idle spare is not one
+        return {port for t, port, health in cpu.health if start <= t < stop and health == "healthy"}
+
     def window(start: float, stop: float) -> tuple[str, float, float]:
         parts, serving, refill = [], [], 0.0
         for port in ports:
             busy, nices = cpu.busy(port, start, stop)
             role = "refill" if port == victim_port and start >= killed else f"{port}"
             parts.append(f"{role} {busy:.2f} (nice {','.join(map(str, sorted(nices))) or '-'})")
-            if port != victim_port and busy > 0.05:
-                serving.append(busy)
-            elif port == victim_port:
+            if port == victim_port and start >= killed:
                 refill = busy
+            elif port in serving_ports(start, stop):
+                serving.append(busy)
         return "; ".join(parts), (sum(serving) / len(serving) if serving else 0.0), refill
 
     before, before_busy, _ = window(cpu.samples[0].t_s + 1.0, killed)
