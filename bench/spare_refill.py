@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from chaos_embedded import _run_arm
+from chaos_embedded import _run_arm, _window_p50
 from chaos_kit import BenchOptions, Processes
 
 
@@ -34,6 +34,13 @@ async def main(load_s: float, load_fraction: float, overload_control: bool) -> N
         arm = await _run_arm(BenchOptions(overload_control), procs, log_dir, 1, None, load_s, load_fraction)
     finally:
         procs.stop_all()
+    outcome, kill_t_s = arm["outcome"], arm["kill_t_s"]
+    loaded_t_s = kill_t_s + outcome.get("refill_s", float("nan"))
+    if loaded_t_s == loaded_t_s:  # the refill was seen loaded: how the requests fared while it loaded
+        windows = {"before the kill": (0.0, kill_t_s), "while the refill loaded": (kill_t_s, loaded_t_s),
+                   "after it loaded": (loaded_t_s, load_s + 1)}
+        print("  e2e p50 by send time (failed requests as the slowest): " + "; ".join(
+            f"{label} {_window_p50(arm['result'], *span)[0]:.3f} s" for label, span in windows.items()))
     print("  row " + " ".join(f"{key}={value:.3f}" if isinstance(value, float) else f"{key}={value}"
                               for key, value in arm["outcome"].items()))
 
