@@ -98,3 +98,38 @@ async def test_a_worker_restarted_to_serve_starts_at_the_gateways_priority(tmp_p
         assert _thread_nices(second) == [BASE_NICE] * 2 and not supervisor.priority_lowered("w")
     finally:
         await supervisor.stop()
+
+
+@pytest.mark.skipif(not CAN_RESTORE, reason="needs CAP_SYS_NICE or RLIMIT_NICE to restore the priority")
+async def test_a_worker_still_loading_at_the_deadline_gets_the_gateways_priority_back(tmp_path: Path) -> None:
+    """Serving workers that keep the cores busy starve a nice-19 load: past the deadline it loads at
+    the gateway's priority, so that the pool gets its spare back while busy."""
+    marker = tmp_path / "up"
+    supervisor = WorkerSupervisor([_worker(marker, threads=2)], loading_priority=LoadingPriority.detect(
+        may_restore=lambda _base: True, deadline_s=0.3))
+    supervisor.loads_out_of_traffic = lambda name: True  # still WARMING: never answered a health check
+    try:
+        pid = await _started(supervisor, marker)
+        assert _thread_nices(pid) == [LOWERED_NICE] * 3 and supervisor.priority_lowered("w")
+        await _wait_for(lambda: _thread_nices(pid) == [BASE_NICE] * 3)
+        assert not supervisor.priority_lowered("w")
+    finally:
+        await supervisor.stop()
+
+
+async def test_a_loaded_standby_keeps_the_lower_priority_past_the_deadline(tmp_path: Path) -> None:
+    """The deadline is for a load that does not end: a standby that has loaded (no longer WARMING)
+    waits idle at the lower priority until it is promoted."""
+    marker = tmp_path / "up"
+    supervisor = WorkerSupervisor([_worker(marker, threads=1)], loading_priority=LoadingPriority.detect(
+        may_restore=lambda _base: True, deadline_s=0.1))
+    asked = []
+    # asked at its start: it will load out of traffic; asked again at the deadline: it has loaded
+    # (its first good health check made it a STANDBY)
+    supervisor.loads_out_of_traffic = lambda name: asked.append(name) or len(asked) == 1
+    try:
+        pid = await _started(supervisor, marker)
+        await _wait_for(lambda: len(asked) >= 2)  # the deadline came
+        assert _thread_nices(pid) == [LOWERED_NICE] * 2 and supervisor.priority_lowered("w")
+    finally:
+        await supervisor.stop()

@@ -12,6 +12,10 @@ for a nice-0 worker: under contention the load gets ~1.5 % of a core, without co
 idle, which is what is wanted; SCHED_IDLE (weight 3) is only a little stricter, and both need the
 same right to be undone, so the plainer, visible (`ps`, `top` NI) and portable-to-read one is used.
 
+A load the serving workers starve must still end: a worker still loading out of traffic
+`LOADING_DEADLINE_S` after its start gets the gateway's priority back (the supervisor's deadline),
+so the pool's next spare is at most that late plus a load at full priority.
+
 A priority lowered must be raised again when the worker is promoted to serve, and raising it needs
 CAP_SYS_NICE or an RLIMIT_NICE that allows the gateway's own nice value. `LoadingPriority.detect`
 checks that once at start and lowers nothing where it could not be undone (logged): a serving
@@ -34,6 +38,11 @@ __all__ = ["LOADING_NICE", "LoadingPriority", "may_restore_nice"]
 log = logging.getLogger("tidegate.priority")
 
 LOADING_NICE = 19  # added to the gateway's own nice value (capped at 19) for a worker loading out of traffic
+# a worker still loading out of traffic this long after its start gets the gateway's priority back:
+# at nice 19 it gets only the CPU the serving workers leave, and under a load that keeps them busy
+# that is none (bench/spare_refill.py: a refill that loads in ~10 s at nice 0 beside 95 % load still
+# waited at nice 19 when the load ended 105 s later), so the pool would have no spare while busy
+LOADING_DEADLINE_S = 30.0
 _CAP_SYS_NICE = 23  # bit of the capability in /proc/self/status CapEff
 _MAX_NICE = 19
 
@@ -75,9 +84,12 @@ class LoadingPriority:
 
     base_nice: int  # the gateway's own nice value, which serving workers keep
     lowers: bool
+    # a worker still loading this long after its start is restored (the supervisor's deadline); None: never
+    deadline_s: float | None = LOADING_DEADLINE_S
 
     @classmethod
-    def detect(cls, may_restore: Callable[[int], bool] = may_restore_nice) -> LoadingPriority:
+    def detect(cls, may_restore: Callable[[int], bool] = may_restore_nice,
+               deadline_s: float | None = LOADING_DEADLINE_S) -> LoadingPriority:
         """Lowers only where the priority can be restored (`may_restore`, injectable for tests)."""
         base = os.getpriority(os.PRIO_PROCESS, 0)
         lowers = base < _MAX_NICE and may_restore(base)
@@ -88,7 +100,7 @@ class LoadingPriority:
             log.warning("workers loading out of traffic keep the normal CPU priority: it could not be "
                         "restored on promotion (needs CAP_SYS_NICE or RLIMIT_NICE)",
                         extra={"fields": {"serving_nice": base}})
-        return cls(base, lowers)
+        return cls(base, lowers, deadline_s)
 
     @property
     def loading_nice(self) -> int:

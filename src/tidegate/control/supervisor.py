@@ -10,7 +10,8 @@ SIGTERM when the gateway dies, so a killed gateway leaves no orphan workers.
 
 A worker that `loads_out_of_traffic` says will load out of traffic (a spare) starts at a lower CPU
 priority where `loading_priority` allows it (`control/priority.py`); `restore_priority` gives it the
-gateway's priority back when it is promoted to serve.
+gateway's priority back when it is promoted to serve, and so does the loading priority's deadline
+when it is still loading then (a load the serving workers starve must still end).
 """
 
 from __future__ import annotations
@@ -104,6 +105,23 @@ class WorkerSupervisor:
             log.info("worker priority restored", extra={"fields": {"worker": name, "pid": pid,
                                                                    "nice": self._loading_priority.base_nice}})
 
+    def _restore_if_still_loading_at_deadline(self, name: str, pid: int) -> asyncio.TimerHandle | None:
+        """At the loading priority's deadline, a worker still loading out of traffic (its process
+        unchanged, still lowered, `loads_out_of_traffic` still true: not yet a loaded standby) gets
+        the gateway's priority back, so that a load the serving workers starve of CPU still ends."""
+        deadline_s = self._loading_priority.deadline_s if self._loading_priority is not None else None
+        if deadline_s is None:
+            return None
+
+        def overdue() -> None:
+            if (name in self._lowered and self.pid(name) == pid and self.loads_out_of_traffic is not None
+                    and self.loads_out_of_traffic(name)):
+                log.warning("worker still loading out of traffic at the deadline: CPU priority restored",
+                            extra={"fields": {"worker": name, "pid": pid, "deadline_s": deadline_s}})
+                self.restore_priority(name)
+
+        return asyncio.get_running_loop().call_later(deadline_s, overdue)
+
     def _starts_lowered(self, name: str) -> bool:
         return (self._loading_priority is not None and self._loading_priority.lowers
                 and self.loads_out_of_traffic is not None and self.loads_out_of_traffic(name))
@@ -165,13 +183,19 @@ class WorkerSupervisor:
             started_s = loop.time()
             if process is not None:
                 self._processes[spec.name] = process
+                overdue = None
                 if lowered:
                     self._lowered.add(spec.name)
+                    overdue = self._restore_if_still_loading_at_deadline(spec.name, process.pid)
                 else:  # a process stopped by `stop_worker` while lowered is not seen to exit here
                     self._lowered.discard(spec.name)
                 log.info("worker started", extra={"fields": {"worker": spec.name, "pid": process.pid,
                                                              "priority_lowered": lowered}})
-                returncode = await process.wait()
+                try:
+                    returncode = await process.wait()
+                finally:
+                    if overdue is not None:
+                        overdue.cancel()
                 self._lowered.discard(spec.name)  # the next process decides anew
                 if self._stopping:
                     return
