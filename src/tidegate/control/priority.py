@@ -40,8 +40,9 @@ log = logging.getLogger("tidegate.priority")
 LOADING_NICE = 19  # added to the gateway's own nice value (capped at 19) for a worker loading out of traffic
 # a worker still loading out of traffic this long after its start gets the gateway's priority back:
 # at nice 19 it gets only the CPU the serving workers leave, and under a load that keeps them busy
-# that is almost none (bench/spare_refill.py: 0.05 of a core; a refill that loads in 14 s at nice 0 beside 95 % load
-# still waited at nice 19 when the load ended 105 s later), so the pool would have no spare while busy
+# that is almost none (bench/spare_refill.py: 0.05 of a core; a refill that loads in 14 s at nice 0
+# beside 95 % load still waited at nice 19 when the load ended 105 s later), so the pool would have
+# no spare while busy; with the deadline it loaded 39.6 s after the kill
 LOADING_DEADLINE_S = 30.0
 _CAP_SYS_NICE = 23  # bit of the capability in /proc/self/status CapEff
 _MAX_NICE = 19
