@@ -22,7 +22,7 @@ class CpuSample:
     port: int  # the worker's port: the replica it serves, across restarts
     pid: int
     cpu_s: float  # user + system CPU of the process so far
-    nices: frozenset[int]  # of every thread (a nice value is per thread on Linux: a promoted spare's must all be restored)
+    nices: frozenset[int]  # of every thread (a nice value is per thread: a promoted spare's must all be restored)
 
 
 def _stat_fields(path: str) -> list[str]:
