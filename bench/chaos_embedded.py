@@ -208,8 +208,8 @@ async def _run_arm(options: BenchOptions, procs: Processes, log_dir: Path, spare
               f"fewer than {SERVING} workers taking traffic for {short_s:.2f} s after the kill")
         print(f"  spare {spare}: {outcome_line(summary)}")
         if rate > 0.9 * capacity_rps:  # the ratio cancels the machine's speed, not a queue that never drains
-            print(f"  spare {spare}: WARNING the load is {rate / capacity_rps:.0%} of this arm's own measured capacity: "
-                  f"the machine was slower in this arm, and its slowdown reads an overload, not the kill")
+            print(f"  spare {spare}: WARNING the load is {rate / capacity_rps:.0%} of this arm's own measured "
+                  f"capacity: the machine was slower in this arm, and its slowdown reads an overload, not the kill")
         windows = (0.0, kill.t_s, kill.t_s + 5, kill.t_s + 10, duration_s + 1)
         print(f"  spare {spare}: {_p50_by_window(result, windows)}")
         outcome.update(_print_cpu(cpu, spare, victim_port, load_ended_s))
