@@ -274,8 +274,7 @@ async def main_async(args: argparse.Namespace) -> int:
         print(f"capacity: live {capacity:.2f} req/s (closed loop, {CAPACITY_IN_FLIGHT} in flight)")
         fit = in_situ.fit
         assert fit is not None
-        print(f"  in-situ profile: step_s = {in_situ.cost.base_s * 1000:.1f} ms + {in_situ.cost.prefill_s_per_token * 1e6:.0f} "
-              f"us/prefill token + decode table + {in_situ.cost.context_s_per_token * 1e9:.0f} ns/context token; "
+        print(f"  in-situ profile: {in_situ.cost.describe()}; "
               f"held-out shapes {fit.held_out_samples}, error mean {fit.held_out_mean:.1%} max {fit.held_out_max:.1%}")
         phases = []
         gateway_pid = processes.started[0].pid
