@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -34,6 +35,8 @@ from overload_measure import Processes, free_port  # noqa: E402
 from sim_fidelity import PHASES, cpu_by_role, live_run, print_cores, serve_config, step_report  # noqa: E402
 
 from tidegate.calibration import calibrate_from_step_logs  # noqa: E402
+from tidegate.engine.scheduler import SchedulerConfig  # noqa: E402
+from tidegate.sim.costfit import fit_cost_model, predict_s, read_step_log  # noqa: E402
 from tidegate.sim.profile import load_profile  # noqa: E402
 
 SHIPPED = "tiny-random-llama-cpu"
@@ -57,18 +60,40 @@ async def drive(url: str, gateway_pid: int, phase_s: float, capacity_s: float) -
         await asyncio.sleep(5.0)
 
 
+def held_out_by_shape(logs: list[str], attention_cost_tokens: int | None) -> list[tuple[tuple[int, bool], int, float]]:
+    """`fit_with_held_out`'s shapes one by one: every third step of a shape held out, the rest fitted."""
+    steps = [step for log in logs for step in read_step_log(Path(log).read_text().splitlines())]
+    steps.sort(key=lambda s: (s.decodes, s.prefill_tokens > 0))
+    budget = SchedulerConfig().max_batch_tokens
+    partial = fit_cost_model([s for i, s in enumerate(steps) if i % 3 != 2], budget, attention_cost_tokens, by_rows=True)
+    shapes: dict[tuple[int, bool], list[float]] = {}
+    for step in steps[2::3]:
+        totals = shapes.setdefault((step.decodes, step.prefill_tokens > 0), [0, 0.0, 0.0])
+        totals[0] += 1
+        totals[1] += predict_s(partial, step, budget, attention_cost_tokens)
+        totals[2] += step.step_s
+    return [(shape, int(count), predicted / measured - 1.0)
+            for shape, (count, predicted, measured) in sorted(shapes.items()) if count >= 10]
+
+
 def fit(out: Path, write_profile: str | None) -> None:
     shipped = load_profile(SHIPPED)
     logs = sorted(str(p) for p in out.glob("steps-*.csv"))
     profile = calibrate_from_step_logs(
         logs, name=SHIPPED, attention_cost_tokens=shipped.attention_cost_tokens, cold_start_s=shipped.cold_start_s,
         description=shipped.description)
+    profile = replace(profile, sources=profile.sources + (
+        "bench/calibrate_cpu_profile.py: a closed loop of 64, Poisson at 0.5x and 0.8x of its capacity and a 3x "
+        "surge, the requests of bench/sim_fidelity.py's phases from other seeds",))
     (out / "profile.json").write_text(profile.to_json())
     cost, error = profile.cost, profile.fit
     assert error is not None
     print(f"\nfitted on {error.fitted_samples} steps: {cost.describe()}")
     print(f"held-out shapes: {error.held_out_samples}, error mean {error.held_out_mean:.1%}, "
           f"worst {error.held_out_max:.1%} (bar: 10 %)")
+    print("held out by shape (decodes, with a prefill chunk or not): steps, predicted / measured - 1")
+    print("  " + "; ".join(f"{decodes}{'+chunk' if chunk else ''} {count} {error:+.1%}"
+                           for (decodes, chunk), count, error in held_out_by_shape(logs, shipped.attention_cost_tokens)))
     step_report([Path(p) for p in logs], str(out / "profile.json"))
     step_report([Path(p) for p in logs], SHIPPED)
     if write_profile:
