@@ -130,8 +130,10 @@ async def live(url: str, rate: float | None, duration_s: float, seed: int) -> li
 # number at the head of its prompt, so that no prompt shares a cached prefix with another one. The
 # plans of the phases each number theirs from 0, and the engines' prefix caches served request
 # 17 of one phase from the blocks request 17 of the phase before had left (the same number, the
-# same filler text after it, up to the shorter prompt): TTFT at 0.5x and 0.8x ran 20-35 % under a
-# simulator whose replicas compute every prompt, as the bench simulates each phase alone
+# same filler text after it, up to the shorter prompt; 7-13 % of a run's prompt tokens were never
+# computed). The simulator replays each phase alone on fresh replicas, so it computed them all:
+# on a profile fitted on the same run's steps its TTFT P50 at 0.5x came out 35 % over live
+# (prompts of two chunks 18-25 %, of one chunk alike); numbered apart, -6 %
 PHASE_NUMBERS = 1_000_000
 
 
