@@ -1,6 +1,11 @@
 """The shipped `tiny-random-llama-cpu` profile, regenerated: the engines' own steps while serving.
 
     python bench/calibrate_cpu_profile.py --out DIR [--phase-s 120] [--write-profile P.json]
+    python bench/calibrate_cpu_profile.py --out bench/data/calibration/tiny-random-llama-cpu --fit-only
+
+The shipped profile's own steps are kept in bench/data/calibration/tiny-random-llama-cpu (gzip'd):
+`--fit-only` fits them again, as a change to the fit needs (the logs of the profile before were
+not kept, and it could not be refitted).
 
 Runs the engine as `bench/sim_fidelity.py` runs it (`tidegate serve`, 2 embedded workers of 1
 thread, every step logged) through the same kinds of load: a closed loop of 64 in flight, then
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import os
 import sys
 from dataclasses import replace
@@ -62,7 +68,8 @@ async def drive(url: str, gateway_pid: int, phase_s: float, capacity_s: float) -
 
 def held_out_by_shape(logs: list[str], attention_cost_tokens: int | None) -> list[tuple[tuple[int, bool], int, float]]:
     """`fit_with_held_out`'s shapes one by one: every third step of a shape held out, the rest fitted."""
-    steps = [step for log in logs for step in read_step_log(Path(log).read_text().splitlines())]
+    steps = [step for log in logs
+             for step in read_step_log((gzip.open(log, "rt") if log.endswith(".gz") else open(log)).read().splitlines())]
     steps.sort(key=lambda s: (s.decodes, s.prefill_tokens > 0))
     budget = SchedulerConfig().max_batch_tokens
     partial = fit_cost_model([s for i, s in enumerate(steps) if i % 3 != 2], budget, attention_cost_tokens, by_rows=True)
@@ -78,7 +85,7 @@ def held_out_by_shape(logs: list[str], attention_cost_tokens: int | None) -> lis
 
 def fit(out: Path, write_profile: str | None) -> None:
     shipped = load_profile(SHIPPED)
-    logs = sorted(str(p) for p in out.glob("steps-*.csv"))
+    logs = sorted(str(p) for p in [*out.glob("steps-*.csv"), *out.glob("steps-*.csv.gz")])
     profile = calibrate_from_step_logs(
         logs, name=SHIPPED, attention_cost_tokens=shipped.attention_cost_tokens, cold_start_s=shipped.cold_start_s,
         description=shipped.description)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gzip
 import json
 import os
 import pickle
@@ -75,7 +76,8 @@ def step_report(paths: list[Path], profile_name: str) -> None:
     cost = load_profile(profile_name).cost
     kinds: dict[str, list[float]] = {}
     for path in paths:
-        for line in path.read_text().splitlines():
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        for line in text.splitlines():
             _, step_s, prefill, decodes, context = (float(v) for v in line.split(","))
             kind = "decode only" if prefill == 0 else "prefill only" if decodes == 0 else "mixed"
             kinds.setdefault(kind, [0.0, 0.0, 0.0])

@@ -18,6 +18,7 @@ The fit and its held-out error are `sim.costfit`'s.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import statistics
 import urllib.request
@@ -171,7 +172,9 @@ def calibrate_from_step_logs(paths: Sequence[str], *, name: str, description: st
     tokens and decode batch, as a probe's samples are)."""
     steps = []
     for path in paths:
-        with open(path, encoding="utf-8") as handle:
+        # gzip'd as kept beside a profile (bench/data/calibration), else as the engine writes it
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as handle:
             steps += read_step_log(handle)
     if len(steps) < 30:
         raise ValueError(f"{len(steps)} logged steps: too few to fit a profile")

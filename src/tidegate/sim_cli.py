@@ -40,7 +40,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                           "host: they are measured at once, as they run")
     cal.add_argument("--model", help="the model name the server answers to (with --url)")
     cal.add_argument("--step-log", nargs="+", help="instead of probing a server: fit on the steps engines logged "
-                                                   "while serving (`tidegate engine --step-log`)")
+                                                   "while serving (`tidegate engine --step-log`; .csv or .csv.gz)")
     cal.add_argument("--attention-cost-tokens", type=int,
                      help="the engine's budget charge per prefill token at context c is 1 + c / this "
                           "(the embedded engine states it)")

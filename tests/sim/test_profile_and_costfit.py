@@ -219,3 +219,18 @@ def test_a_forward_table_survives_a_profile_file_and_old_profiles_read_as_before
     with pytest.raises(ValueError, match="forward_s_by_rows"):
         ReplicaProfile(**{**{f: getattr(profile, f) for f in profile.__slots__},
                           "cost": StepCostModel(forward_s_by_rows=((8, 0.01), (4, 0.02)))})
+
+
+def test_a_gzipped_step_log_fits_as_the_plain_one(tmp_path) -> None:
+    """The shipped profile's steps are kept gzip'd beside the benches, to be refitted."""
+    import gzip
+
+    from tidegate.calibration import calibrate_from_step_logs
+
+    lines = "".join(f"{i * 0.1:.6f},{s.step_s:.6f},{s.prefill_tokens},{s.decodes},{s.context_tokens}\n"
+                    for i, s in enumerate(_steps_of_an_engine(ROWS_TRUE, 600, seed=9)))
+    (tmp_path / "steps.csv").write_text(lines)
+    (tmp_path / "steps.csv.gz").write_bytes(gzip.compress(lines.encode()))
+    plain, zipped = (calibrate_from_step_logs([str(tmp_path / name)], name="p", description="")
+                     for name in ("steps.csv", "steps.csv.gz"))
+    assert zipped.cost == plain.cost and zipped.cost.forward_s_by_rows
