@@ -78,9 +78,9 @@ class StepCostModel:
     # it computes, interpolated as `decode_s_by_batch` is; past the last point, `forward_s_per_row`
     # a row. Given, it replaces the prefill and decode terms: the engine computes a step's prefill
     # chunks and decodes as one batch of rows, and the small-matrix cost of a decode of 2-7
-    # sequences is not paid when a prefill chunk rides along (tiny-random-llama, 1 thread: steps
-    # with 3-7 decodes and a chunk ran 6-16 % under base + chunk + decode table, steps with 8-15
-    # decodes and a chunk 7-14 % over; by rows, within 7 %).
+    # sequences is not paid when a prefill chunk rides along (tiny-random-llama, 1 thread: base +
+    # chunk + decode table predicted steps with 3-7 decodes and a chunk 6-16 % slow, with 8-15
+    # decodes and a chunk 7-14 % fast; by rows, held-out shapes within 7 %).
     forward_s_by_rows: tuple[tuple[int, float], ...] = ()
     forward_s_per_row: float = 0.0
 
