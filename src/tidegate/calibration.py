@@ -18,6 +18,7 @@ The fit and its held-out error are `sim.costfit`'s.
 from __future__ import annotations
 
 import asyncio
+import gzip
 import json
 import statistics
 import urllib.request
@@ -163,12 +164,17 @@ def calibrate(urls: Sequence[str], model: str, *, name: str, description: str, m
 
 def calibrate_from_step_logs(paths: Sequence[str], *, name: str, description: str, max_num_seqs: int | None = None,
                              max_batch_tokens: int | None = None, kv_cache_tokens: int | None = None,
-                             attention_cost_tokens: int | None = None, cold_start_s: float = 0.0) -> ReplicaProfile:
+                             attention_cost_tokens: int | None = None, cold_start_s: float = 0.0,
+                             by_rows: bool = True) -> ReplicaProfile:
     """A profile fitted on the steps engines logged while serving (`tidegate engine --step-log`);
-    limits not given are the embedded engine's defaults."""
+    limits not given are the embedded engine's defaults. The steps mix prefill chunks and decodes,
+    so they are fitted by the forward pass's rows (`sim.costfit`; `by_rows=False`: by prefill
+    tokens and decode batch, as a probe's samples are)."""
     steps = []
     for path in paths:
-        with open(path, encoding="utf-8") as handle:
+        # gzip'd as kept beside a profile (bench/data/calibration), else as the engine writes it
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as handle:
             steps += read_step_log(handle)
     if len(steps) < 30:
         raise ValueError(f"{len(steps)} logged steps: too few to fit a profile")
@@ -176,7 +182,7 @@ def calibrate_from_step_logs(paths: Sequence[str], *, name: str, description: st
     max_batch_tokens = max_batch_tokens or defaults.max_batch_tokens
     # held out every third step of a log ordered by shape, so each shape has some held out
     steps.sort(key=lambda s: (s.decodes, s.prefill_tokens > 0))
-    fit, error = fit_with_held_out(steps, max_batch_tokens, attention_cost_tokens)
+    fit, error = fit_with_held_out(steps, max_batch_tokens, attention_cost_tokens, by_rows)
     return ReplicaProfile(name, description, estimate=False,
                           sources=(f"tidegate sim calibrate --step-log: {len(steps)} steps logged while serving, "
                                    f"from {len(paths)} log(s)",),

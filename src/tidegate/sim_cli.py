@@ -40,7 +40,7 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
                           "host: they are measured at once, as they run")
     cal.add_argument("--model", help="the model name the server answers to (with --url)")
     cal.add_argument("--step-log", nargs="+", help="instead of probing a server: fit on the steps engines logged "
-                                                   "while serving (`tidegate engine --step-log`)")
+                                                   "while serving (`tidegate engine --step-log`; .csv or .csv.gz)")
     cal.add_argument("--attention-cost-tokens", type=int,
                      help="the engine's budget charge per prefill token at context c is 1 + c / this "
                           "(the embedded engine states it)")
@@ -140,9 +140,7 @@ def _calibrate(args: argparse.Namespace) -> int:
 def _wrote(profile: ReplicaProfile, out: str) -> int:
     save_profile(profile, out)
     cost, fit = profile.cost, profile.fit
-    print(f"step_s = {cost.base_s * 1000:.2f} ms + {cost.prefill_s_per_token * 1e6:.1f} us x prefill tokens "
-          f"+ {cost.decode_s_per_seq * 1e6:.1f} us x decoding sequences + {cost.context_s_per_token * 1e9:.1f} ns "
-          f"x context tokens")
+    print(cost.describe())
     if fit is not None:
         print(f"held-out shapes: {fit.held_out_samples}, relative error mean {fit.held_out_mean:.1%}, "
               f"max {fit.held_out_max:.1%} (fitted on {fit.fitted_samples})")

@@ -20,6 +20,12 @@ under its real load, beside the gateway and its neighbours (on the 2-core test m
 steps of two busy workers ran 8-29 % slower than the probes of one had measured).
 How well the model predicts shapes it was not fitted on is measured by holding every third
 sample out, fitting on the rest; the profile is then fitted on all of them.
+Logged steps can be fitted in a second form (`by_rows`): a step's fixed cost, its context, and the
+cost of its forward pass by rows (prefill tokens + decoding sequences) point by point, in place of
+a prefill token's cost and a decode table by batch. The engine computes a step's chunks and decodes
+as one batch, so what a decode of a few sequences costs alone (a small matrix) is not what it adds
+beside a prefill chunk; only logged steps mix the two, so a probe's samples cannot tell the forms
+apart.
 """
 
 from __future__ import annotations
@@ -102,8 +108,42 @@ def predict_s(fit: CostFit, sample: Sample, max_batch_tokens: int, attention_cos
     return model.step_s(0, sample.batch, sample.batch * (sample.context_tokens + 1.0))  # type: ignore[arg-type]
 
 
+# where the forward table may have a point: every row count up to 8 (the small-matrix costs there
+# are not monotone), then about a quarter apart; the points a fit uses are those with steps at or
+# just above them
+_ROW_LADDER = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128, 160, 192, 256, 320, 384, 512,
+               640, 768, 1024, 1280, 1536, 2048, 2560, 3072, 4096, 5120, 6144, 8192, 10240, 12288, 16384)
+
+
+def _row_points(rows_seen: Sequence[int]) -> list[int]:
+    """The forward table's points: each ladder point with steps in [it, the next one), and the
+    largest row count seen (so that no point lacks the steps that determine it)."""
+    seen = sorted(set(rows_seen))
+    points = [low for low, high in zip(_ROW_LADDER, _ROW_LADDER[1:] + (10**9,))
+              if any(low <= r < high for r in seen)]
+    if seen and seen[-1] > points[-1]:
+        points.append(seen[-1])
+    return points
+
+
+def _row_weights(rows: int, points: Sequence[int]) -> list[float]:
+    """`rows` as `StepCostModel.forward_s` reads the table: linear between its two points, pro rata
+    below the first, the last's past it."""
+    weights = [0.0] * len(points)
+    if rows <= points[0]:
+        weights[0] = rows / points[0]
+        return weights
+    for index, (low, high) in enumerate(zip(points, points[1:])):
+        if rows <= high:
+            weights[index] = (high - rows) / (high - low)
+            weights[index + 1] = (rows - low) / (high - low)
+            return weights
+    weights[-1] = 1.0
+    return weights
+
+
 def fit_cost_model(samples: Sequence[Sample], max_batch_tokens: int,
-                   attention_cost_tokens: int | None = None) -> CostFit:
+                   attention_cost_tokens: int | None = None, by_rows: bool = False) -> CostFit:
     """Least squares on relative error (relative to the model's prediction: see below), every cost
     >= 0 (a cost fitted negative is dropped to 0 and the rest refitted: noise must not make a longer
     batch cheaper).
@@ -116,6 +156,8 @@ def fit_cost_model(samples: Sequence[Sample], max_batch_tokens: int,
     steps_logged = [s for s in samples if isinstance(s, StepSample)]
     if not steps_logged and (not prefills or not decodes):
         raise ValueError("need both prefill and decode samples, or logged steps")
+    if by_rows:
+        return _fit_by_rows(prefills, decodes, steps_logged, max_batch_tokens, attention_cost_tokens)
     batches = sorted({s.batch for s in decodes} | {s.decodes for s in steps_logged if s.decodes > 0})
     rows, times = [], []
     for sample in prefills:
@@ -131,31 +173,67 @@ def fit_cost_model(samples: Sequence[Sample], max_batch_tokens: int,
         rows.append([1.0, float(logged.prefill_tokens), float(logged.context_tokens)]
                     + [1.0 if b == logged.decodes else 0.0 for b in batches])
         times.append(logged.step_s)
+    coefficients = _relative_least_squares(rows, times)
+    base, prefill, context = (float(c) for c in coefficients[:3])
+    table = tuple((b, float(t)) for b, t in zip(batches, coefficients[3:]))
+    return CostFit(StepCostModel(base, prefill, _slope_past(table), context, decode_s_by_batch=table))
+
+
+def _fit_by_rows(prefills: Sequence[PrefillSample], decodes: Sequence[DecodeSample], steps_logged: Sequence[StepSample],
+                 max_batch_tokens: int, attention_cost_tokens: int | None) -> CostFit:
+    """Unknowns: the fixed cost of a step, a context token's cost, and the forward pass's cost at
+    each row count of `_row_points` (the smallest's is the fixed cost's: 0, else the two could not
+    be told apart)."""
+    chunked = {s.prompt_tokens: prefill_steps(s.prompt_tokens, max_batch_tokens, attention_cost_tokens) for s in prefills}
+    points = _row_points([t for steps in chunked.values() for t, _ in steps] + [s.batch for s in decodes]
+                         + [s.prefill_tokens + s.decodes for s in steps_logged])
+    rows, times = [], []
+    for sample in prefills:
+        steps = chunked[sample.prompt_tokens]
+        weights = np.sum([_row_weights(tokens, points) for tokens, _ in steps], axis=0)
+        rows.append([float(len(steps)), float(sum(c for _, c in steps))] + list(weights[1:]))
+        times.append(sample.ttft_s)
+    for sample in decodes:
+        rows.append([1.0, sample.batch * (sample.context_tokens + 1.0)] + _row_weights(sample.batch, points)[1:])
+        times.append(sample.step_s)
+    for logged in steps_logged:
+        rows.append([1.0, float(logged.context_tokens)]
+                    + _row_weights(logged.prefill_tokens + logged.decodes, points)[1:])
+        times.append(logged.step_s)
+    coefficients = _relative_least_squares(rows, times)
+    base, context = (float(c) for c in coefficients[:2])
+    table = ((points[0], 0.0),) + tuple((r, float(t)) for r, t in zip(points[1:], coefficients[2:]))
+    return CostFit(StepCostModel(base, 0.0, 0.0, context, forward_s_by_rows=table,
+                                 forward_s_per_row=_slope_past(table)))
+
+
+def _relative_least_squares(rows: Sequence[Sequence[float]], times: Sequence[float]) -> np.ndarray:
+    """Nonnegative least squares on relative error, each row's error relative to what the model
+    predicts for it rather than to its own measured time: relative to its own time, a step that ran
+    slow (the OS, a neighbour) counts for less than one that ran fast, and the fit comes out below
+    the mean step. On the 9,329 steps two workers logged in one bench/sim_fidelity.py run it
+    predicted their total 9.9 % short (a saturated replica modelled on it serves that much more than
+    it did). A first pass scaled by the measured times gives the scales; the second fits with them.
+    The first coefficient is a step's fixed cost, which must come out > 0."""
     times_s = np.asarray(times, dtype=np.float64)
     if (times_s <= 0).any():
         raise ValueError("measured times must be > 0")
     design = np.asarray(rows, dtype=np.float64)
-    # relative error, each row scaled by what the model predicts for it rather than by its own
-    # measured time: scaled by its own time, a step that ran slow (the OS, a neighbour) counts for
-    # less than one that ran fast, and the fit comes out below the mean step. On the 9,329 steps
-    # two workers logged in one bench/sim_fidelity.py run it predicted their total 9.9 % short (a
-    # saturated replica modelled on it serves that much more than it did). A first pass scaled by
-    # the measured times gives the scales; the second fits with them
     first = _nonnegative_least_squares(design / times_s[:, None], np.ones(len(times_s)))
     scales_s = np.maximum(design @ first, times_s.min())
     coefficients = _nonnegative_least_squares(design / scales_s[:, None], times_s / scales_s)
-    base, prefill, context = (float(c) for c in coefficients[:3])
-    if base <= 0:
+    if coefficients[0] <= 0:
         raise ValueError("the fit found no fixed cost per step: measure more shapes")
-    table = tuple((b, float(t)) for b, t in zip(batches, coefficients[3:]))
-    # past the largest batch measured: the slope of a line through the upper half of the table (the
-    # last two points alone, a few logged steps each, once gave 5 ms a sequence where 0.9 was true)
+    return coefficients
+
+
+def _slope_past(table: Sequence[tuple[int, float]]) -> float:
+    """Past a table's last point: the slope of a line through its upper half (the last two points
+    alone, a few logged steps each, once gave 5 ms a sequence where 0.9 was true)."""
     upper = [(b, t) for b, t in table if b >= table[-1][0] / 2]
     if len(upper) >= 2:
-        per_seq = max(0.0, float(np.polyfit([b for b, _ in upper], [t for _, t in upper], 1)[0]))
-    else:
-        per_seq = table[-1][1] / table[-1][0]
-    return CostFit(StepCostModel(base, prefill, per_seq, context, decode_s_by_batch=table))
+        return max(0.0, float(np.polyfit([b for b, _ in upper], [t for _, t in upper], 1)[0]))
+    return table[-1][1] / table[-1][0]
 
 
 def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.ndarray:
@@ -173,13 +251,13 @@ def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.nda
 
 
 def fit_with_held_out(samples: Sequence[Sample], max_batch_tokens: int,
-                      attention_cost_tokens: int | None = None) -> tuple[CostFit, FitError]:
+                      attention_cost_tokens: int | None = None, by_rows: bool = False) -> tuple[CostFit, FitError]:
     """The fit on all samples, and the relative errors on every third sample of a fit without them
     (samples in the order given: pass them ordered by shape so the held-out ones interleave; logged
     steps are compared shape by shape, their mean time against the mean predicted)."""
     held_out = [s for i, s in enumerate(samples) if i % 3 == 2]
     fitted_on = [s for i, s in enumerate(samples) if i % 3 != 2]
-    partial = fit_cost_model(fitted_on, max_batch_tokens, attention_cost_tokens)
+    partial = fit_cost_model(fitted_on, max_batch_tokens, attention_cost_tokens, by_rows)
     errors = [abs(predict_s(partial, s, max_batch_tokens, attention_cost_tokens) / _measured_s(s) - 1.0)
               for s in held_out if not isinstance(s, StepSample)]
     # one logged step is noisy (the OS, the neighbours); a shape is the mean of its steps: by decode
@@ -194,7 +272,7 @@ def fit_with_held_out(samples: Sequence[Sample], max_batch_tokens: int,
     errors += [abs(predicted / measured - 1.0) for count, predicted, measured in shapes.values() if count >= 10]
     error = FitError(len(errors), float(np.mean(errors)) if errors else float("nan"),
                      float(np.max(errors)) if errors else float("nan"), len(fitted_on))
-    return fit_cost_model(samples, max_batch_tokens, attention_cost_tokens), error
+    return fit_cost_model(samples, max_batch_tokens, attention_cost_tokens, by_rows), error
 
 
 def _measured_s(sample: Sample) -> float:

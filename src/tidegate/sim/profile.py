@@ -57,10 +57,13 @@ class ReplicaProfile:
                  self.cost.context_s_per_token)
         if min(costs) < 0 or self.cost.base_s <= 0:
             raise ValueError(f"profile {self.name}: costs must be >= 0 and base_s > 0")
-        batches = [b for b, _ in self.cost.decode_s_by_batch]
-        if batches != sorted(set(batches)) or any(b < 1 for b in batches) \
-                or any(t < 0 for _, t in self.cost.decode_s_by_batch):
-            raise ValueError(f"profile {self.name}: decode_s_by_batch needs increasing batches >= 1 and costs >= 0")
+        for table_name in ("decode_s_by_batch", "forward_s_by_rows"):
+            table = getattr(self.cost, table_name)
+            points = [b for b, _ in table]
+            if points != sorted(set(points)) or any(b < 1 for b in points) or any(t < 0 for _, t in table):
+                raise ValueError(f"profile {self.name}: {table_name} needs increasing points >= 1 and costs >= 0")
+        if self.cost.forward_s_per_row < 0:
+            raise ValueError(f"profile {self.name}: costs must be >= 0 and base_s > 0")
 
     def spec(self, replica_id: str) -> ReplicaSpec:
         """A modelled replica of this profile."""
@@ -73,6 +76,10 @@ class ReplicaProfile:
         data = {"version": PROFILE_VERSION, **asdict(self)}
         data["sources"] = list(self.sources)
         data["cost"]["decode_s_by_batch"] = [list(point) for point in self.cost.decode_s_by_batch]
+        if self.cost.forward_s_by_rows:
+            data["cost"]["forward_s_by_rows"] = [list(point) for point in self.cost.forward_s_by_rows]
+        else:  # the profiles written before the forward table existed read as they did
+            del data["cost"]["forward_s_by_rows"], data["cost"]["forward_s_per_row"]
         return json.dumps(data, indent=2) + "\n"
 
     @classmethod
@@ -84,7 +91,8 @@ class ReplicaProfile:
                 raise ValueError(f"version {version!r}, expected {PROFILE_VERSION}")
             cost_fields = data.pop("cost")
             table = tuple((int(b), float(t)) for b, t in cost_fields.pop("decode_s_by_batch", ()))
-            cost = StepCostModel(**cost_fields, decode_s_by_batch=table)
+            forward = tuple((int(r), float(t)) for r, t in cost_fields.pop("forward_s_by_rows", ()))
+            cost = StepCostModel(**cost_fields, decode_s_by_batch=table, forward_s_by_rows=forward)
             fit = data.pop("fit", None)
             return cls(cost=cost, fit=FitError(**fit) if fit is not None else None,
                        sources=tuple(data.pop("sources", ())), **data)

@@ -52,7 +52,9 @@ _PROMPT_TOKEN = 7  # fills the prompts the simulator makes up
 class StepCostModel:
     """step_s = base + prefill tokens + decode batch + context, each linear (DistServe's form),
     except that a measured profile may give the decode batch's cost point by point
-    (`decode_s_by_batch`), where the engine's is not linear in the batch.
+    (`decode_s_by_batch`), where the engine's is not linear in the batch, or the forward pass's
+    cost by its rows (`forward_s_by_rows`: prefill tokens + decoding sequences), in place of the
+    prefill and decode terms.
 
     Defaults fitted to tiny-random-llama (fp32, 1 torch thread, the engine's ModelRunner) from one
     short measurement on a shared 2-core machine, so within perhaps 20 %:
@@ -72,22 +74,41 @@ class StepCostModel:
     # `decode_s_per_seq` x batch. On tiny-random-llama, 1 thread, a decode of 2 or 4 sequences cost
     # more than one of 8 (18, 25 and 16 ms a step: torch's small-matrix kernels), which no line fits.
     decode_s_by_batch: tuple[tuple[int, float], ...] = ()
+    # (rows, cost of the step's forward pass) by its rows, the prefill tokens and decoding sequences
+    # it computes, interpolated as `decode_s_by_batch` is; past the last point, `forward_s_per_row`
+    # a row. Given, it replaces the prefill and decode terms: the engine computes a step's prefill
+    # chunks and decodes as one batch of rows, and the small-matrix cost of a decode of 2-7
+    # sequences is not paid when a prefill chunk rides along (tiny-random-llama, 1 thread: base +
+    # chunk + decode table predicted steps with 3-7 decodes and a chunk 6-16 % slow, with 8-15
+    # decodes and a chunk 7-14 % fast; by rows, held-out shapes within 7 %).
+    forward_s_by_rows: tuple[tuple[int, float], ...] = ()
+    forward_s_per_row: float = 0.0
 
     def decode_s(self, batch: int) -> float:
-        """What `batch` decoding sequences add to a step."""
-        table = self.decode_s_by_batch
-        if not table or batch <= 0:
+        """What `batch` decoding sequences add to a step (without a forward table)."""
+        if not self.decode_s_by_batch or batch <= 0:
             return self.decode_s_per_seq * batch
-        first_batch, first_s = table[0]
-        if batch <= first_batch:
-            return first_s * batch / first_batch
-        for (low_batch, low_s), (high_batch, high_s) in zip(table, table[1:]):
-            if batch <= high_batch:
-                return low_s + (high_s - low_s) * (batch - low_batch) / (high_batch - low_batch)
-        last_batch, last_s = table[-1]
-        return last_s + self.decode_s_per_seq * (batch - last_batch)
+        return _interpolated(self.decode_s_by_batch, batch, self.decode_s_per_seq)
+
+    def forward_s(self, rows: int) -> float:
+        """What a forward pass over `rows` (prefill tokens + decoding sequences) adds to a step."""
+        return _interpolated(self.forward_s_by_rows, rows, self.forward_s_per_row) if rows > 0 else 0.0
+
+    def describe(self) -> str:
+        """The model as one line, for people."""
+        if self.forward_s_by_rows:
+            points = ", ".join(f"{rows}: {s * 1000:.1f}" for rows, s in self.forward_s_by_rows)
+            return (f"step_s = {self.base_s * 1000:.2f} ms + forward pass by rows (ms: {points}; then "
+                    f"{self.forward_s_per_row * 1e6:.0f} us a row) + {self.context_s_per_token * 1e9:.1f} ns x "
+                    "context tokens")
+        return (f"step_s = {self.base_s * 1000:.2f} ms + {self.prefill_s_per_token * 1e6:.1f} us x prefill tokens "
+                f"+ {'decode table' if self.decode_s_by_batch else f'{self.decode_s_per_seq * 1e6:.1f} us x decoding sequences'}"
+                f" + {self.context_s_per_token * 1e9:.1f} ns x context tokens")
 
     def step_s(self, prefill_tokens: int, decode_batch: int, sum_context_tokens: int) -> float:
+        if self.forward_s_by_rows:
+            return (self.base_s + self.forward_s(prefill_tokens + decode_batch)
+                    + self.context_s_per_token * sum_context_tokens)
         return (self.base_s + self.prefill_s_per_token * prefill_tokens + self.decode_s(decode_batch)
                 + self.context_s_per_token * sum_context_tokens)
 
@@ -97,6 +118,19 @@ class StepCostModel:
         # a chunk's last position attends to everything before it
         sum_context_tokens = sum(chunk.start + chunk.num_tokens for chunk in batch.chunks)
         return self.step_s(prefill_tokens, decodes, sum_context_tokens)
+
+
+def _interpolated(table: tuple[tuple[int, float], ...], at: int, slope_past_last: float) -> float:
+    """A measured table's value at `at`: linear between its points, pro rata below the first, the
+    slope given past the last."""
+    first_at, first_s = table[0]
+    if at <= first_at:
+        return first_s * at / first_at
+    for (low_at, low_s), (high_at, high_s) in zip(table, table[1:]):
+        if at <= high_at:
+            return low_s + (high_s - low_s) * (at - low_at) / (high_at - low_at)
+    last_at, last_s = table[-1]
+    return last_s + slope_past_last * (at - last_at)
 
 
 @dataclass(frozen=True, slots=True)
