@@ -88,6 +88,7 @@ def run(requests: int, upto: str = "batch") -> tuple[float, float, int]:
             continue
         if last == STAGES.index("end"):
             exporter._pending.clear()
+            exporter._pending_counts.clear()
             exporter._pending_spans = 0
             continue
         if exporter._pending_spans >= exporter._max_batch_spans:  # a batch is due, as the export task sees it

@@ -205,8 +205,8 @@ def test_an_ended_trace_is_encoded_at_once_and_lets_the_request_go(tracing) -> N
     assert trace.ticket is None and trace.usage is None
     exporter = _exporter()
     exporter.submit_trace(trace)
-    ((count, encoded),) = exporter._pending
-    assert count == trace.span_count == 4
+    (encoded,) = exporter._pending
+    assert exporter._pending_counts == [trace.span_count] == [4]
     assert encoded == TraceEncoder().encode_trace(trace, exporter._offset_ns)
 
 
@@ -225,6 +225,21 @@ def test_batches_take_whole_requests_up_to_the_batch_size(tracing) -> None:
     assert exported == [8, 8] and exporter._pending_spans == 4
     asyncio.run(exporter.flush())
     assert exported == [8, 8, 4] and exporter._pending_spans == 0
+
+
+def test_a_request_with_more_spans_than_a_batch_goes_alone(tracing) -> None:
+    tracer, sink = tracing
+    exporter = _exporter(max_batch_spans=3)
+    for number in range(2):
+        exporter.submit_trace(_traced(tracer, sink, "queued stream", number))  # 4 spans each
+    exported: list[tuple[int, int]] = []
+
+    async def export(spans: list[bytes], count: int) -> None:
+        exported.append((len(spans), count))
+
+    exporter._export = export  # type: ignore[method-assign]
+    asyncio.run(exporter.flush())
+    assert exported == [(1, 4), (1, 4)] and exporter._pending == exporter._pending_counts == []
 
 
 @pytest.mark.parametrize("body", [

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from bisect import bisect_right
 from collections.abc import Mapping
+from itertools import accumulate, islice
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -52,8 +54,10 @@ class OtlpHttpExporter:
         self._max_batch_spans = max_batch_spans
         self._interval_s = interval_s
         self._timeout_s = timeout_s
-        # ended requests' spans, encoded, not yet exported: (their count, their bytes) a request
-        self._pending: list[tuple[int, bytes]] = []
+        # ended requests' spans, encoded, not yet exported, a request an item: their bytes, and beside them
+        # their count (two lists: a batch's cut is found by C-level sums, not a Python loop a request)
+        self._pending: list[bytes] = []
+        self._pending_counts: list[int] = []
         self._pending_spans = 0  # their spans
         self._offset_ns: int | None = None  # the tracer's clock to Unix time, read again at every export
         self._encoder = TraceEncoder()
@@ -83,7 +87,8 @@ class OtlpHttpExporter:
             log.exception("span encoding failed")
             self._failed.inc(count)
             return
-        self._pending.append((count, spans))
+        self._pending.append(spans)
+        self._pending_counts.append(count)
         self._pending_spans = queued
         if queued >= self._max_batch_spans and self._wake is not None:
             self._wake.set()
@@ -115,15 +120,13 @@ class OtlpHttpExporter:
     def _take_batch(self) -> tuple[list[bytes], int]:
         """The next batch off the queue: whole requests, up to max_batch_spans spans (or one request's,
         should it have more); (their encoded spans, a request a piece; their count)."""
-        pending, limit = self._pending, self._max_batch_spans
-        count = taken = 0
-        for request_spans, _ in pending:
-            if count + request_spans > limit and taken:
-                break
-            count += request_spans
-            taken += 1
-        batch = [encoded for _, encoded in pending[:taken]]
-        del pending[:taken]
+        pending, counts, limit = self._pending, self._pending_counts, self._max_batch_spans
+        # running span totals of the first requests (a request has a span at least: `limit` of them reach it)
+        totals = list(accumulate(islice(counts, limit)))
+        taken = bisect_right(totals, limit) or 1
+        count = totals[taken - 1]
+        batch = pending[:taken]
+        del pending[:taken], counts[:taken]
         self._pending_spans -= count
         return batch, count
 

@@ -163,9 +163,15 @@ class TraceEncoder:
 
         # every fact that shapes the bytes beyond the holes (root_key's answered_by follows from them, and
         # whether admission came with a ticket from the verdict), then each attempt's (`_ATTEMPT_SHAPE`), as
-        # one tuple: unpacked into the key (`*map`), they made a list grown item by item (~1k instructions)
+        # one tuple: unpacked into the key (`*map`), they made a list grown item by item (~1k instructions).
+        # The usual single attempt's shape is read by subscripts, not through `_ATTEMPT_SHAPE` and a tuple
+        # around it (~0.5k); a tuple of its facts never equals a tuple of attempts' shapes
         attempts = trace.attempts
-        shapes = (_ATTEMPT_SHAPE(attempts[0]),) if len(attempts) == 1 else tuple(map(_ATTEMPT_SHAPE, attempts))
+        if len(attempts) == 1:
+            first = attempts[0]
+            shapes = first[ATTEMPT_REPLICA], first[ATTEMPT_OUTCOME], first[ATTEMPT_STREAMED]
+        else:
+            shapes = tuple(map(_ATTEMPT_SHAPE, attempts))
         key = (trace.operation, trace.model, trace.status, trace.tenant, trace.tier, trace.replica_id, trace.rung,
                trace.error_type, trace.verdict, None if queued_ns is None else trace.predicted_wait_s is None,
                trace.parent_id == 0, trace.first_token_ns is None, request_id_form,
