@@ -23,6 +23,7 @@ The spans of one request (names and attributes after OpenTelemetry's GenAI and H
 from __future__ import annotations
 
 import re
+import struct
 import time
 from binascii import hexlify
 from collections.abc import Callable, Hashable
@@ -69,6 +70,9 @@ ROOT_SPAN, ADMISSION_SPAN, QUEUE_SPAN = 0x01, 0x02, 0x03
 FIRST_ATTEMPT_SPAN = 0x11  # then 0x12 for the retry, ...
 _MAX_ATTEMPT_SPAN = 0xFF
 _HEX_BYTE = [b"%02x" % value for value in range(256)]
+# an attempt's traceparent line, by one struct call (a slice and a join of its parts cost ~0.9k more): head,
+# trace id, "-", span id (its base, then the byte that names the span), flags and the line's end
+_TRACEPARENT = struct.Struct("16s32s1s14s2s5s").pack
 
 
 class SpanSink(Protocol):
@@ -205,8 +209,10 @@ class RequestTrace:
         if id_bytes is None:  # bytes to hex costs half of formatting the number as hex
             id_bytes = self.id_bytes = self.trace_id.to_bytes(16, "big")
         trace_hex = hexlify(id_bytes)
-        base_hex = trace_hex[:14] if self.span_base is None else self.span_base.hex().encode()
-        line = b"".join((b"traceparent: 00-", trace_hex, b"-", base_hex, _HEX_BYTE[span_byte], b"-01\r\n"))
+        # a trace that starts here: its span ids' base is the id's first 14 hex digits, which the field of
+        # 14 bytes takes from the whole (no slice)
+        base_hex = trace_hex if self.span_base is None else self.span_base.hex().encode()
+        line = _TRACEPARENT(b"traceparent: 00-", trace_hex, b"-", base_hex, _HEX_BYTE[span_byte], b"-01\r\n")
         return line if self.tracestate is None else line + b"tracestate: " + self.tracestate + b"\r\n"
 
     def span_id(self, span_byte: int) -> int:
