@@ -51,6 +51,21 @@ def _embedded_config(options: BenchOptions, log_dir: Path, name: str, port: int,
     return str(path)
 
 
+def worker_kill_experiment(name: str, base: str, rate: float, duration_s: float, *, seed: int, interval_s: float,
+                           victim: str, kill_at_s: float, kill: dict):
+    """A chaos experiment: streaming chat load on the gateway at `base`, and at `kill_at_s` the `kill` step
+    on the embedded worker at `victim` (host:port) (shared with bench/chaos_embedded_kill.py)."""
+    return parse_experiment(yaml.safe_dump({
+        "name": name, "duration_s": duration_s, "tail_s": 2,
+        "load": {"url": base, "model": MODEL, "endpoint": "chat", "stream": True, "arrival": "poisson",
+                 "rate": round(rate, 2), "prompt_tokens": "const:32", "max_tokens": f"const:{MAX_TOKENS}",
+                 "ignore_eos": True,  # answers of the asked length, not cut short by a random EOS
+                 "timeout_s": 30, "seed": seed},
+        "gateway": {"metrics_url": f"{base}/metrics", "interval_s": interval_s},
+        "targets": {"worker": [{"port": int(victim.rpartition(":")[2]), "address": victim}]},
+        "steps": [{"at_s": kill_at_s, "kill": kill}]}))
+
+
 def _replicas(base: str) -> list[dict]:
     with urllib.request.urlopen(f"{base}/status.json", timeout=10) as response:
         return json.loads(response.read())["pools"][0]["replicas"]
@@ -179,15 +194,9 @@ async def _run_arm(options: BenchOptions, procs: Processes, log_dir: Path, spare
         capacity_rps = _measure_capacity_rps(base)
         rate = rate if rate is not None else load_fraction * capacity_rps
         victim = _replicas(base)[0]["replica"].rpartition("@")[2]
-        experiment = parse_experiment(yaml.safe_dump({
-            "name": f"bench-embedded-spare{spare}", "duration_s": duration_s, "tail_s": 2,
-            "load": {"url": base, "model": MODEL, "endpoint": "chat", "stream": True, "arrival": "poisson",
-                     "rate": round(rate, 2), "prompt_tokens": "const:32", "max_tokens": f"const:{MAX_TOKENS}",
-                     "ignore_eos": True,  # answers of the asked length, not cut short by a random EOS
-                     "timeout_s": 30, "seed": 4},
-            "gateway": {"metrics_url": f"{base}/metrics", "interval_s": 0.1},
-            "targets": {"worker": [{"port": int(victim.rpartition(":")[2]), "address": victim}]},
-            "steps": [{"at_s": KILL_AT_S, "kill": {"target": "worker"}}]}))
+        experiment = worker_kill_experiment(f"bench-embedded-spare{spare}", base, rate, duration_s, seed=4,
+                                            interval_s=0.1, victim=victim, kill_at_s=KILL_AT_S,
+                                            kill={"target": "worker"})
         victim_port = int(victim.rpartition(":")[2])
         with WorkerCpu(gateway.pid, base) as cpu:
             result = await run_experiment(experiment, log_dir=str(log_dir))

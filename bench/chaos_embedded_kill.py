@@ -17,10 +17,9 @@ import urllib.request
 from pathlib import Path
 
 import yaml
-from chaos_embedded import MODEL, _replicas, _wait_health
+from chaos_embedded import MODEL, _replicas, _wait_health, worker_kill_experiment
 from chaos_kit import BenchOptions, Processes, bar, free_port, outcome_line, scrape, total
 
-from tidegate.chaos.experiment import parse_experiment
 from tidegate.chaos.report import build_report
 from tidegate.chaos.runner import run_experiment
 
@@ -89,15 +88,9 @@ async def scenario_embedded_kill20(options: BenchOptions, procs: Processes, log_
         rate = 0.7 * capacity_rps
         victim = _replicas(base)[0]["replica"].rpartition("@")[2]
         before = _failovers(base)
-        experiment = parse_experiment(yaml.safe_dump({
-            "name": f"bench-embedded-kill20-{arm}", "duration_s": DURATION_S, "tail_s": 2,
-            "load": {"url": base, "model": MODEL, "endpoint": "chat", "stream": True, "arrival": "poisson",
-                     "rate": round(rate, 2), "prompt_tokens": "const:32", "max_tokens": f"const:{MAX_TOKENS}",
-                     "ignore_eos": True,  # answers of the asked length, not cut short by a random EOS
-                     "timeout_s": 30, "seed": 5},
-            "gateway": {"metrics_url": f"{base}/metrics", "interval_s": 0.25},
-            "targets": {"worker": [{"port": int(victim.rpartition(":")[2]), "address": victim}]},
-            "steps": [{"at_s": KILL_AT_S, "kill": {"target": "worker", "fraction": 0.2}}]}))
+        experiment = worker_kill_experiment(f"bench-embedded-kill20-{arm}", base, rate, DURATION_S, seed=5,
+                                            interval_s=0.25, victim=victim, kill_at_s=KILL_AT_S,
+                                            kill={"target": "worker", "fraction": 0.2})
         result = await run_experiment(experiment, log_dir=str(log_dir))
         after = _failovers(base)
         summary = build_report(result)["summary"]
