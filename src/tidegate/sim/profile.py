@@ -63,7 +63,7 @@ class ReplicaProfile:
             if points != sorted(set(points)) or any(b < 1 for b in points) or any(t < 0 for _, t in table):
                 raise ValueError(f"profile {self.name}: {table_name} needs increasing points >= 1 and costs >= 0")
         if self.cost.forward_s_per_row < 0:
-            raise ValueError(f"profile {self.name}: costs must be >= 0 and base_s > 0")
+            raise ValueError(f"profile {self.name}: forward_s_per_row must be >= 0")
 
     def spec(self, replica_id: str) -> ReplicaSpec:
         """A modelled replica of this profile."""
