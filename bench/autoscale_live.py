@@ -23,7 +23,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import sys
 import tempfile
 import time
@@ -38,16 +37,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support import start_process, tidegate_argv  # noqa: E402
 
 from tidegate.gateway.overload import estimate_prompt_tokens  # noqa: E402
+from tidegate.ports import free_port  # noqa: E402
 
 MODEL = "tiny-random-llama"
 BODY = {"model": MODEL, "max_tokens": 16, "stream": True, "ignore_eos": True,
         "messages": [{"role": "user", "content": "tell me a story about the sea"}]}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

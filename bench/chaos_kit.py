@@ -3,7 +3,6 @@ PID, scraping, the gateway's config, the printed bars."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ from pathlib import Path
 import yaml
 
 from tidegate.chaos.runner import ChaosResult
+from tidegate.ports import free_port
 
 PY = sys.executable
 TOKENS, TTFT_MS, ITL_MS = 16, 50, 10
@@ -34,12 +34,6 @@ class BenchOptions:
     overload_control: bool = False
     latency_factor: float | None = None  # health.latency_factor: the latency outlier rule, off unless set
     embedded_pairs: int = 1  # the embedded scenario's pairs of arms (without, with a spare), run ABBA
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def http_status(url: str) -> int:

@@ -25,6 +25,8 @@ import sys
 import time
 import urllib.request
 
+from tidegate.ports import free_port
+
 MODEL = "all-MiniLM-L6-v2"
 WORDS = ("the model server batches requests from many clients so that the processor computes "
          "them together while each client waits only a little longer for its own answer during "
@@ -61,14 +63,6 @@ def serve_bench_app(port: int, threads: int) -> None:
         await asyncio.Event().wait()
 
     run_async(main())
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_ready(url: str, process: subprocess.Popen, timeout_s: float = 120.0) -> bool:

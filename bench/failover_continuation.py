@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import http.client
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,16 +26,11 @@ import urllib.request
 import orjson
 
 from tidegate.gateway.failover import FailoverPolicy, Splice, continuation_body, parse_sent, refusal
+from tidegate.ports import free_port
 
 PROMPTS = ["hi", "Where do the tides turn?", "Ünïcödé ✓ and more", "abc", "The tide gate at the river mouth",
            "List three rivers.", "0123456789", "Why is the sea salty?"]
 CUTS = (1, 3, 7, 12, 20)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def stream(port: int, path: str, body: dict, ids: bool) -> bytes:

@@ -30,7 +30,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,14 +40,10 @@ from pathlib import Path
 
 import httptools
 
+from tidegate.ports import free_port
+
 HERE = Path(__file__).resolve().parent
 TOKENS = 16
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def wait_ok(url: str, timeout_s: float = 30.0) -> None:

@@ -28,6 +28,7 @@ from tidegate.loadgen.mix import LengthDistribution, Tenant
 from tidegate.loadgen.plan import TrafficStream, build_plan
 from tidegate.loadgen.records import RequestRecord
 from tidegate.policy.tiers import default_tiers
+from tidegate.ports import free_port
 
 EMBEDDED_MODEL = "tiny-random-llama"
 TOKENS, PROMPT_TOKENS = 16, 64  # every request: a 64-token prompt, 16 tokens answered
@@ -45,14 +46,6 @@ def tenant(name: str) -> Tenant:
 
 
 # ---- processes -----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def wait_ok(url: str, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s

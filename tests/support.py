@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,13 +11,9 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from tidegate.ports import free_port
+
 __all__ = ["free_port", "wait_http_ok", "start_process", "start_redis", "ManagedProcess", "tidegate_argv"]
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def tidegate_argv(*args: str) -> list[str]:

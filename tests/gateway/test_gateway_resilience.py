@@ -11,6 +11,8 @@ import pytest
 
 from gateway_harness import Gateway, Upstream, upstream_pool
 
+from tidegate.ports import free_port as _free_port
+
 MESSAGES = [{"role": "user", "content": "hello"}]
 
 
@@ -125,9 +127,3 @@ def test_pool_with_no_routable_replica_refuses_at_once(start_gateway) -> None:
     assert "no replica" in caught.value.message
     assert caught.value.response.headers.get("retry-after")
     assert waited_s < 4.0 / 4  # the standard tier would have waited its whole 4 s for a slot
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]

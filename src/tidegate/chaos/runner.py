@@ -158,11 +158,9 @@ class _Run:
             self.notes.append(f"partition {result.detail}")
 
     async def _start_proxy(self, name: str, spec: ProxySpec) -> None:
-        import socket
+        from tidegate.ports import free_port
 
-        with socket.socket() as probe:  # a free loopback port for its admin endpoint
-            probe.bind(("127.0.0.1", 0))
-            admin_port = probe.getsockname()[1]
+        admin_port = free_port()  # a loopback port for its admin endpoint
         argv = [sys.executable, "-m", "tidegate", "chaos", "proxy", "--listen", spec.listen, "--target", spec.target,
                 "--admin", f"127.0.0.1:{admin_port}", "--seed", str(self.experiment.load.seed)]
         if spec.raw_tcp:

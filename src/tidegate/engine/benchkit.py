@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -19,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import orjson
+
+from tidegate.ports import free_port
 
 __all__ = ["StreamResult", "engine_process", "stream_completion", "free_port"]
 
@@ -32,12 +33,6 @@ class StreamResult:
 
     def gaps_s(self) -> list[float]:
         return [b - a for a, b in zip(self.token_times_s, self.token_times_s[1:])]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

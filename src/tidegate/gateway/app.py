@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from tidegate.gateway.scaling import KubernetesActuator, LocalActuator, ScaleLoo
 from tidegate.gateway.upstream import ConnectionPool, Endpoint
 from tidegate.policy.health import BreakerPolicy
 from tidegate.policy.retry import RetryBudgetPolicy
+from tidegate.ports import free_port as _free_port
 from tidegate.telemetry.logs import AccessLog
 from tidegate.telemetry.metrics import GatewayMetrics
 from tidegate.types import ReplicaHealth
@@ -50,12 +50,6 @@ __all__ = ["Gateway"]
 log = logging.getLogger("tidegate.gateway")
 
 _SERVING = (ReplicaHealth.HEALTHY, ReplicaHealth.UNKNOWN, ReplicaHealth.UNHEALTHY)  # in traffic, or to be
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _upstream_replica(pool: str, index: int, backend: UpstreamBackend, connect_timeout_s: float) -> Replica:
