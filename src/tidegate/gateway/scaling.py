@@ -40,6 +40,9 @@ __all__ = ["ScaleLoop", "ScaleRecord", "LocalActuator", "KubernetesActuator", "a
 log = logging.getLogger("tidegate.scaling")
 
 HISTORY = 20  # decisions kept per pool for the status page
+# after the API refused a drained scale-in, the next waits this long: each try takes pods out of
+# traffic until they are empty, and under a lasting refusal (RBAC) they would leave it every tick
+DRAIN_RETRY_S = 60.0
 
 
 def autoscale_settings(config: AutoscaleConfig, pool: ModelPool, work_counted: bool = True) -> AutoscaleSettings:
@@ -170,30 +173,91 @@ class KubernetesActuator:
     """Writes the desired count to a workload's scale (`control.kubernetes_scaler`, the official
     client, in a thread: its calls block) and reads its ready replicas back. One call at a time; a
     count decided meanwhile is written by the next. The API's refusals are logged once each, with
-    what to fix, and the gateway keeps serving."""
+    what to fix, and the gateway keeps serving.
 
-    def __init__(self, scaler: Any) -> None:
+    A scale-in drains first when the pool lists a StatefulSet's pods in ordinal order (`ordinals`:
+    backend i is pod i). Kubernetes removes a StatefulSet's highest ordinals, so the gateway takes
+    those backends out of traffic (`DRAINING`), waits until they hold no request (or the drain
+    timeout), and only then writes the lower count: no request is cut by the pod's end. They stay
+    `STOPPED` (not health-checked: a terminating pod that still answers must not get traffic again)
+    until a scale-out asks for them again, when their health checks take them back in as their pods
+    answer. Without `ordinals` (a Deployment: which pod goes is its controller's choice) the count is
+    written as decided (tests/gateway/test_kubernetes_actuator.py)."""
+
+    def __init__(self, scaler: Any, ordinals: list[Any] | None = None, wake: Callable[[], None] | None = None,
+                 drain_timeout_s: float = 600.0) -> None:
         self._scaler = scaler
-        self._written: int | None = None
+        self._ordinals = ordinals
+        self._wake = wake or (lambda: None)  # tells the pool's dispatch that health changed
+        self._drain_timeout_s = drain_timeout_s
+        self._written: int | None = None  # the count last written, or read before the first write
         self._state: Any | None = None  # the last ScaleState read
         self._busy = False
         self._last_error: str | None = None
+        self._drain_refused_s = -math.inf  # when the API last refused a drained scale-in (loop time)
 
     def starting(self) -> int:
         """Replicas the workload is asked for and does not have ready yet."""
         return 0 if self._state is None else max(0, self._state.wanted - self._state.ready)
 
     def apply(self, desired: int) -> None:
-        """Starts one write-and-read in a thread unless one is under way (changes state)."""
-        if self._busy:
+        """Starts one write-and-read (a drain first, on a scale-in of ordinals) unless one is under
+        way (changes state: replicas' health)."""
+        loop = asyncio.get_running_loop()
+        written = self._written
+        if self._busy or (self._ordinals is not None and written is not None and desired < written
+                          and loop.time() - self._drain_refused_s < DRAIN_RETRY_S):
             return
         self._busy = True
-        task = asyncio.get_running_loop().create_task(asyncio.to_thread(self._sync, desired))
-        task.add_done_callback(self._done)
+        if self._ordinals is None:
+            work = asyncio.to_thread(self._sync, desired)
+        elif written is None:  # the count the workload has, before any is written: nothing is drained blind
+            work = self._first_read()
+        elif desired < written:
+            leaving = self._ordinals[desired:written]
+            for replica in leaving:
+                replica.health = ReplicaHealth.DRAINING
+            self._wake()
+            work = self._drain_then_scale(desired, leaving)
+        else:
+            for replica in self._ordinals[written:desired]:
+                if replica.health is ReplicaHealth.STOPPED:
+                    replica.health = ReplicaHealth.UNKNOWN  # its health checks take it in once its pod answers
+            work = asyncio.to_thread(self._sync, desired)
+        loop.create_task(work).add_done_callback(self._done)
 
     def _sync(self, desired: int) -> tuple[int | None, Any]:
         written = self._scaler.scale_to(desired) if desired != self._written else self._written
         return written, self._scaler.state()
+
+    async def _first_read(self) -> tuple[int | None, Any]:
+        """The workload's count as it is; the listed pods past it are stopped (changes state)."""
+        assert self._ordinals is not None
+        state = await asyncio.to_thread(self._scaler.state)
+        for replica in self._ordinals[state.wanted:]:
+            replica.health = ReplicaHealth.STOPPED
+        self._wake()
+        return state.wanted, state
+
+    async def _drain_then_scale(self, desired: int, leaving: list[Any]) -> tuple[int | None, Any]:
+        loop = asyncio.get_running_loop()
+        deadline_s = loop.time() + self._drain_timeout_s
+        while any(replica.outstanding > 0 for replica in leaving) and loop.time() < deadline_s:
+            await asyncio.sleep(0.05)
+        try:
+            result = await asyncio.to_thread(self._sync, desired)
+        except Exception:
+            for replica in leaving:  # the count stands: back in traffic once they answer their checks
+                replica.health = ReplicaHealth.UNKNOWN
+            self._drain_refused_s = loop.time()
+            self._wake()
+            raise
+        for replica in leaving:
+            replica.health = ReplicaHealth.STOPPED
+        log.info("replicas drained and scaled in", extra={"fields": {
+            "replicas": [replica.replica_id for replica in leaving],
+            "still_held": sum(replica.outstanding for replica in leaving)}})
+        return result
 
     def _done(self, task: asyncio.Task) -> None:
         self._busy = False
