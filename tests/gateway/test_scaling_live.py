@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -74,9 +75,16 @@ def test_desired_replicas_rise_under_load_and_fall_after_it(gateway: str) -> Non
     assert [d["desired"] for d in decisions][:1] == [1] and any(d["desired"] == 3 for d in decisions), decisions
 
 
+def _health(gateway: str) -> list[str]:
+    with urllib.request.urlopen(f"{gateway}/status.json", timeout=10) as response:
+        return [replica["health"] for replica in json.loads(response.read())["pools"][0]["replicas"]]
+
+
 def test_the_gateway_writes_the_desired_count_to_a_kubernetes_workload(tmp_path: Path) -> None:
     """`autoscale.kubernetes`: the gateway scales a StatefulSet through the API (here the contract
-    fake of tests/control/kube_fake.py, reached through a kubeconfig) as its desired count moves."""
+    fake of tests/control/kube_fake.py, reached through a kubeconfig) as its desired count moves. Its
+    three pods are the pool's backends in ordinal order (three mock upstreams that stay up: the fake
+    starts no pod), so the pods past the count are out of traffic and a scale-in drains them first."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "control"))
     from kube_fake import KubeFake, Workload
 
@@ -89,14 +97,15 @@ def test_the_gateway_writes_the_desired_count_to_a_kubernetes_workload(tmp_path:
             "clusters": [{"name": "fake", "cluster": {"server": api.url}}],
             "users": [{"name": "gateway", "user": {"token": "unused"}}],
             "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "gateway"}}]}))
-        mock = free_port()
-        processes.append(start_process(tidegate_argv("mock-upstream", "--port", str(mock), "--tokens", "8",
-                                                     "--ttft-ms", "400", "--itl-ms", "20"),
-                                       ready_url=f"http://127.0.0.1:{mock}/health", timeout_s=30))
+        mocks = [free_port() for _ in range(3)]
+        for mock in mocks:
+            processes.append(start_process(tidegate_argv("mock-upstream", "--port", str(mock), "--tokens", "8",
+                                                         "--ttft-ms", "400", "--itl-ms", "20"),
+                                           ready_url=f"http://127.0.0.1:{mock}/health", timeout_s=30))
         port = free_port()
         config = {"server": {"port": port, "access_log": False}, "health": {"interval_s": 0.5},
                   "pools": [{"name": "m", "backends": [{"type": "upstream", "url": f"http://127.0.0.1:{mock}/v1",
-                                                        "slot_limit": 2}],
+                                                        "slot_limit": 2} for mock in mocks],
                              "autoscale": {"min_replicas": 1, "max_replicas": 3, "tick_s": 0.5,
                                            "stable_window_s": 2, "panic_window_s": 1, "scale_down_window_s": 2,
                                            "kubernetes": {"namespace": "serving", "kind": "StatefulSet",
@@ -107,10 +116,17 @@ def test_the_gateway_writes_the_desired_count_to_a_kubernetes_workload(tmp_path:
                                        ready_url=f"http://127.0.0.1:{port}/ready", timeout_s=30, env=env))
         gateway = f"http://127.0.0.1:{port}"
         workload = api.workloads[("serving", "statefulsets", "vllm")]
+        # the workload's one pod serves; the two past it answer their checks but are not its pods yet
+        assert wait_for(lambda: _health(gateway)[1:] == ["stopped", "stopped"], 8), _health(gateway)
         with StreamingLoad(gateway, "m", clients=8, duration_s=5.0):
             assert wait_for(lambda: workload.replicas == 3, 8), workload
+            assert wait_for(lambda: _health(gateway) == ["healthy"] * 3, 8), _health(gateway)  # asked for: in traffic
         assert wait_for(lambda: workload.replicas == 1, 15), workload  # scaled in after its window
+        assert _health(gateway) == ["healthy", "stopped", "stopped"]  # drained before the write, then out
         assert api.writes >= 2
+        with StreamingLoad(gateway, "m", clients=2) as load:
+            time.sleep(2.0)
+        assert load.answered and not load.failed, load.failed  # the pod left serves alone
     finally:
         for process in reversed(processes):
             process.stop()
