@@ -253,8 +253,9 @@ class AutoscaleConfig(_Strict):
     # tier's target, for edge_hold_s after the last miss (null: target_utilisation always)
     edge_utilisation: float | None = Field(None, gt=0, le=1)
     edge_hold_s: float = Field(300.0, ge=0)
-    # embedded pools: workers kept loaded and out of traffic, taken at once by a scale-out (seconds
-    # instead of a cold start) and refilled in the background
+    # workers (embedded pools) or a StatefulSet's pods (`kubernetes`, its pods listed in ordinal order)
+    # kept loaded and out of traffic, taken at once by a scale-out (seconds instead of a cold start)
+    # and refilled in the background
     standby: int = Field(0, ge=0)
     # set: the gateway writes the desired count to this workload's scale itself (else it only exports it)
     kubernetes: KubernetesTargetConfig | None = None
@@ -526,6 +527,14 @@ class GatewayConfig(_Strict):
                 if wanted > workers:
                     raise ValueError(f"pool {pool.name!r}: autoscale.max_replicas + standby ({wanted}) "
                                      f"is more than its {workers} embedded workers")
+        for pool in self.pools:  # a Kubernetes standby is a pod past those serving: the pool lists them all
+            autoscale = pool.autoscale
+            if autoscale is not None and autoscale.kubernetes is not None and autoscale.standby:
+                listed = autoscale.max_replicas + autoscale.standby
+                if autoscale.kubernetes.kind != "StatefulSet" or len(pool.backends) != listed:
+                    raise ValueError(f"pool {pool.name!r}: autoscale.standby on Kubernetes needs a StatefulSet whose "
+                                     f"pods the pool lists as its backends in ordinal order, max_replicas + standby "
+                                     f"({listed}) of them")
         for pool in self.pools:
             if pool.length_classes is not None and not self.overload_control:
                 raise ValueError(f"pool {pool.name!r}: length_classes needs overload_control (its pool controller "

@@ -161,6 +161,17 @@ def test_autoscale_parses_and_an_embedded_pool_cannot_want_more_workers_than_it_
                      "    backends:\n      - {type: upstream, url: 'http://127.0.0.1:9/v1'}\n", environ={})
 
 
+def test_a_kubernetes_standby_needs_every_statefulset_pod_listed() -> None:
+    def pool(kind: str, backends: int) -> str:
+        return ("pools:\n  - name: m\n    autoscale: {max_replicas: 2, standby: 1, kubernetes: {kind: %s, name: vllm}}\n"
+                "    backends:\n" % kind + "".join(f"      - {{type: upstream, url: 'http://vllm-{i}.vllm:8000/v1'}}\n"
+                                                for i in range(backends)))
+    assert parse_config(pool("StatefulSet", 3), environ={}).pools[0].autoscale.standby == 1
+    for kind, backends in (("StatefulSet", 2), ("Deployment", 3)):
+        with pytest.raises(ConfigError, match="needs a StatefulSet whose pods the pool lists"):
+            parse_config(pool(kind, backends), environ={})
+
+
 def test_autoscale_edge_reaches_the_policy_and_cannot_sit_under_the_target() -> None:
     from tidegate.gateway.scaling import autoscale_settings
 

@@ -40,10 +40,12 @@ def fake() -> Iterator[KubeFake]:
         server.stop()
 
 
-def _actuator(fake: KubeFake, backends: list[Backend] | None, wakes: list[int]) -> KubernetesActuator:
+def _actuator(fake: KubeFake, backends: list[Backend] | None, wakes: list[int], standby: int = 0
+              ) -> KubernetesActuator:
     scaler = KubernetesScaler(ScaleTarget("serving", WorkloadKind.STATEFUL_SET, "vllm"),
                               client.AppsV1Api(client.ApiClient(client.Configuration(host=fake.url))))
-    return KubernetesActuator(scaler, ordinals=backends, wake=lambda: wakes.append(1), drain_timeout_s=30.0)
+    return KubernetesActuator(scaler, ordinals=backends, wake=lambda: wakes.append(1), standby=standby,
+                              drain_timeout_s=30.0)
 
 
 async def _settle(actuator: KubernetesActuator, desired: int, until, timeout_s: float = 10.0) -> None:
@@ -78,6 +80,35 @@ def test_a_scale_in_drains_the_highest_ordinals_before_it_writes_the_count(fake:
         # a scale-out asks for the pods again: their health checks take them in as they answer
         await _settle(actuator, 3, lambda: workload.replicas == 3)
         assert [b.health for b in backends] == [H.HEALTHY, H.UNKNOWN, H.UNKNOWN, H.STOPPED]
+
+    asyncio.run(scenario())
+
+
+def test_a_standby_pod_takes_traffic_at_once_and_a_drained_pod_becomes_the_standby(fake: KubeFake) -> None:
+    backends = [Backend(f"vllm-{i}") for i in range(4)]
+    workload = fake.workloads[KEY]
+    workload.replicas = 2
+
+    async def scenario() -> None:
+        actuator = _actuator(fake, backends, [], standby=1)
+        await _settle(actuator, 2, lambda: actuator._written == 2)
+        # two serve; the count grows by the standby's pod, which loads out of traffic
+        await _settle(actuator, 2, lambda: workload.replicas == 3)
+        assert [b.health for b in backends] == [H.HEALTHY, H.HEALTHY, H.WARMING, H.STOPPED]
+        backends[2].health = H.STANDBY  # its pod answered its health check (the checker's move)
+        actuator.apply(3)  # a scale-out: the standby serves now, before any write returns
+        assert backends[2].health is H.HEALTHY and actuator.starting() == 0
+        await _settle(actuator, 3, lambda: workload.replicas == 4)  # and the next pod refills the standby
+        assert backends[3].health is H.WARMING
+        backends[3].health = H.STANDBY
+        # a scale-in: pod 2 drains and is kept as the standby; pod 3, the standby before, ends
+        backends[2].outstanding = 1
+        actuator.apply(2)
+        await asyncio.sleep(0.3)
+        assert backends[2].health is H.DRAINING and workload.replicas == 4
+        backends[2].outstanding = 0
+        await _settle(actuator, 2, lambda: workload.replicas == 3 and backends[3].health is H.STOPPED)
+        assert [b.health for b in backends] == [H.HEALTHY, H.HEALTHY, H.STANDBY, H.STOPPED]
 
     asyncio.run(scenario())
 

@@ -82,9 +82,10 @@ def _health(gateway: str) -> list[str]:
 
 def test_the_gateway_writes_the_desired_count_to_a_kubernetes_workload(tmp_path: Path) -> None:
     """`autoscale.kubernetes`: the gateway scales a StatefulSet through the API (here the contract
-    fake of tests/control/kube_fake.py, reached through a kubeconfig) as its desired count moves. Its
-    three pods are the pool's backends in ordinal order (three mock upstreams that stay up: the fake
-    starts no pod), so the pods past the count are out of traffic and a scale-in drains them first."""
+    fake of tests/control/kube_fake.py, reached through a kubeconfig) as its desired count moves, one
+    pod more as a warm standby. Its three pods are the pool's backends in ordinal order (three mock
+    upstreams that stay up: the fake starts no pod), so the gateway keeps the pods past those serving
+    out of traffic, promotes the standby at once, and drains a pod before a scale-in removes it."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "control"))
     from kube_fake import KubeFake, Workload
 
@@ -106,7 +107,7 @@ def test_the_gateway_writes_the_desired_count_to_a_kubernetes_workload(tmp_path:
         config = {"server": {"port": port, "access_log": False}, "health": {"interval_s": 0.5},
                   "pools": [{"name": "m", "backends": [{"type": "upstream", "url": f"http://127.0.0.1:{mock}/v1",
                                                         "slot_limit": 2} for mock in mocks],
-                             "autoscale": {"min_replicas": 1, "max_replicas": 3, "tick_s": 0.5,
+                             "autoscale": {"min_replicas": 1, "max_replicas": 2, "standby": 1, "tick_s": 0.5,
                                            "stable_window_s": 2, "panic_window_s": 1, "scale_down_window_s": 2,
                                            "kubernetes": {"namespace": "serving", "kind": "StatefulSet",
                                                           "name": "vllm"}}}]}
@@ -116,14 +117,18 @@ def test_the_gateway_writes_the_desired_count_to_a_kubernetes_workload(tmp_path:
                                        ready_url=f"http://127.0.0.1:{port}/ready", timeout_s=30, env=env))
         gateway = f"http://127.0.0.1:{port}"
         workload = api.workloads[("serving", "statefulsets", "vllm")]
-        # the workload's one pod serves; the two past it answer their checks but are not its pods yet
-        assert wait_for(lambda: _health(gateway)[1:] == ["stopped", "stopped"], 8), _health(gateway)
+        # the workload's one pod serves, the next is asked for as the standby; the last answers its
+        # checks but is no pod of the workload yet
+        assert wait_for(lambda: _health(gateway) == ["healthy", "standby", "stopped"], 8), _health(gateway)
+        assert workload.replicas == 2
         with StreamingLoad(gateway, "m", clients=8, duration_s=5.0):
-            assert wait_for(lambda: workload.replicas == 3, 8), workload
-            assert wait_for(lambda: _health(gateway) == ["healthy"] * 3, 8), _health(gateway)  # asked for: in traffic
-        assert wait_for(lambda: workload.replicas == 1, 15), workload  # scaled in after its window
-        assert _health(gateway) == ["healthy", "stopped", "stopped"]  # drained before the write, then out
-        assert api.writes >= 2
+            # the standby takes traffic and the last pod is asked for as the next standby
+            assert wait_for(lambda: _health(gateway) == ["healthy", "healthy", "standby"], 8), _health(gateway)
+            assert workload.replicas == 3
+        # scaled in after its window: pod 1 drained and kept as the standby, pod 2 removed
+        assert wait_for(lambda: workload.replicas == 2, 15), workload
+        assert _health(gateway) == ["healthy", "standby", "stopped"]
+        assert api.writes >= 3
         with StreamingLoad(gateway, "m", clients=2) as load:
             time.sleep(2.0)
         assert load.answered and not load.failed, load.failed  # the pod left serves alone

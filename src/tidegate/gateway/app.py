@@ -240,16 +240,17 @@ class Gateway:
                 from tidegate.control.kubernetes_scaler import KubernetesScaler, ScaleTarget, WorkloadKind
 
                 scaler = KubernetesScaler(ScaleTarget(target.namespace, WorkloadKind(target.kind), target.name))
-                replicas = self.pools[pool_config.name].replicas
-                # a StatefulSet's pods listed in ordinal order, all of them: a scale-in drains the ones it removes
-                ordered = target.kind == "StatefulSet" and len(replicas) == pool_config.autoscale.max_replicas
+                replicas, autoscale = self.pools[pool_config.name].replicas, pool_config.autoscale
+                # a StatefulSet's pods listed in ordinal order, all of them: a scale-in drains the ones it
+                # removes, and standbys are the pods past those serving (config checks standby needs it)
+                ordered = target.kind == "StatefulSet" and len(replicas) == autoscale.max_replicas + autoscale.standby
                 if not ordered:
                     log.info("scale-in is written as decided, not drained first: list the StatefulSet's pods as the "
                              "pool's backends in ordinal order, max_replicas of them, to drain them",
                              extra={"fields": {"pool": pool_config.name, "kind": target.kind}})
                 actuators[pool_config.name] = KubernetesActuator(
                     scaler, ordinals=list(replicas) if ordered else None, wake=self._wake_pools,
-                    drain_timeout_s=server.request_timeout_s)
+                    standby=autoscale.standby, drain_timeout_s=server.request_timeout_s)
         self.scaling = ScaleLoop(self.pools, autoscaled, self.metrics.registry, self.overload,
                                  actuators=actuators) if autoscaled else None
         self.cache: ResponseCache | None = None
