@@ -163,11 +163,23 @@ class FixedFleet:
 # counts as a miss (`Autoscaler._latency_missed`)
 MISSED_TICKS_SHARE = 0.1
 # standard errors by which a window's work must exceed the window's `edge_hold_s` before to count
-# as a rise (`Autoscaler._work_rising`). A minute apart, the surge's ramp adds 10 % to its 60
+# as a rise (`Autoscaler._work_trend`). A minute apart, the surge's ramp adds 10 % to its 60
 # requests a second, as much as 3 standard errors of the night's 24 a second, and at 3 the flat
 # night of `test_latency_with_margin_lets_one_replica_run_near_its_edge` sat 10-27 % of the hour at
 # two replicas on three seeds of six; 300 s apart the ramp adds 50 %, clear of 5
 RISE_SIGMAS = 5.0
+# standard errors by which a window's work must fall short of the window a stable window before to
+# count as a fall, which ends a rise's hold on the floor (`Autoscaler._work_trend`). The working
+# day's evening falls by a replica's worth a minute, 3-5 standard errors a window apart; a flat
+# level crosses 3 by noise now and then, which only brings the edge early
+FALL_SIGMAS = 3.0
+
+
+class _Trend(NamedTuple):
+    """The stable window's work against the windows before it (`Autoscaler._work_trend`)."""
+
+    rising: bool  # over the window `edge_hold_s` before by `RISE_SIGMAS`, and not falling
+    falling: bool  # under the window a stable window before by `FALL_SIGMAS`
 
 
 class _Band(NamedTuple):
@@ -191,7 +203,8 @@ class Autoscaler:
         self._desired: deque[tuple[float, int]] = deque()  # (time, desired before scale-in damping)
         self._panic_until_s = -math.inf
         self._last_scale_in_s = -math.inf
-        self._latency_missed_s = -math.inf  # the last tick the window missed its latency target or rose
+        self._latency_missed_s = -math.inf  # the last tick the window missed its latency target
+        self._rising_s = -math.inf  # the last tick the work rose (`_work_trend`); -inf once it falls
         self._window_work: deque[tuple[float, float, float]] = deque()  # (time, the window's rate, its standard error)
         self._over_target: deque[tuple[float, bool]] = deque()  # (time, P99 TTFT at its target), the window
         self._target = settings.target_utilisation  # this tick's utilisation target (`_target_at`)
@@ -219,7 +232,7 @@ class Autoscaler:
         slowest: on the working day's night one replica at 0.92 met the SLO over each minute, yet a
         tick reached it every few minutes, and a miss on one tick sent the night back to two
         replicas: 2.44 replica-hours (1.28x the oracle's), 2.30 (1.21x) on a tenth, before
-        `_work_rising` (docs/autoscaling.md)."""
+        `_work_trend` (docs/autoscaling.md)."""
         window_s = self.settings.stable_window_s
         self._over_target.append((now_s, (ttft_ratio or 0.0) >= 1.0))
         while self._over_target and self._over_target[0][0] <= now_s - window_s:
@@ -228,19 +241,23 @@ class Autoscaler:
             return False
         return sum(over for _, over in self._over_target) > MISSED_TICKS_SHARE * len(self._over_target)
 
-    def _work_rising(self, now_s: float) -> bool:
-        """Whether the stable window's work exceeds the window's `edge_hold_s` before by more than
-        `RISE_SIGMAS` standard errors of their difference (changes state). A rise is met at
-        the floor: latency reaches its target only once the fleet is short, a cold start before
-        the replica that restores it, and on the surge's ramp at the edge the P99 was 3,230 ms
-        (`test_a_rise_in_work_is_met_at_the_floor`)."""
+    def _work_trend(self, now_s: float) -> _Trend:
+        """Whether the stable window's work rises: exceeds the window's `edge_hold_s` before by more
+        than `RISE_SIGMAS` standard errors of their difference, and falls: is short of the window a
+        stable window before by more than `FALL_SIGMAS` (changes state). A rise is met at the
+        floor: latency reaches its target only once the fleet is short, a cold start before the
+        replica that restores it, and on the surge's ramp at the edge the P99 was 3,230 ms
+        (`test_a_rise_in_work_is_met_at_the_floor`). A fall is no rise, however far the work still
+        is over the level `edge_hold_s` before: read against that level alone, the working day's
+        top and the first minutes of its fall rose, and with the hold after it the evening fell at
+        the floor, 0.19 replica-hours over the oracle's (`test_the_top_of_a_rise_and_the_fall_after_it_run_at_the_edge`)."""
         s = self.settings
         if s.edge_utilisation is None or self.replica_tokens_per_s is None:
-            return False
+            return _Trend(False, False)
         since_s = now_s - s.stable_window_s
         ticks = [n / c for t, n, _, c in self._work if t > since_s and c > 0]
         if len(ticks) < 2 or sum(c for t, _, _, c in self._work if t > since_s) < s.stable_window_s / 2:
-            return False
+            return _Trend(False, False)
         mean = sum(ticks) / len(ticks)
         error = math.sqrt(sum((r - mean) ** 2 for r in ticks) / (len(ticks) - 1) / len(ticks))
         self._window_work.append((now_s, mean, error))
@@ -249,21 +266,27 @@ class Autoscaler:
             self._window_work.popleft()
         then_s, before, before_error = self._window_work[0]
         if now_s - then_s < s.stable_window_s - 1e-9:  # under a window apart, they overlap; under the lag, the oldest
-            return False
-        return mean - before > RISE_SIGMAS * math.sqrt(error ** 2 + before_error ** 2)
+            return _Trend(False, False)
+        # the window a stable window before: the newest at least a window old
+        _, previous, previous_error = next(w for w in reversed(self._window_work)
+                                           if w[0] <= now_s - s.stable_window_s + 1e-9)
+        falling = previous - mean > FALL_SIGMAS * math.sqrt(error ** 2 + previous_error ** 2)
+        rising = not falling and mean - before > RISE_SIGMAS * math.sqrt(error ** 2 + before_error ** 2)
+        return _Trend(rising, falling)
 
     def _target_at(self, now_s: float) -> float:
         """The utilisation the pool runs at: the edge while its latency has margin (on work demand
         only: requests held read full slots whatever the work), else the floor. Only a pool that
         checks its latency can run near a replica's edge: on the working day a fixed 0.95 missed
         the P99 on the rising peak, and 0.85 kept two replicas all night where one meets the SLO.
-        The floor holds for `edge_hold_s` after a miss or a rise (`_work_rising`), so the replica a
-        miss added is not taken away by the latency it restored
-        (`test_a_latency_miss_holds_the_floor_and_its_replica`)."""
+        The floor holds for `edge_hold_s` after a miss, so the replica a miss added is not taken
+        away by the latency it restored (`test_a_latency_miss_holds_the_floor_and_its_replica`),
+        and after a rise (`_work_trend`) until the work falls."""
         s = self.settings
         if s.edge_utilisation is None or self.replica_tokens_per_s is None:
             return s.target_utilisation
-        return s.target_utilisation if now_s - self._latency_missed_s < s.edge_hold_s else s.edge_utilisation
+        held_since_s = max(self._latency_missed_s, self._rising_s)
+        return s.target_utilisation if now_s - held_since_s < s.edge_hold_s else s.edge_utilisation
 
     @staticmethod
     def _mean(samples: deque, since_s: float) -> float:
@@ -362,8 +385,13 @@ class Autoscaler:
             self._measured.observe(PoolSample(now_s, signals.ready, signals.in_flight, signals.queued,
                                               signals.served_tokens))
         self._record(now_s, demand, signals.arrivals, signals.refused, signals.arrived_tokens)
-        if self._latency_missed(now_s, signals.ttft_ratio) | self._work_rising(now_s):
+        if self._latency_missed(now_s, signals.ttft_ratio):
             self._latency_missed_s = now_s
+        trend = self._work_trend(now_s)
+        if trend.rising:
+            self._rising_s = now_s
+        elif trend.falling:
+            self._rising_s = -math.inf
         self._target = self._target_at(now_s)
         fleet = signals.ready + signals.starting
         stable_demand = self._demand_since(now_s - s.stable_window_s)
