@@ -491,3 +491,18 @@ def test_a_burst_the_fleet_absorbs_holds_no_replica() -> None:
         assert max(desired[600:700]) == 2  # the miss still asks for capacity: it cannot know it is a burst
         assert sum(d - 1 for d in desired[600:]) <= 300
         assert set(desired[900:]) == {1}
+
+
+def test_the_fleet_found_is_not_cut_to_the_edge_before_its_latency_is_seen() -> None:
+    # the working day's pool starts with the 2 replicas its night needs at the floor; cut to 1
+    # at the edge 89 s in, it asked for the second back 83 s later when the one replica queued:
+    # a flap. Unseen latency is no margin: the fleet found holds until its latency has been seen
+    # for edge_hold_s, then runs at the edge
+    for seed in (1, 2):
+        decisions = _noisy_work_with_latency(Autoscaler(EDGE), 0, 900, NIGHT_TOKENS_PER_S, ready=2, seed=seed,
+                                             ttft_ratio=lambda t, ready: 0.3)
+        desired = [d.desired for d in decisions]
+        assert set(desired[:int(EDGE.edge_hold_s)]) == {2}
+        assert desired[-1] == 1
+    # nor is a scale-out counted at the floor meanwhile: a fleet of one found stays one
+    # (`test_latency_with_margin_lets_one_replica_run_near_its_edge`)

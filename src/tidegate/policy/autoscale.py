@@ -219,6 +219,8 @@ class Autoscaler:
         self._window_work: deque[tuple[float, float, float]] = deque()  # (time, the window's rate, its standard error)
         self._over_target: deque[tuple[float, bool]] = deque()  # (time, P99 TTFT at its target), the window
         self._target = settings.target_utilisation  # this tick's utilisation target (`_target_at`)
+        self._in_target = settings.target_utilisation  # the target a scale-in is counted at (`_scale_in_target`)
+        self._first_tick_s: float | None = None
         self._bucket_start_s: float | None = None
         self._bucket_arrivals = 0
         self._measured = SaturatedThroughput(settings.slots_per_replica) if (
@@ -234,8 +236,22 @@ class Autoscaler:
             return self.settings.replica_tokens_per_s
         return None if self._measured is None else self._measured.tokens_per_s
 
-    def _replicas_for(self, demand: float) -> int:
-        return math.ceil(demand / (self.settings.slots_per_replica * self._target) - 1e-9)
+    def _replicas_for(self, demand: float, target: float | None = None) -> int:
+        return math.ceil(demand / (self.settings.slots_per_replica * (target or self._target)) - 1e-9)
+
+    def _scale_in_target(self, now_s: float) -> float:
+        """The utilisation a scale-in is counted at: this tick's target, except that the pool
+        does not cut the fleet it found to the edge before it has seen its latency for
+        `edge_hold_s`: unseen latency is no margin (nor a miss, so a scale-out is counted at the
+        edge meanwhile). The working day's pool, started with the 2 replicas its night needs at
+        the floor, cut one at the edge 89 s in and asked for it back 83 s later when the one
+        replica queued: its one flap (`test_the_fleet_found_is_not_cut_to_the_edge_before_its_latency_is_seen`)."""
+        s = self.settings
+        if self._first_tick_s is None:
+            self._first_tick_s = now_s
+        if s.edge_utilisation is None or now_s - self._first_tick_s >= s.edge_hold_s:
+            return self._target
+        return s.target_utilisation
 
     def _latency_missed(self, now_s: float, ttft_ratio: float | None) -> bool:
         """Whether more than `MISSED_TICKS_SHARE` of the stable window's ticks had their P99 TTFT at
@@ -379,7 +395,7 @@ class Autoscaler:
         rate = self._work_rate_since(since_s)
         per_slot = s.slots_per_replica / tokens_per_s
         lower = max(0.0, rate - half)
-        return _Band(self._replicas_for(lower * per_slot), self._replicas_for((rate + half) * per_slot),
+        return _Band(self._replicas_for(lower * per_slot), self._replicas_for((rate + half) * per_slot, self._in_target),
                      lower / rate if rate > 0 else 1.0)
 
     def _held_demand_since(self, since_s: float) -> float:
@@ -428,12 +444,16 @@ class Autoscaler:
         elif trend.falling:
             self._rising_s = -math.inf
         self._target = self._target_at(now_s)
+        self._in_target = self._scale_in_target(now_s)
         fleet = signals.ready + signals.starting
         stable_demand = self._demand_since(now_s - s.stable_window_s)
         panic_demand = self._demand_since(now_s - s.panic_window_s)
         stable, panic = self._replicas_for(stable_demand), self._replicas_for(panic_demand)
         band = self._work_band(now_s - s.stable_window_s, fleet)
-        reactive = stable if band is None else min(max(fleet, band.lower), band.upper)
+        if band is None:
+            reactive = max(stable, min(fleet, self._replicas_for(stable_demand, self._in_target)))
+        else:
+            reactive = min(max(fleet, band.lower), band.upper)
         low_share = 1.0 if band is None else band.low_share
         step_cap = max(fleet + 1, math.ceil(fleet * (1 + s.scale_up_step)))
         candidates = [(min(reactive, step_cap), ScaleLayer.REACTIVE,
