@@ -216,6 +216,7 @@ class Autoscaler:
         self._latency_missed_s = -math.inf  # the last tick the window missed its latency target
         self._rising_s = -math.inf  # the last tick the work rose (`_work_trend`); -inf once it falls
         self._miss: _Miss | None = None  # the latency miss going on (`_note_latency`)
+        self._falling = False  # this tick's work falls (`_work_trend`)
         self._window_work: deque[tuple[float, float, float]] = deque()  # (time, the window's rate, its standard error)
         self._over_target: deque[tuple[float, bool]] = deque()  # (time, P99 TTFT at its target), the window
         self._target = settings.target_utilisation  # this tick's utilisation target (`_target_at`)
@@ -443,6 +444,7 @@ class Autoscaler:
             self._rising_s = now_s
         elif trend.falling:
             self._rising_s = -math.inf
+        self._falling = trend.falling
         self._target = self._target_at(now_s)
         self._in_target = self._scale_in_target(now_s)
         fleet = signals.ready + signals.starting
@@ -506,7 +508,11 @@ class Autoscaler:
         quarter a minute, the working day's evening paid 7 and 5 replicas where the oracle's 4
         and 2 served (`test_on_work_demand_a_scale_in_is_not_stepped`)."""
         s = self.settings
-        damped = max(d for _, d in self._desired)
+        # the window makes a fall clear the noise band for a whole window, not one tick; a fall
+        # the trend has established (`_work_trend`) has cleared it, and held a window more it
+        # lagged the working day's evening by a window: 0.12 replica-hours over the oracle's
+        # (`test_an_established_fall_is_followed_without_the_scale_down_window`)
+        damped = self._desired[-1][1] if self._falling else max(d for _, d in self._desired)
         if panicking or damped >= fleet:
             return fleet, ScaleLayer.HOLD, ("panicking" if panicking
                                             else f"asked {desired}, {damped} within {s.scale_down_window_s:g} s")
