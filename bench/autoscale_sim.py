@@ -343,7 +343,8 @@ def run_scenario(scenario: Scenario, args) -> bool:
                                        args.cold_start_s, max_replicas=args.max_replicas)
         policies["oracle"] = (ScheduledFleet(schedule), schedule.needed[0])
         oracle_plan = (f"oracle plan {schedule.replica_hours:.2f} replica-hours (each {BUCKET_S:g} s bucket simulated: "
-                       f"{oracle_cpu_s:.0f} cpu s; from average work at a 95 % ceiling {average_plan.replica_hours:.2f})")
+                       f"{oracle_cpu_s:.0f} cpu s; from average work at a 95 % ceiling "
+                       f"{average_plan.replica_hours:.2f})")
     print(f"\n{scenario.name}: {len(scenario.requests)} requests, peak {peak_rate:.0f} req/s; a replica serves "
           f"{capacity_tps:.0f} tokens/s ({capacity_rps:.1f} req/s at {tokens_per_request:.0f} tokens; behind the "
           f"controller, measured as the gateway does: {told_tps:.0f}, told tidegate: {args.told}); start with "

@@ -303,7 +303,8 @@ class Autoscaler:
         (`test_a_rise_in_work_is_met_at_the_floor`). A fall is no rise, however far the work still
         is over the level `edge_hold_s` before: read against that level alone, the working day's
         top and the first minutes of its fall rose, and with the hold after it the evening fell at
-        the floor, 0.19 replica-hours over the oracle's (`test_the_top_of_a_rise_and_the_fall_after_it_run_at_the_edge`)."""
+        the floor, 0.19 replica-hours over the oracle's
+        (`test_the_top_of_a_rise_and_the_fall_after_it_run_at_the_edge`)."""
         s = self.settings
         if s.edge_utilisation is None or self.replica_tokens_per_s is None:
             return _Trend(False, False)
@@ -396,7 +397,8 @@ class Autoscaler:
         rate = self._work_rate_since(since_s)
         per_slot = s.slots_per_replica / tokens_per_s
         lower = max(0.0, rate - half)
-        return _Band(self._replicas_for(lower * per_slot), self._replicas_for((rate + half) * per_slot, self._in_target),
+        upper = self._replicas_for((rate + half) * per_slot, self._in_target)  # the fleet found: `_scale_in_target`
+        return _Band(self._replicas_for(lower * per_slot), upper,
                      lower / rate if rate > 0 else 1.0)
 
     def _held_demand_since(self, since_s: float) -> float:
