@@ -217,6 +217,7 @@ class Autoscaler:
         self._rising_s = -math.inf  # the last tick the work rose (`_work_trend`); -inf once it falls
         self._miss: _Miss | None = None  # the latency miss going on (`_note_latency`)
         self._falling = False  # this tick's work falls (`_work_trend`)
+        self._fell_s = -math.inf  # the last tick it fell
         self._window_work: deque[tuple[float, float, float]] = deque()  # (time, the window's rate, its standard error)
         self._over_target: deque[tuple[float, bool]] = deque()  # (time, P99 TTFT at its target), the window
         self._target = settings.target_utilisation  # this tick's utilisation target (`_target_at`)
@@ -318,14 +319,21 @@ class Autoscaler:
         lag_s = max(s.edge_hold_s, s.stable_window_s)
         while self._window_work[0][0] < now_s - lag_s:
             self._window_work.popleft()
-        then_s, before, before_error = self._window_work[0]
-        if now_s - then_s < s.stable_window_s - 1e-9:  # under a window apart, they overlap; under the lag, the oldest
+        if now_s - self._window_work[0][0] < s.stable_window_s - 1e-9:  # under a window apart, they overlap
             return _Trend(False, False)
         # the window a stable window before: the newest at least a window old
         _, previous, previous_error = next(w for w in reversed(self._window_work)
                                            if w[0] <= now_s - s.stable_window_s + 1e-9)
         falling = previous - mean > FALL_SIGMAS * math.sqrt(error ** 2 + previous_error ** 2)
-        rising = not falling and mean - before > RISE_SIGMAS * math.sqrt(error ** 2 + before_error ** 2)
+        if falling:
+            self._fell_s = now_s
+        # a rise is measured from the last fall, not across it: against the level `edge_hold_s`
+        # before, the first minutes of a fall still rose whenever a tick's fall was under
+        # `FALL_SIGMAS`, and the working day's top went 8, 7, 8, 7 replicas
+        # (`test_an_established_fall_is_followed_without_the_scale_down_window`)
+        then_s, before, before_error = next(w for w in self._window_work if w[0] >= self._fell_s)
+        rising = (not falling and now_s - then_s >= s.stable_window_s - 1e-9
+                  and mean - before > RISE_SIGMAS * math.sqrt(error ** 2 + before_error ** 2))
         return _Trend(rising, falling)
 
     def _target_at(self, now_s: float) -> float:
