@@ -541,3 +541,24 @@ def test_an_established_fall_is_followed_without_the_scale_down_window() -> None
     # 4, 6, 8 and 10 among them): a rise is measured from the last fall
     for seed in range(1, 13):
         assert _flaps(_desired_over_a_rise_and_fall(EDGE, seed)) == 0
+
+
+def test_a_trigger_waits_for_the_replicas_it_got_to_serve() -> None:
+    # two replicas and a third starting fall behind: 22 queued, each tick's P99 2.6x its target.
+    # The tick the third comes up, the first tokens are those of requests that queued for it (on
+    # the surge at the edge the backlog was gone 2 s later); a fourth asked for then is cut a
+    # window after, and asked for again: a flap. The trigger waits a panic window for the fleet
+    # it got, and fires if the latency is still over then
+    def run(slow_after_s: float) -> list:
+        scaler = Autoscaler(WORK)  # on work: the queue does not inflate demand into a panic
+        feed_work(scaler, 0, 60, 1400, ready=2, held=15)  # 2.8 replicas' worth at the 0.5 target
+        for t in range(60, 120):
+            scaler.on_tick(ScaleSignals(float(t), 2, 1, 15, 22, 10, arrived_tokens=1400, ttft_ratio=2.6))
+        return [scaler.on_tick(ScaleSignals(float(t), 3, 0, 15, 22 if t == 120 else 0, 10, arrived_tokens=1400,
+                                            ttft_ratio=2.6 if t == 120 or t >= slow_after_s else 0.1))
+                for t in range(120, 180)]
+    recovered = run(slow_after_s=float("inf"))
+    assert max(d.desired for d in recovered) == 3
+    still_slow = run(slow_after_s=121.0)
+    first = next(i for i, d in enumerate(still_slow) if d.desired > 3)
+    assert still_slow[first].layer is ScaleLayer.TRIGGER and first == SETTINGS.panic_window_s

@@ -223,6 +223,8 @@ class Autoscaler:
         self._target = settings.target_utilisation  # this tick's utilisation target (`_target_at`)
         self._in_target = settings.target_utilisation  # the target a scale-in is counted at (`_scale_in_target`)
         self._first_tick_s: float | None = None
+        self._last_ready: int | None = None  # the replicas ready at the previous tick
+        self._ready_changed_s = -math.inf  # the last tick their count changed (the fleet found: settled)
         self._bucket_start_s: float | None = None
         self._bucket_arrivals = 0
         self._measured = SaturatedThroughput(settings.slots_per_replica) if (
@@ -481,9 +483,16 @@ class Autoscaler:
             candidates.append((max(panic, fleet), ScaleLayer.PANIC,
                                f"demand {panic_demand:.1f} over {s.panic_window_s:g} s, {signals.ready} ready"))
         # a trigger adds a step over the fleet: only once the previous step's replicas are up, or it
-        # fires every tick of their cold start and the fleet compounds to the maximum
+        # fires every tick of their cold start and the fleet compounds to the maximum; and a panic
+        # window after they come up, or it reads the first tokens of requests that queued for them:
+        # on the surge at the edge, the tick a third replica came up the trigger asked for a fourth
+        # on a P99 2.61x its target, the backlog gone 2 s later, and the fourth was cut a window
+        # after and asked for again: a flap (`test_a_trigger_waits_for_the_replicas_it_got_to_serve`)
+        if signals.ready != self._last_ready:
+            self._last_ready, self._ready_changed_s = signals.ready, now_s
+        settled = now_s - self._ready_changed_s >= s.panic_window_s
         triggered = signals.queued >= s.queue_trigger or (signals.ttft_ratio or 0.0) >= s.latency_trigger
-        if triggered and not signals.starting:
+        if triggered and not signals.starting and settled:
             candidates.append((step_cap, ScaleLayer.TRIGGER,
                                f"queued {signals.queued}, TTFT P99 {signals.ttft_ratio or 0:.2f}x target"))
         predicted = self._predicted(now_s, low_share)
