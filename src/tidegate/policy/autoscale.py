@@ -19,7 +19,8 @@ docs/autoscaling.md:
   `test_a_rising_average_adds_at_most_a_quarter_of_the_fleet_per_decision`);
 - triggers (the seeds' rules): queued requests over `queue_trigger`, or the worst tier's P99 TTFT
   over `latency_trigger` x its target, ask for one step more than the current fleet, once nothing
-  is starting (`test_a_queue_trigger_waits_for_the_replicas_it_started`);
+  is starting (`test_a_queue_trigger_waits_for_the_replicas_it_started`) and the ready count has
+  held for a panic window (`test_a_trigger_waits_for_the_replicas_it_got_to_serve`);
 - panic (Knative): when the short window's demand asks for `panic_factor` x the ready replicas,
   scale to it at once, without the step limit, and scale in nothing until the stable window has
   passed without panic (`test_a_sudden_surge_panics_to_what_the_short_window_needs`);
@@ -39,7 +40,12 @@ on work demand the pool runs at that utilisation while every tick's P99 TTFT has
 target for `edge_hold_s`, else at `target_utilisation`, so it scales in to the edge only while the
 latency has margin and backs off at a miss
 (`test_latency_with_margin_lets_one_replica_run_near_its_edge`, `test_a_scale_in_waits_for_latency_margin`,
-`test_a_latency_miss_holds_the_floor_and_its_replica`). The body drains a replica before it
+`test_a_latency_miss_holds_the_floor_and_its_replica`), except a miss the fleet absorbed
+(`test_a_burst_the_fleet_absorbs_holds_no_replica`); at the floor while the work rises, at the
+edge again once it falls, the fall followed without the scale-down window
+(`test_the_top_of_a_rise_and_the_fall_after_it_run_at_the_edge`,
+`test_an_established_fall_is_followed_without_the_scale_down_window`); the fleet found is not cut to
+the edge before its latency is seen (`test_the_fleet_found_is_not_cut_to_the_edge_before_its_latency_is_seen`). The body drains a replica before it
 stops it: no request is aborted by a scale-in
 (`tests/sim/test_scaling.py::test_the_pool_grows_for_a_surge_and_shrinks_by_draining_after_it`).
 """
