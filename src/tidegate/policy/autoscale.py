@@ -45,8 +45,8 @@ latency has margin and backs off at a miss
 edge again once it falls, the fall followed without the scale-down window
 (`test_the_top_of_a_rise_and_the_fall_after_it_run_at_the_edge`,
 `test_an_established_fall_is_followed_without_the_scale_down_window`); the fleet found is not cut to
-the edge before its latency is seen (`test_the_fleet_found_is_not_cut_to_the_edge_before_its_latency_is_seen`). The body drains a replica before it
-stops it: no request is aborted by a scale-in
+the edge before its latency is seen (`test_the_fleet_found_is_not_cut_to_the_edge_before_its_latency_is_seen`).
+The body drains a replica before it stops it: no request is aborted by a scale-in
 (`tests/sim/test_scaling.py::test_the_pool_grows_for_a_surge_and_shrinks_by_draining_after_it`).
 """
 
