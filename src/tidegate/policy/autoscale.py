@@ -494,8 +494,9 @@ class Autoscaler:
         # on the surge at the edge, the tick a third replica came up the trigger asked for a fourth
         # on a P99 2.61x its target, the backlog gone 2 s later, and the fourth was cut a window
         # after and asked for again: a flap (`test_a_trigger_waits_for_the_replicas_it_got_to_serve`)
-        if signals.ready != self._last_ready:
-            self._last_ready, self._ready_changed_s = signals.ready, now_s
+        if self._last_ready is not None and signals.ready != self._last_ready:
+            self._ready_changed_s = now_s
+        self._last_ready = signals.ready
         settled = now_s - self._ready_changed_s >= s.panic_window_s
         triggered = signals.queued >= s.queue_trigger or (signals.ttft_ratio or 0.0) >= s.latency_trigger
         if triggered and not signals.starting and settled:
