@@ -519,7 +519,8 @@ class Autoscaler:
             self._ready_changed_s = now_s
         self._last_ready = signals.ready
         settled = now_s - self._ready_changed_s >= s.panic_window_s
-        triggered = signals.queued >= s.queue_trigger or self._latency_triggered(now_s, signals.ttft_ratio)
+        latency_triggered = self._latency_triggered(now_s, signals.ttft_ratio)  # every tick: it keeps a record
+        triggered = signals.queued >= s.queue_trigger or latency_triggered
         if triggered and not signals.starting and settled:
             candidates.append((step_cap, ScaleLayer.TRIGGER,
                                f"queued {signals.queued}, TTFT P99 {signals.ttft_ratio or 0:.2f}x target"))
