@@ -578,8 +578,8 @@ def test_at_the_edge_a_tick_over_the_trigger_now_and_then_adds_nothing() -> None
             started = [at for at in started if at > t]
             arrivals = int(rng.poisson(100))
             tokens = int(rng.uniform(0.5, 1.5, arrivals).sum() * 4500.0 / 100)
-            decision = scaler.on_tick(ScaleSignals(float(t), ready, len(started), 45, 0, arrivals, arrived_tokens=tokens,
-                                                   ttft_ratio=1.3 if t % 45 == 0 else 0.3))
+            decision = scaler.on_tick(ScaleSignals(float(t), ready, len(started), 45, 0, arrivals,
+                                                   arrived_tokens=tokens, ttft_ratio=1.3 if t % 45 == 0 else 0.3))
             if decision.desired > ready + len(started):
                 started += [t + 60] * (decision.desired - ready - len(started))
             elif decision.desired < ready + len(started):
