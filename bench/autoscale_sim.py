@@ -267,7 +267,7 @@ def main() -> int:
     parser.add_argument("--noise-band-sigmas", type=float, default=AutoscaleSettings(1).noise_band_sigmas,
                         help="tidegate's noise band on work demand, in standard errors of the window's mean")
     # off by default: at 1.0 the day pays 1.11x the oracle (1.58x without) with no flap, and the surge
-    # 1.06x (1.14x), but the trace flaps 6 times (2 without): docs/autoscaling.md, "Latency feedback"
+    # 1.06x (1.14x), but the trace flaps 3 times (2 without): docs/autoscaling.md, "Latency feedback"
     parser.add_argument("--edge-utilisation", type=float, default=0.0,
                         help="tidegate's utilisation while its P99 TTFT has margin (0: off, the target always; "
                              "on, each tick reports the P99 TTFT against the bars' 800 ms)")
