@@ -20,7 +20,9 @@ docs/autoscaling.md:
 - triggers (the seeds' rules): queued requests over `queue_trigger`, or the worst tier's P99 TTFT
   over `latency_trigger` x its target, ask for one step more than the current fleet, once nothing
   is starting (`test_a_queue_trigger_waits_for_the_replicas_it_started`) and the ready count has
-  held for a panic window (`test_a_trigger_waits_for_the_replicas_it_got_to_serve`);
+  held for a panic window (`test_a_trigger_waits_for_the_replicas_it_got_to_serve`); at the edge the
+  latency trigger is judged on a tenth of the ticks since then
+  (`test_at_the_edge_a_tick_over_the_trigger_now_and_then_adds_nothing`);
 - panic (Knative): when the short window's demand asks for `panic_factor` x the ready replicas,
   scale to it at once, without the step limit, and scale in nothing until the stable window has
   passed without panic (`test_a_sudden_surge_panics_to_what_the_short_window_needs`);
