@@ -228,7 +228,8 @@ def print_timeline(rows: dict, last_s: float, points: int = 24) -> None:
 
 def print_decisions(events: Sequence) -> None:
     """Each decision that changed the desired count: when, the fleet then, the layer and its reason."""
-    print("  tidegate's decisions that changed the count (time, ready + starting once acted on, desired, layer: reason):")
+    print("  tidegate's decisions that changed the count (time, ready + starting once acted on, desired, layer: "
+          "reason):")
     previous = None
     for event in events:
         if previous is None or event.desired != previous.desired:
