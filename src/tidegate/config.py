@@ -249,8 +249,9 @@ class AutoscaleConfig(_Strict):
     # work demand: the fleet moves only when the work's mean, give or take this many standard
     # errors, needs another count (0: the mean alone; docs/autoscaling.md)
     noise_band_sigmas: float = Field(2.0, ge=0)
-    # work demand: the utilisation the pool may run at while every tick's P99 TTFT is under its
-    # tier's target, for edge_hold_s after the last miss (null: target_utilisation always)
+    # work demand: the utilisation the pool may run at while its P99 TTFT has margin: edge_hold_s
+    # after the last miss the fleet did not absorb, and while the work does not rise (null:
+    # target_utilisation always; docs/autoscaling.md, "Latency feedback")
     edge_utilisation: float | None = Field(None, gt=0, le=1)
     edge_hold_s: float = Field(300.0, ge=0)
     # workers (embedded pools) or a StatefulSet's pods (`kubernetes`, its pods listed in ordinal order)

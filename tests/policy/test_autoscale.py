@@ -351,11 +351,11 @@ def test_latency_with_margin_lets_one_replica_run_near_its_edge() -> None:
 
 
 def test_a_latency_miss_holds_the_floor_and_its_replica() -> None:
-    # ten seconds at the target 600 s in, a sixth of a window: the pool goes back to the floor,
-    # where 920 tokens/s need a second replica, and keeps it while the latency that replica
-    # restored has margin: taken away, the miss would come back and the count flap
+    # from 600 s on one replica is at its target until a second serves (for 100 s): the pool goes
+    # back to the floor, where 920 tokens/s need a second replica, and keeps it while the latency
+    # that replica restored has margin: taken away, the miss would come back and the count flap
     decisions = _noisy_work_with_latency(Autoscaler(EDGE), 0, 2400, NIGHT_TOKENS_PER_S, ready=1, seed=3,
-                                         ttft_ratio=lambda t, ready: 1.0 if 600 <= t < 610 else 0.3)
+                                         ttft_ratio=lambda t, ready: 1.0 if 600 <= t < 700 and ready == 1 else 0.3)
     desired = [d.desired for d in decisions]
     assert set(desired[:606]) == {1}
     out_s = next(t for t in range(600, 2400) if desired[t] == 2)
@@ -412,3 +412,180 @@ def test_a_rise_in_work_is_met_at_the_floor() -> None:
         at_floor_s, _ = _first_out_on_the_ramp(Autoscaler(SURGE), seed)
         with_edge_s, layer = _first_out_on_the_ramp(Autoscaler(edge), seed)
         assert layer is ScaleLayer.REACTIVE and with_edge_s <= at_floor_s
+
+
+def _rise_and_fall_tokens_per_s(t_s: float) -> float:
+    """The working day's peak in miniature: 0.92 of a replica for 600 s, up to 6 replicas' worth
+    over 600 s, back down over 600 s, then 0.92 again."""
+    night, top = NIGHT_TOKENS_PER_S, 6000.0
+    if t_s < 600 or t_s >= 1800:
+        return night
+    if t_s < 1200:
+        return night + (top - night) * (t_s - 600) / 600
+    return top - (top - night) * (t_s - 1200) / 600
+
+
+def _desired_over_a_rise_and_fall(settings: AutoscaleSettings, seed: int) -> list[int]:
+    """The count the pool asks for each second, the fleet following each decision, the latency
+    with margin throughout."""
+    rng = np.random.default_rng(seed)
+    scaler, ready, desired = Autoscaler(settings), 1, []
+    for t in range(2400):
+        arrivals = int(rng.poisson(100))
+        tokens = int(rng.uniform(0.5, 1.5, arrivals).sum() * _rise_and_fall_tokens_per_s(t) / 100)
+        ready = scaler.on_tick(ScaleSignals(float(t), ready, 0, 20, 0, arrivals, arrived_tokens=tokens,
+                                            ttft_ratio=0.3)).desired
+        desired.append(ready)
+    return desired
+
+
+def _replica_seconds_over_a_rise_and_fall(settings: AutoscaleSettings, seed: int) -> tuple[int, int]:
+    """Replica-seconds the pool asks for on the rise and on the fall."""
+    desired = _desired_over_a_rise_and_fall(settings, seed)
+    return sum(desired[600:1200]), sum(desired[1200:1800])
+
+
+def test_the_top_of_a_rise_and_the_fall_after_it_run_at_the_edge() -> None:
+    # the rise is met at the floor; once the work falls, the pool runs at the edge again. Read
+    # against the level 300 s before alone, the top and the first minutes of the fall were a rise,
+    # and the hold after it kept the floor through the fall: 90-93 % of the way from the edge's
+    # replica-seconds to the floor's on seeds 1-6 (the working day's evening: 0.19 replica-hours
+    # over the oracle's); ended by the fall, 29-44 %, and under the edge's own once the fall is
+    # followed without the scale-down window (`test_an_established_fall_is_followed_without_the_scale_down_window`)
+    always_edge = replace(EDGE, target_utilisation=1.0, edge_utilisation=None)
+    always_floor = replace(EDGE, edge_utilisation=None)
+    for seed in (1, 2, 3):
+        rise, fall = _replica_seconds_over_a_rise_and_fall(EDGE, seed)
+        edge_rise, edge_fall = _replica_seconds_over_a_rise_and_fall(always_edge, seed)
+        floor_rise, floor_fall = _replica_seconds_over_a_rise_and_fall(always_floor, seed)
+        assert rise >= 0.95 * floor_rise  # the rise at the floor, as before
+        assert fall - edge_fall <= 0.5 * (floor_fall - edge_fall)
+
+
+def _night_with_a_burst(scaler, seed: int, burst_s: tuple[float, float]) -> list[int]:
+    """The night in miniature (0.92 of one replica) for 1,500 s with a replica's cold start (60 s):
+    one replica ready reaches its latency target during `burst_s` and drains its queue itself
+    after; the latency has margin otherwise. Returns the desired count at each tick."""
+    rng = np.random.default_rng(seed)
+    ready, started, desired = 1, [], []  # started: when each starting replica serves
+    for t in range(1500):
+        ready += sum(1 for at in started if at == t)
+        started = [at for at in started if at > t]
+        arrivals = int(rng.poisson(24))
+        tokens = int(rng.uniform(0.5, 1.5, arrivals).sum() * NIGHT_TOKENS_PER_S / 24)
+        slow = burst_s[0] <= t < burst_s[1] and ready == 1
+        decision = scaler.on_tick(ScaleSignals(float(t), ready, len(started), 20, 0, arrivals, arrived_tokens=tokens,
+                                               ttft_ratio=1.5 if slow else 0.3))
+        if decision.desired > ready + len(started):
+            started += [t + 60] * (decision.desired - ready - len(started))
+        elif decision.desired < ready + len(started):
+            cut = ready + len(started) - decision.desired
+            started, cut = started[:max(0, len(started) - cut)], max(0, cut - len(started))
+            ready -= cut
+        desired.append(decision.desired)
+    return desired
+
+
+def test_a_burst_the_fleet_absorbs_holds_no_replica() -> None:
+    # the night's single replica queues for 15 s and drains the queue itself: the miss asks for a
+    # second replica, which is ready 50 s after the latency came back; held at the floor for
+    # edge_hold_s after the miss, it stayed 426-657 s on seeds 1-4 (the working day's night:
+    # twice, 0.18 replica-hours over the oracle's). Absorbed by the fleet that missed, the miss
+    # holds nothing: the second replica goes once the band's upper bound at the edge has been one
+    # replica for a scale-down window, 127-282 s after the burst began
+    for seed in (1, 2, 3):
+        desired = _night_with_a_burst(Autoscaler(EDGE), seed, (600, 615))
+        assert max(desired[600:700]) == 2  # the miss still asks for capacity: it cannot know it is a burst
+        assert sum(d - 1 for d in desired[600:]) <= 300
+        assert set(desired[900:]) == {1}
+
+
+def test_the_fleet_found_is_not_cut_to_the_edge_before_its_latency_is_seen() -> None:
+    # the working day's pool starts with the 2 replicas its night needs at the floor; cut to 1
+    # at the edge 89 s in, it asked for the second back 83 s later when the one replica queued:
+    # a flap. Unseen latency is no margin: the fleet found holds until its latency has been seen
+    # for edge_hold_s, then runs at the edge
+    for seed in (1, 2):
+        decisions = _noisy_work_with_latency(Autoscaler(EDGE), 0, 900, NIGHT_TOKENS_PER_S, ready=2, seed=seed,
+                                             ttft_ratio=lambda t, ready: 0.3)
+        desired = [d.desired for d in decisions]
+        assert set(desired[:int(EDGE.edge_hold_s)]) == {2}
+        assert desired[-1] == 1
+    # nor is a scale-out counted at the floor meanwhile: a fleet of one found stays one
+    # (`test_latency_with_margin_lets_one_replica_run_near_its_edge`)
+
+
+def _flaps(desired: list[int], window_s: int = 300) -> int:
+    """Scale-ins followed by a scale-out within `window_s` (`sim.scaling.oscillations`, per second)."""
+    count, last_in = 0, None
+    for t in range(1, len(desired)):
+        if desired[t] < desired[t - 1]:
+            last_in = t
+        elif desired[t] > desired[t - 1] and last_in is not None and t - last_in <= window_s:
+            count, last_in = count + 1, None
+    return count
+
+
+def test_an_established_fall_is_followed_without_the_scale_down_window() -> None:
+    # the scale-down window makes a fall clear the noise band for a window, not a tick; a fall the
+    # trend has established (a window short of the window before by 3 standard errors) has, and
+    # held a window more, the fall lagged by it: 2,763-2,799 replica-seconds at the edge on seeds
+    # 1-6, 2,599-2,660 followed (the working day's evening: 0.12 replica-hours over the oracle's)
+    always_edge = replace(EDGE, target_utilisation=1.0, edge_utilisation=None)
+    for seed in (1, 2, 3):
+        desired = _desired_over_a_rise_and_fall(EDGE, seed)
+        _, edge_fall = _replica_seconds_over_a_rise_and_fall(always_edge, seed)
+        assert sum(desired[1200:1800]) <= 0.97 * edge_fall
+    # followed at once, a tick whose fall was under 3 standard errors read as a rise again against
+    # the level 300 s before, and the top went 8, 7, 8, 7 (the working day; 13 seeds of 40 here,
+    # 4, 6, 8 and 10 among them): a rise is measured from the last fall
+    for seed in range(1, 13):
+        assert _flaps(_desired_over_a_rise_and_fall(EDGE, seed)) == 0
+
+
+def test_a_trigger_waits_for_the_replicas_it_got_to_serve() -> None:
+    # two replicas and a third starting fall behind: 22 queued, each tick's P99 2.6x its target.
+    # The tick the third comes up, the first tokens are those of requests that queued for it (on
+    # the surge at the edge the backlog was gone 2 s later); a fourth asked for then is cut a
+    # window after, and asked for again: a flap. The trigger waits a panic window for the fleet
+    # it got, and fires if the latency is still over then
+    def run(slow_after_s: float) -> list:
+        scaler = Autoscaler(WORK)  # on work: the queue does not inflate demand into a panic
+        feed_work(scaler, 0, 60, 1400, ready=2, held=15)  # 2.8 replicas' worth at the 0.5 target
+        for t in range(60, 120):
+            scaler.on_tick(ScaleSignals(float(t), 2, 1, 15, 22, 10, arrived_tokens=1400, ttft_ratio=2.6))
+        return [scaler.on_tick(ScaleSignals(float(t), 3, 0, 15, 22 if t == 120 else 0, 10, arrived_tokens=1400,
+                                            ttft_ratio=2.6 if t == 120 or t >= slow_after_s else 0.1))
+                for t in range(120, 180)]
+    recovered = run(slow_after_s=float("inf"))
+    assert max(d.desired for d in recovered) == 3
+    still_slow = run(slow_after_s=121.0)
+    first = next(i for i, d in enumerate(still_slow) if d.desired > 3)
+    assert still_slow[first].layer is ScaleLayer.TRIGGER and first == SETTINGS.panic_window_s
+
+
+def test_at_the_edge_a_tick_over_the_trigger_now_and_then_adds_nothing() -> None:
+    # the Azure trace at the edge in miniature: 4.5 replicas' work on 5, each tick's P99 at 1.3x
+    # its target every 45 s (sub-minute bursts), replicas 60 s from asked to serving. On single
+    # ticks the trigger asked for a quarter more than the work needed, which the reactive count
+    # cut a scale-down window later, often still starting, and asked for again: flaps. At the
+    # edge the trigger is judged as the edge's miss is, on a tenth of the ticks
+    for seed in (1, 2):
+        rng = np.random.default_rng(seed)
+        scaler, ready, started, desired, layers = Autoscaler(EDGE), 5, [], [], set()
+        for t in range(1800):
+            ready += sum(1 for at in started if at == t)
+            started = [at for at in started if at > t]
+            arrivals = int(rng.poisson(100))
+            tokens = int(rng.uniform(0.5, 1.5, arrivals).sum() * 4500.0 / 100)
+            decision = scaler.on_tick(ScaleSignals(float(t), ready, len(started), 45, 0, arrivals,
+                                                   arrived_tokens=tokens, ttft_ratio=1.3 if t % 45 == 0 else 0.3))
+            if decision.desired > ready + len(started):
+                started += [t + 60] * (decision.desired - ready - len(started))
+            elif decision.desired < ready + len(started):
+                cut = ready + len(started) - decision.desired
+                started, cut = started[:max(0, len(started) - cut)], max(0, cut - len(started))
+                ready -= cut
+            desired.append(decision.desired)
+            layers.add(decision.layer)
+        assert ScaleLayer.TRIGGER not in layers and _flaps(desired) == 0
