@@ -48,6 +48,7 @@ from sim_fidelity import _cpu_s  # noqa: E402
 from tidegate.loadgen.mix import LengthDistribution  # noqa: E402
 from tidegate.sim.fifo import FifoDispatcher  # noqa: E402
 from tidegate.sim.harness import ClosedLoopClients, Harness, TrafficClass  # noqa: E402
+from tidegate.sim.costfit import read_step_log  # noqa: E402
 from tidegate.sim.profile import ReplicaProfile, load_profile  # noqa: E402
 from tidegate.sim.scenarios import SHARED_CORES_REFUSAL_CPU_S  # noqa: E402
 from tidegate.simulate import Simulation, pool_controller  # noqa: E402
@@ -181,17 +182,17 @@ def step_report(paths: list[Path], profile: ReplicaProfile) -> None:
     cost = profile.cost
     groups: dict[tuple[str, str], list[float]] = {}
     for path in paths:
-        for line in path.read_text().splitlines():
-            _, step_s, prefill, decodes, context = (float(v) for v in line.split(","))
-            kind = "decode only" if prefill == 0 else "prefill only" if decodes == 0 else "mixed"
+        for step in read_step_log(path.read_text().splitlines()):
+            decodes = step.decodes
+            kind = "decode only" if step.prefill_tokens == 0 else "prefill only" if decodes == 0 else "mixed"
             batch = "0" if decodes == 0 else "1-7" if decodes < 8 else "8-23" if decodes < 24 else "24+"
             for key in ((kind, "all"), (kind, batch)):
                 totals = groups.setdefault(key, [0, 0.0, 0.0, 0.0, 0.0])
                 totals[0] += 1
-                totals[1] += step_s
-                totals[2] += cost.step_s(int(prefill), int(decodes), int(context))
-                totals[3] += prefill
-                totals[4] += context
+                totals[1] += step.step_s
+                totals[2] += cost.step_s(step.prefill_tokens, decodes, step.context_tokens, step.longest_decode_context)
+                totals[3] += step.prefill_tokens
+                totals[4] += step.context_tokens
     print(f"  {'kind':<13} {'decodes':>7} {'steps':>6} {'prefill':>8} {'context':>8} {'measured':>9} "
           f"{'predicted':>9} {'diff':>6}   (means a step: tokens, ms)")
     for (kind, batch), (count, measured, predicted, prefill, context) in sorted(groups.items()):

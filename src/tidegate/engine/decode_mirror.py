@@ -47,6 +47,9 @@ class DecodeMirror:
         self._row_of: dict[Any, int] = {}  # sequence (by identity) -> row
         self._filled: dict[int, int] = {}  # row -> positions [0, n) hold that row's sequence's K/V
         self._free: list[int] = []  # a heap, so the lowest rows are reused first
+        # positions the last plan copied: its refills, and the old rows when it grew the mirror
+        # (for the engine's step log: copies the simulator's step cost may have to account for)
+        self.copied_positions = 0
         self.reset()
 
     @property
@@ -56,6 +59,7 @@ class DecodeMirror:
     def plan(self, decodes: list[tuple[Any, int, list[int]]], block_size: int) -> MirrorPlan | None:
         """`decodes`: (sequence, new token's position, block table) per decode, in batch order.
         None when the rows would not fit the budget (the caller gathers instead)."""
+        self.copied_positions = 0
         present = {seq for seq, _, _ in decodes}  # sequences hash by identity
         for seq in [s for s in self._row_of if s not in present]:
             self._release(seq)
@@ -75,6 +79,7 @@ class DecodeMirror:
                 self._filled[row] = 0
             if self._filled[row] != position:
                 refills.append((row, context_slots(block_table, position, block_size)))
+                self.copied_positions += position
             self._filled[row] = position + 1
             rows.append(row)
         num_rows = max(rows) + 1
@@ -114,6 +119,7 @@ class DecodeMirror:
         v = torch.zeros_like(k)
         k[:, :cap_rows, :cap_length] = self.k
         v[:, :cap_rows, :cap_length] = self.v
+        self.copied_positions += cap_rows * cap_length
         self.k, self.v = k, v
         return True
 

@@ -83,6 +83,12 @@ class StepCostModel:
     # decodes and a chunk 7-14 % fast; by rows, held-out shapes within 7 %).
     forward_s_by_rows: tuple[tuple[int, float], ...] = ()
     forward_s_per_row: float = 0.0
+    # the batched decode attention, a decode row x position it reads: the embedded engine runs it
+    # over its decode mirror (`engine.decode_mirror`), every decoding sequence's row read up to the
+    # step's longest context (a mask hides each row's tail), so it costs decodes x the longest
+    # context, not the summed contexts (`context_s_per_token`, which still counts every chunk's).
+    # Fitted on step logs that carry the attention's shape (`StepSample.decode_positions`)
+    decode_attention_s_per_position: float = 0.0
 
     def decode_s(self, batch: int) -> float:
         """What `batch` decoding sequences add to a step (without a forward table)."""
@@ -100,24 +106,34 @@ class StepCostModel:
             points = ", ".join(f"{rows}: {s * 1000:.1f}" for rows, s in self.forward_s_by_rows)
             return (f"step_s = {self.base_s * 1000:.2f} ms + forward pass by rows (ms: {points}; then "
                     f"{self.forward_s_per_row * 1e6:.0f} us a row) + {self.context_s_per_token * 1e9:.1f} ns x "
-                    "context tokens")
+                    f"context tokens{self._describe_attention()}")
         return (f"step_s = {self.base_s * 1000:.2f} ms + {self.prefill_s_per_token * 1e6:.1f} us x prefill tokens "
                 f"+ {'decode table' if self.decode_s_by_batch else f'{self.decode_s_per_seq * 1e6:.1f} us x decoding sequences'}"
-                f" + {self.context_s_per_token * 1e9:.1f} ns x context tokens")
+                f" + {self.context_s_per_token * 1e9:.1f} ns x context tokens{self._describe_attention()}")
 
-    def step_s(self, prefill_tokens: int, decode_batch: int, sum_context_tokens: int) -> float:
+    def _describe_attention(self) -> str:
+        if not self.decode_attention_s_per_position:
+            return ""
+        return f" + {self.decode_attention_s_per_position * 1e9:.1f} ns x decodes x longest decode context"
+
+    def step_s(self, prefill_tokens: int, decode_batch: int, sum_context_tokens: int,
+               longest_decode_context: int = 0) -> float:
+        """`longest_decode_context`: the longest context of the step's decoding sequences (the
+        position of its new token + 1); the decode attention reads that many positions a decode."""
+        attention_s = self.decode_attention_s_per_position * decode_batch * longest_decode_context
         if self.forward_s_by_rows:
             return (self.base_s + self.forward_s(prefill_tokens + decode_batch)
-                    + self.context_s_per_token * sum_context_tokens)
+                    + self.context_s_per_token * sum_context_tokens + attention_s)
         return (self.base_s + self.prefill_s_per_token * prefill_tokens + self.decode_s(decode_batch)
-                + self.context_s_per_token * sum_context_tokens)
+                + self.context_s_per_token * sum_context_tokens + attention_s)
 
     def batch_step_s(self, batch: ScheduledBatch) -> float:
         decodes = batch.num_decodes
         prefill_tokens = sum(chunk.num_tokens for chunk in batch.chunks[decodes:])
         # a chunk's last position attends to everything before it
         sum_context_tokens = sum(chunk.start + chunk.num_tokens for chunk in batch.chunks)
-        return self.step_s(prefill_tokens, decodes, sum_context_tokens)
+        longest = max((chunk.start + 1 for chunk in batch.chunks[:decodes]), default=0)
+        return self.step_s(prefill_tokens, decodes, sum_context_tokens, longest)
 
 
 def _interpolated(table: tuple[tuple[int, float], ...], at: int, slope_past_last: float) -> float:
@@ -377,11 +393,13 @@ class ModelledReplica:
         cost, ends_s, elapsed_s = self.spec.cost, [], 0.0
         slowdown = self.slowdown * self.contention
         context = sum(seq.num_tokens for seq in running if seq is not prompt)  # a decode's: its tokens so far
+        longest = max((seq.num_tokens for seq in running if seq is not prompt), default=0)
         prompt_at = prompt.num_computed_tokens if prompt is not None else 0
         for chunk in chunks:
-            elapsed_s += cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0)) * slowdown
+            elapsed_s += cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0), longest) * slowdown
             ends_s.append(elapsed_s)
             context += decoding
+            longest += 1
             prompt_at += chunk
         return _Stretch(self._loop.now_s, ends_s, prompt, chunks)
 
