@@ -117,6 +117,27 @@ def test_stretches_of_decode_steps_give_the_records_of_one_step_at_a_time() -> N
             assert (x is None) == (y is None) and (x is None or abs(x - y) < 1e-6), (a.request_id, name, x, y)
 
 
+def test_stretches_charge_the_decode_attention_by_the_longest_context_as_single_steps_do() -> None:
+    """A stretch's steps grow the longest decode context one token a step, as the engine's do."""
+    from dataclasses import replace as replaced
+
+    from tidegate.sim.capacity import patient_tiers
+
+    cost = StepCostModel(decode_attention_s_per_position=2e-5)
+    requests = [SimRequest(i, 0.05 * i, "t", "standard", 40 + 97 * (i % 5), 30 + 7 * (i % 4)) for i in range(24)]
+    runs = []
+    for stretches in (True, False):
+        spec = ReplicaSpec("r0", cost=cost, stretches=stretches)
+        runs.append(Harness([spec], FifoDispatcher(["r0"], patient_tiers(), slot_limit=16)).run(requests))
+    fast, slow = runs
+    plain = Harness([replaced(ReplicaSpec("r0"), stretches=False)],
+                    FifoDispatcher(["r0"], patient_tiers(), slot_limit=16)).run(requests)
+    for a, b, c in zip(fast.records, slow.records, plain.records):
+        assert a.finish_s is not None and b.finish_s is not None and c.finish_s is not None
+        assert abs(a.finish_s - b.finish_s) < 1e-6, a.request_id
+        assert a.finish_s > c.finish_s  # the attention's term was charged
+
+
 def test_the_step_observer_sees_every_step_and_their_times_add_up_to_the_busy_time() -> None:
     requests = [SimRequest(i, 0.01 * i, "t", "standard", 200, 20) for i in range(8)]
     harness = Harness([ReplicaSpec("r0", stretches=False)], FifoDispatcher(["r0"], default_tiers(), slot_limit=8))
