@@ -72,7 +72,10 @@ def held_out_by_shape(logs: list[str], attention_cost_tokens: int | None) -> lis
              for step in read_step_log((gzip.open(log, "rt") if log.endswith(".gz") else open(log)).read().splitlines())]
     steps.sort(key=lambda s: (s.decodes, s.prefill_tokens > 0))
     budget = SchedulerConfig().max_batch_tokens
-    partial = fit_cost_model([s for i, s in enumerate(steps) if i % 3 != 2], budget, attention_cost_tokens, by_rows=True)
+    # the decode attention's term where the logs carry the longest decode context, as calibrate_from_step_logs fits it
+    decode_attention = all(s.decode_positions is not None for s in steps)
+    partial = fit_cost_model([s for i, s in enumerate(steps) if i % 3 != 2], budget, attention_cost_tokens, by_rows=True,
+                             decode_attention=decode_attention)
     shapes: dict[tuple[int, bool], list[float]] = {}
     for step in steps[2::3]:
         totals = shapes.setdefault((step.decodes, step.prefill_tokens > 0), [0, 0.0, 0.0])

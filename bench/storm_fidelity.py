@@ -2,6 +2,7 @@
 profile's prediction for each.
 
     python bench/storm_fidelity.py [--clients 64] [--storm-s 40] [--caching on,off] [--profile P]
+        [--baseline-profile Q ...]
 
 Live: `bench/retry_storm.py`'s storm (closed-loop clients that resend at once on a refusal, one
 250-byte prompt of `hello`s, 32 tokens answered, tier standard) on two `tidegate engine` replicas
@@ -207,8 +208,11 @@ def main() -> int:
     parser.add_argument("--caching", default="on", help="on, off or on,off: the live engines' prefix caching")
     parser.add_argument("--profile", default="tiny-random-llama-cpu")
     parser.add_argument("--fit-out", help="fit a profile on the steps logged and write it here")
+    parser.add_argument("--baseline-profile", action="append", default=[],
+                        help="a profile (name or file) simulated beside --profile against the same live storm")
     args = parser.parse_args()
     profile = load_profile(args.profile)
+    baselines = [load_profile(name) for name in args.baseline_profile]
     workdir = Path(tempfile.mkdtemp(prefix="tidegate-storm-fidelity-"))
     ok = True
     for mode in args.caching.split(","):
@@ -220,6 +224,10 @@ def main() -> int:
         ok &= side_by_side(live, simulated_storm(profile, args.clients, args.storm_s, prompt_tokens, caching))
         print("  live engine steps against the profile:")
         step_report(sorted(workdir.glob(f"steps-{mode}-*.csv")), profile)
+        for baseline in baselines:  # not a bar: a before and after on the same live storm
+            print(f"\n  the same live storm against {baseline.name} ({baseline.cost.describe()}):")
+            side_by_side(live, simulated_storm(baseline, args.clients, args.storm_s, prompt_tokens, caching))
+            step_report(sorted(workdir.glob(f"steps-{mode}-*.csv")), baseline)
     if args.fit_out:
         from tidegate.calibration import calibrate_from_step_logs
         fitted = calibrate_from_step_logs([str(p) for p in sorted(workdir.glob("steps-*.csv"))], name="storm",
