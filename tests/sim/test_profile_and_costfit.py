@@ -268,7 +268,8 @@ def test_logged_decode_attention_shapes_fit_a_cost_a_position_apart_from_the_sum
         longest = int(contexts.max()) if decodes else 0
         context = int(contexts.sum()) + prefill * 2
         step_s = truth.step_s(prefill, decodes, context, longest) * (1 + 0.02 * rng.standard_normal())
-        steps.append(StepSample(prefill, decodes, context, step_s, decodes, longest, "mirror" if decodes else "", 0))
+        steps.append(StepSample(prefill, decodes, context, step_s, int(contexts.sum()), decodes, longest,
+                                "mirror" if decodes else "", 0))
     fit = fit_cost_model(steps, BUDGET, by_rows=True, decode_attention=True).model
     assert fit.decode_attention_s_per_position == pytest.approx(4e-6, rel=0.1)
     long_steps = [s for s in steps if s.decodes >= 16]
@@ -281,9 +282,9 @@ def test_logged_decode_attention_shapes_fit_a_cost_a_position_apart_from_the_sum
 def test_a_step_log_with_the_decode_attention_s_shape_reads_and_a_bad_path_is_named() -> None:
     from tidegate.sim.costfit import read_step_log
 
-    old, new = read_step_log(["0.1,0.02,0,4,100", "0.2,0.03,40,4,300,6,31,mirror,120"])
+    old, new = read_step_log(["0.1,0.02,0,4,100", "0.2,0.03,40,4,300,100,6,31,mirror,120"])
     assert old.decode_positions is None and old.longest_decode_context == 0
     assert (new.decode_rows, new.decode_positions, new.decode_path, new.copied_positions) == (6, 31, "mirror", 120)
     assert new.longest_decode_context == 31
     with pytest.raises(ValueError, match="line 1"):
-        read_step_log(["0.2,0.03,40,4,300,6,31,sideways,120"])
+        read_step_log(["0.2,0.03,40,4,300,100,6,31,sideways,120"])

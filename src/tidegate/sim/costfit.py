@@ -70,7 +70,9 @@ class StepSample:
     context_tokens: int  # summed over the step's sequences: each one's last position + 1
     step_s: float
     # what the decode attention read (logs written before the engine logged it: None): rows x
-    # positions of K/V, by the mirror or a gather, after copying `copied_positions` into the mirror
+    # positions of K/V, by the mirror or a gather, after copying `copied_positions` into the mirror;
+    # and the decodes' part of `context_tokens` (the rest is the prefill chunks')
+    decode_context_tokens: int | None = None
     decode_rows: int | None = None
     decode_positions: int | None = None
     decode_path: str = ""
@@ -307,25 +309,25 @@ def _measured_s(sample: Sample) -> float:
 
 def read_step_log(lines: Iterable[str]) -> list[StepSample]:
     """Steps from an engine's step log (`start_s,step_s,prefill_tokens,decodes,context_tokens`, then,
-    in logs of engines that log it, `decode_rows,decode_positions,decode_path,copied_positions`)."""
+    in logs of engines that log it, `decode_context,decode_rows,decode_positions,decode_path,copied_positions`)."""
     steps = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             fields = line.strip().split(",")
-            if len(fields) not in (5, 9):
+            if len(fields) not in (5, 10):
                 raise ValueError
             _, step_s, prefill, decodes, context = fields[:5]
             shape = {}
-            if len(fields) == 9:
-                rows, positions, path, copied = fields[5:]
+            if len(fields) == 10:
+                decode_context, rows, positions, path, copied = fields[5:]
                 if path not in ("", "mirror", "gather"):
                     raise ValueError
-                shape = dict(decode_rows=int(rows), decode_positions=int(positions), decode_path=path,
-                             copied_positions=int(copied))
+                shape = dict(decode_context_tokens=int(decode_context), decode_rows=int(rows),
+                             decode_positions=int(positions), decode_path=path, copied_positions=int(copied))
             steps.append(StepSample(int(prefill), int(decodes), int(context), float(step_s), **shape))
         except ValueError:
             raise ValueError(f"step log line {number}: expected start_s,step_s,prefill,decodes,context"
-                             "[,decode_rows,decode_positions,decode_path,copied_positions]") from None
+                             "[,decode_context,decode_rows,decode_positions,decode_path,copied_positions]") from None
     return steps
