@@ -118,7 +118,8 @@ def predict_s(fit: CostFit, sample: Sample, max_batch_tokens: int, attention_cos
                                          for tokens, context in prefill_steps(sample.prompt_tokens, max_batch_tokens,
                                                                                   attention_cost_tokens))
     if isinstance(sample, StepSample):
-        return model.step_s(sample.prefill_tokens, sample.decodes, sample.context_tokens, sample.longest_decode_context)
+        return model.step_s(sample.prefill_tokens, sample.decodes, sample.context_tokens, sample.longest_decode_context,
+                            attention_rows=sample.decode_rows, decode_context_tokens=sample.decode_context_tokens)
     return model.step_s(0, sample.batch, sample.batch * (sample.context_tokens + 1.0))  # type: ignore[arg-type]
 
 
@@ -166,9 +167,10 @@ def fit_cost_model(samples: Sequence[Sample], max_batch_tokens: int,
     Unknowns: the fixed cost of a step, the cost of a prefill token and of a context token, and
     the decode cost at each batch size measured (`decode_s_by_batch`; the
     slope between its last two points carries it past them, as `decode_s_per_seq`).
-    `decode_attention`: also a decode row x position of the batched decode attention
-    (`StepCostModel.decode_attention_s_per_position`), from logged steps that carry their longest
-    decode context (every one must); a probe's decode samples count batch x their context."""
+    `decode_attention`: also a row x position of the batched decode attention
+    (`StepCostModel.decode_attention_s_per_position`) and a prefill chunk's context token
+    (`prefill_context_s_per_token`), from logged steps that carry their attention's shape (every
+    one must); a probe's decode samples count batch x their context."""
     prefills = [s for s in samples if isinstance(s, PrefillSample)]
     decodes = [s for s in samples if isinstance(s, DecodeSample)]
     steps_logged = [s for s in samples if isinstance(s, StepSample)]
@@ -206,32 +208,42 @@ def _fit_by_rows(prefills: Sequence[PrefillSample], decodes: Sequence[DecodeSamp
                  max_batch_tokens: int, attention_cost_tokens: int | None, decode_attention: bool = False) -> CostFit:
     """Unknowns: the fixed cost of a step, a context token's cost, and the forward pass's cost at
     each row count of `_row_points` (the smallest's is the fixed cost's: 0, else the two could not
-    be told apart); with `decode_attention`, a decode row x position's too (the last column)."""
+    be told apart); with `decode_attention`, a prefill chunk context token's and a decode attention row x
+    position's too (the last two columns)."""
     chunked = {s.prompt_tokens: prefill_steps(s.prompt_tokens, max_batch_tokens, attention_cost_tokens) for s in prefills}
     points = _row_points([t for steps in chunked.values() for t, _ in steps] + [s.batch for s in decodes]
                          + [s.prefill_tokens + s.decodes for s in steps_logged])
     rows, times = [], []
-    attention = [0.0] if decode_attention else []
+    attention = [0.0, 0.0] if decode_attention else []  # a prefill chunk's context token, a row x position
     for sample in prefills:
         steps = chunked[sample.prompt_tokens]
         weights = np.sum([_row_weights(tokens, points) for tokens, _ in steps], axis=0)
-        rows.append([float(len(steps)), float(sum(c for _, c in steps))] + list(weights[1:]) + attention)
+        rows.append([float(len(steps)), float(sum(c for _, c in steps))] + list(weights[1:])
+                    + ([float(sum(c for _, c in steps)), 0.0] if attention else []))
         times.append(sample.ttft_s)
     for sample in decodes:
         positions = sample.batch * (sample.context_tokens + 1.0)  # every stream at the same context
-        rows.append([1.0, positions] + _row_weights(sample.batch, points)[1:] + ([positions] if attention else []))
+        rows.append([1.0, positions] + _row_weights(sample.batch, points)[1:] + ([0.0, positions] if attention else []))
         times.append(sample.step_s)
     for logged in steps_logged:
         rows.append([1.0, float(logged.context_tokens)] + _row_weights(logged.prefill_tokens + logged.decodes, points)[1:]
-                    + ([float(logged.decodes * logged.longest_decode_context)] if attention else []))
+                    + (_attention_columns(logged) if attention else []))
         times.append(logged.step_s)
     coefficients = _relative_least_squares(rows, times)
     base, context = (float(c) for c in coefficients[:2])
-    per_position = float(coefficients[-1]) if decode_attention else 0.0
+    prefill_context, per_position = (float(c) for c in coefficients[-2:]) if decode_attention else (0.0, 0.0)
     forward = coefficients[2:len(coefficients) - len(attention)]
     table = ((points[0], 0.0),) + tuple((r, float(t)) for r, t in zip(points[1:], forward))
     return CostFit(StepCostModel(base, 0.0, 0.0, context, forward_s_by_rows=table,
-                                 forward_s_per_row=_slope_past(table), decode_attention_s_per_position=per_position))
+                                 forward_s_per_row=_slope_past(table), decode_attention_s_per_position=per_position,
+                                 prefill_context_s_per_token=prefill_context))
+
+
+def _attention_columns(step: StepSample) -> list[float]:
+    """A logged step's prefill chunks' context and its decode attention's rows x longest context."""
+    decode_context = step.decode_context_tokens if step.decode_context_tokens is not None else 0
+    rows = step.decode_rows if step.decode_rows is not None else step.decodes
+    return [float(step.context_tokens - decode_context), float(rows * step.longest_decode_context)]
 
 
 def _relative_least_squares(rows: Sequence[Sequence[float]], times: Sequence[float]) -> np.ndarray:
