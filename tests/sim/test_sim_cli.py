@@ -127,6 +127,9 @@ def test_the_steps_an_engine_logged_while_serving_fit_a_profile_too(engine: str,
     assert main(["sim", "calibrate", "--step-log", str(logs[0]), "--out", str(out)]) == 0
     profile = load_profile(out)
     assert profile.cost.base_s > 0 and "logged while serving" in profile.sources[0]
+    # the decode attention fitted as the engine runs it, from the same log (an option: docs/simulator.md)
+    assert main(["sim", "calibrate", "--step-log", str(logs[0]), "--decode-attention", "--out", str(out)]) == 0
+    assert load_profile(out).cost.base_s > 0
 
 
 def test_the_progress_bar_and_the_probes_change_nothing_in_the_run() -> None:
