@@ -142,13 +142,20 @@ class StepCostModel:
         return (self.base_s + self.prefill_s_per_token * prefill_tokens + self.decode_s(decode_batch)
                 + self.context_s_per_token * sum_context_tokens + attention_s)
 
+    @property
+    def has_attention_terms(self) -> bool:
+        """Whether a step's cost depends on its decode attention's shape (else the simulator need
+        not track the mirror's rows: a step is costed as fast as before the terms existed)."""
+        return bool(self.decode_attention_s_per_position or self.prefill_context_s_per_token)
+
     def batch_step_s(self, batch: ScheduledBatch, attention_rows: int | None = None) -> float:
         decodes = batch.num_decodes
         prefill_tokens = sum(chunk.num_tokens for chunk in batch.chunks[decodes:])
         # a chunk's last position attends to everything before it
+        sum_context_tokens = sum(chunk.start + chunk.num_tokens for chunk in batch.chunks)
+        if not self.has_attention_terms:
+            return self.step_s(prefill_tokens, decodes, sum_context_tokens)
         decode_context_tokens = sum(chunk.start + 1 for chunk in batch.chunks[:decodes])
-        sum_context_tokens = decode_context_tokens + sum(chunk.start + chunk.num_tokens
-                                                         for chunk in batch.chunks[decodes:])
         longest = max((chunk.start + 1 for chunk in batch.chunks[:decodes]), default=0)
         return self.step_s(prefill_tokens, decodes, sum_context_tokens, longest, attention_rows=attention_rows,
                            decode_context_tokens=decode_context_tokens)
@@ -342,8 +349,10 @@ class ModelledReplica:
             # nothing can run (cannot happen with prompts that fit the cache): idle till a submit
             self._next_step = None
             return
-        rows = self._mirror_rows.attention_rows([chunk.seq for chunk in batch.chunks[:batch.num_decodes]])
-        step_s = self.spec.cost.batch_step_s(batch, rows) * self.slowdown * self.contention
+        cost = self.spec.cost
+        rows = (self._mirror_rows.attention_rows([chunk.seq for chunk in batch.chunks[:batch.num_decodes]])
+                if cost.has_attention_terms else None)
+        step_s = cost.batch_step_s(batch, rows) * self.slowdown * self.contention
         self._next_step = self._loop.call_later(step_s, self._end_step, batch)
         if self.step_observer is not None:
             self.step_observer(self.replica_id, self._loop.now_s, step_s, batch)
@@ -415,11 +424,13 @@ class ModelledReplica:
             return None
         cost, ends_s, elapsed_s = self.spec.cost, [], 0.0
         slowdown = self.slowdown * self.contention
-        decoders = [seq for seq in running if seq is not prompt]
-        context = sum(seq.num_tokens for seq in decoders)  # a decode's: its tokens so far
-        longest = max((seq.num_tokens for seq in decoders), default=0)
-        # the same sequences decode in every step of the stretch: the same mirror rows
-        rows = self._mirror_rows.attention_rows(decoders)
+        context = sum(seq.num_tokens for seq in running if seq is not prompt)  # a decode's: its tokens so far
+        longest, rows = 0, None
+        if cost.has_attention_terms:
+            decoders = [seq for seq in running if seq is not prompt]
+            longest = max((seq.num_tokens for seq in decoders), default=0)
+            # the same sequences decode in every step of the stretch: the same mirror rows
+            rows = self._mirror_rows.attention_rows(decoders)
         prompt_at = prompt.num_computed_tokens if prompt is not None else 0
         for chunk in chunks:
             elapsed_s += cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0), longest,
