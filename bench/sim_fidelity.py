@@ -55,7 +55,7 @@ from tidegate.sim.harness import Harness  # noqa: E402
 from tidegate.sim.harness import RequestRecord as SimRecord  # noqa: E402
 from tidegate.sim.harness import RunResult as SimRunResult  # noqa: E402
 from tidegate.calibration import calibrate_from_step_logs  # noqa: E402
-from tidegate.sim.costfit import read_step_log  # noqa: E402
+from tidegate.sim.costfit import logged_step_s, read_step_log  # noqa: E402
 from tidegate.sim.profile import ReplicaProfile, load_profile  # noqa: E402
 from tidegate.sim.seam import SimRequest  # noqa: E402
 from tidegate.simulate import pool_controller  # noqa: E402
@@ -84,8 +84,7 @@ def step_report(paths: list[Path], profile_name: str) -> None:
             totals = kinds[kind]
             totals[0] += 1
             totals[1] += step.step_s
-            totals[2] += cost.step_s(step.prefill_tokens, step.decodes, step.context_tokens,
-                                     step.longest_decode_context)
+            totals[2] += logged_step_s(cost, step)
     print(f"\nlive engine steps against {profile_name}'s prediction for each:")
     for kind, (count, measured_s, predicted_s) in sorted(kinds.items()):
         print(f"  {kind:<13} {int(count):>6} steps  measured {measured_s:7.1f} s  predicted {predicted_s:7.1f} s  "

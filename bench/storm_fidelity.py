@@ -49,7 +49,7 @@ from sim_fidelity import _cpu_s  # noqa: E402
 from tidegate.loadgen.mix import LengthDistribution  # noqa: E402
 from tidegate.sim.fifo import FifoDispatcher  # noqa: E402
 from tidegate.sim.harness import ClosedLoopClients, Harness, TrafficClass  # noqa: E402
-from tidegate.sim.costfit import read_step_log  # noqa: E402
+from tidegate.sim.costfit import logged_step_s, read_step_log  # noqa: E402
 from tidegate.sim.profile import ReplicaProfile, load_profile  # noqa: E402
 from tidegate.sim.scenarios import SHARED_CORES_REFUSAL_CPU_S  # noqa: E402
 from tidegate.simulate import Simulation, pool_controller  # noqa: E402
@@ -191,7 +191,7 @@ def step_report(paths: list[Path], profile: ReplicaProfile) -> None:
                 totals = groups.setdefault(key, [0, 0.0, 0.0, 0.0, 0.0])
                 totals[0] += 1
                 totals[1] += step.step_s
-                totals[2] += cost.step_s(step.prefill_tokens, decodes, step.context_tokens, step.longest_decode_context)
+                totals[2] += logged_step_s(cost, step)
                 totals[3] += step.prefill_tokens
                 totals[4] += step.context_tokens
     print(f"  {'kind':<13} {'decodes':>7} {'steps':>6} {'prefill':>8} {'context':>8} {'measured':>9} "

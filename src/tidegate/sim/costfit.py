@@ -43,7 +43,7 @@ from tidegate.sim.profile import FitError
 from tidegate.sim.replica import StepCostModel
 
 __all__ = ["PrefillSample", "DecodeSample", "StepSample", "read_step_log", "CostFit", "prefill_steps", "fit_cost_model", "predict_s",
-           "fit_with_held_out"]
+           "fit_with_held_out", "logged_step_s"]
 
 _PROMPT_TOKEN = 7  # any token: a modelled prompt's content does not matter
 
@@ -110,6 +110,12 @@ def prefill_steps(prompt_tokens: int, max_batch_tokens: int,
     return steps
 
 
+def logged_step_s(model: StepCostModel, step: StepSample) -> float:
+    """What the model predicts for a logged step, with its attention's shape where it was logged."""
+    return model.step_s(step.prefill_tokens, step.decodes, step.context_tokens, step.longest_decode_context,
+                        attention_rows=step.decode_rows, decode_context_tokens=step.decode_context_tokens)
+
+
 def predict_s(fit: CostFit, sample: Sample, max_batch_tokens: int, attention_cost_tokens: int | None = None) -> float:
     """The sample's time as the fitted model (the simulator's) gives it."""
     model = fit.model
@@ -118,8 +124,7 @@ def predict_s(fit: CostFit, sample: Sample, max_batch_tokens: int, attention_cos
                                          for tokens, context in prefill_steps(sample.prompt_tokens, max_batch_tokens,
                                                                                   attention_cost_tokens))
     if isinstance(sample, StepSample):
-        return model.step_s(sample.prefill_tokens, sample.decodes, sample.context_tokens, sample.longest_decode_context,
-                            attention_rows=sample.decode_rows, decode_context_tokens=sample.decode_context_tokens)
+        return logged_step_s(model, sample)
     return model.step_s(0, sample.batch, sample.batch * (sample.context_tokens + 1.0))  # type: ignore[arg-type]
 
 
