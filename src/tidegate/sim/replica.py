@@ -88,7 +88,8 @@ class StepCostModel:
     # decode mirror (`engine.decode_mirror`), every row up to the highest one decoding read to the
     # step's longest decode context (a mask hides the rest), so it costs rows x the longest context,
     # not the summed contexts (bench/decode_attention_grid.py); rows as `engine.mirror_rows` hands
-    # them out (at least the decodes). Fitted on step logs that carry the attention's shape
+    # them out (at least the decodes). Fitted on step logs that carry the attention's shape, on request
+    # (`tidegate sim calibrate --step-log ... --decode-attention`)
     decode_attention_s_per_position: float = 0.0
     # a prefill chunk's context (its start + its tokens), summed over the step's chunks: its
     # attention over the cached positions before it, and their copy out of the paged cache
