@@ -66,13 +66,15 @@ async def drive(url: str, gateway_pid: int, phase_s: float, capacity_s: float) -
         await asyncio.sleep(5.0)
 
 
-def held_out_by_shape(logs: list[str], attention_cost_tokens: int | None) -> list[tuple[tuple[int, bool], int, float]]:
+def held_out_by_shape(logs: list[str], attention_cost_tokens: int | None,
+                      decode_attention: bool = False) -> list[tuple[tuple[int, bool], int, float]]:
     """`fit_with_held_out`'s shapes one by one: every third step of a shape held out, the rest fitted."""
     steps = [step for log in logs
              for step in read_step_log((gzip.open(log, "rt") if log.endswith(".gz") else open(log)).read().splitlines())]
     steps.sort(key=lambda s: (s.decodes, s.prefill_tokens > 0))
     budget = SchedulerConfig().max_batch_tokens
-    partial = fit_cost_model([s for i, s in enumerate(steps) if i % 3 != 2], budget, attention_cost_tokens, by_rows=True)
+    partial = fit_cost_model([s for i, s in enumerate(steps) if i % 3 != 2], budget, attention_cost_tokens, by_rows=True,
+                             decode_attention=decode_attention)
     shapes: dict[tuple[int, bool], list[float]] = {}
     for step in steps[2::3]:
         totals = shapes.setdefault((step.decodes, step.prefill_tokens > 0), [0, 0.0, 0.0])
@@ -83,12 +85,12 @@ def held_out_by_shape(logs: list[str], attention_cost_tokens: int | None) -> lis
             for shape, (count, predicted, measured) in sorted(shapes.items()) if count >= 10]
 
 
-def fit(out: Path, write_profile: str | None) -> None:
+def fit(out: Path, write_profile: str | None, decode_attention: bool = False) -> None:
     shipped = load_profile(SHIPPED)
     logs = sorted(str(p) for p in [*out.glob("steps-*.csv"), *out.glob("steps-*.csv.gz")])
     profile = calibrate_from_step_logs(
         logs, name=SHIPPED, attention_cost_tokens=shipped.attention_cost_tokens, cold_start_s=shipped.cold_start_s,
-        description=shipped.description)
+        description=shipped.description, decode_attention=decode_attention)
     profile = replace(profile, sources=profile.sources + (
         "bench/calibrate_cpu_profile.py: a closed loop of 64, Poisson at 0.5x and 0.8x of its capacity and a 3x "
         "surge, the requests of bench/sim_fidelity.py's phases from other seeds",))
@@ -100,7 +102,8 @@ def fit(out: Path, write_profile: str | None) -> None:
           f"worst {error.held_out_max:.1%} (bar: 10 %)")
     print("held out by shape (decodes, with a prefill chunk or not): steps, predicted / measured - 1")
     print("  " + "; ".join(f"{decodes}{'+chunk' if chunk else ''} {count} {error:+.1%}"
-                           for (decodes, chunk), count, error in held_out_by_shape(logs, shipped.attention_cost_tokens)))
+                           for (decodes, chunk), count, error in held_out_by_shape(logs, shipped.attention_cost_tokens,
+                                                                                 decode_attention)))
     step_report([Path(p) for p in logs], str(out / "profile.json"))
     step_report([Path(p) for p in logs], SHIPPED)
     if write_profile:
@@ -115,6 +118,9 @@ def main() -> int:
     parser.add_argument("--capacity-s", type=float, default=30.0)
     parser.add_argument("--fit-only", action="store_true", help="no live run: fit the step logs already in --out")
     parser.add_argument("--write-profile", help="also write the profile here (the shipped one's path to replace it)")
+    parser.add_argument("--decode-attention", action="store_true",
+                        help="fit the decode attention by mirror rows x the longest decode context "
+                             "(`tidegate sim calibrate --decode-attention`)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -133,7 +139,7 @@ def main() -> int:
             asyncio.run(drive(f"http://127.0.0.1:{port}", processes.started[0].pid, args.phase_s, args.capacity_s))
         finally:
             processes.stop_all()  # the engines flush their step logs as they stop
-    fit(out, args.write_profile)
+    fit(out, args.write_profile, args.decode_attention)
     return 0
 
 

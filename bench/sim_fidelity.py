@@ -55,6 +55,7 @@ from tidegate.sim.harness import Harness  # noqa: E402
 from tidegate.sim.harness import RequestRecord as SimRecord  # noqa: E402
 from tidegate.sim.harness import RunResult as SimRunResult  # noqa: E402
 from tidegate.calibration import calibrate_from_step_logs  # noqa: E402
+from tidegate.sim.costfit import logged_step_s, read_step_log  # noqa: E402
 from tidegate.sim.profile import ReplicaProfile, load_profile  # noqa: E402
 from tidegate.sim.seam import SimRequest  # noqa: E402
 from tidegate.simulate import pool_controller  # noqa: E402
@@ -77,14 +78,13 @@ def step_report(paths: list[Path], profile_name: str) -> None:
     kinds: dict[str, list[float]] = {}
     for path in paths:
         text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
-        for line in text.splitlines():
-            _, step_s, prefill, decodes, context = (float(v) for v in line.split(","))
-            kind = "decode only" if prefill == 0 else "prefill only" if decodes == 0 else "mixed"
+        for step in read_step_log(text.splitlines()):
+            kind = "decode only" if step.prefill_tokens == 0 else "prefill only" if step.decodes == 0 else "mixed"
             kinds.setdefault(kind, [0.0, 0.0, 0.0])
             totals = kinds[kind]
             totals[0] += 1
-            totals[1] += step_s
-            totals[2] += cost.step_s(int(prefill), int(decodes), int(context))
+            totals[1] += step.step_s
+            totals[2] += logged_step_s(cost, step)
     print(f"\nlive engine steps against {profile_name}'s prediction for each:")
     for kind, (count, measured_s, predicted_s) in sorted(kinds.items()):
         print(f"  {kind:<13} {int(count):>6} steps  measured {measured_s:7.1f} s  predicted {predicted_s:7.1f} s  "

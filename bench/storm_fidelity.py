@@ -2,6 +2,7 @@
 profile's prediction for each.
 
     python bench/storm_fidelity.py [--clients 64] [--storm-s 40] [--caching on,off] [--profile P]
+        [--baseline-profile Q ...]
 
 Live: `bench/retry_storm.py`'s storm (closed-loop clients that resend at once on a refusal, one
 250-byte prompt of `hello`s, 32 tokens answered, tier standard) on two `tidegate engine` replicas
@@ -48,6 +49,7 @@ from sim_fidelity import _cpu_s  # noqa: E402
 from tidegate.loadgen.mix import LengthDistribution  # noqa: E402
 from tidegate.sim.fifo import FifoDispatcher  # noqa: E402
 from tidegate.sim.harness import ClosedLoopClients, Harness, TrafficClass  # noqa: E402
+from tidegate.sim.costfit import logged_step_s, read_step_log  # noqa: E402
 from tidegate.sim.profile import ReplicaProfile, load_profile  # noqa: E402
 from tidegate.sim.scenarios import SHARED_CORES_REFUSAL_CPU_S  # noqa: E402
 from tidegate.simulate import Simulation, pool_controller  # noqa: E402
@@ -181,17 +183,17 @@ def step_report(paths: list[Path], profile: ReplicaProfile) -> None:
     cost = profile.cost
     groups: dict[tuple[str, str], list[float]] = {}
     for path in paths:
-        for line in path.read_text().splitlines():
-            _, step_s, prefill, decodes, context = (float(v) for v in line.split(","))
-            kind = "decode only" if prefill == 0 else "prefill only" if decodes == 0 else "mixed"
+        for step in read_step_log(path.read_text().splitlines()):
+            decodes = step.decodes
+            kind = "decode only" if step.prefill_tokens == 0 else "prefill only" if decodes == 0 else "mixed"
             batch = "0" if decodes == 0 else "1-7" if decodes < 8 else "8-23" if decodes < 24 else "24+"
             for key in ((kind, "all"), (kind, batch)):
                 totals = groups.setdefault(key, [0, 0.0, 0.0, 0.0, 0.0])
                 totals[0] += 1
-                totals[1] += step_s
-                totals[2] += cost.step_s(int(prefill), int(decodes), int(context))
-                totals[3] += prefill
-                totals[4] += context
+                totals[1] += step.step_s
+                totals[2] += logged_step_s(cost, step)
+                totals[3] += step.prefill_tokens
+                totals[4] += step.context_tokens
     print(f"  {'kind':<13} {'decodes':>7} {'steps':>6} {'prefill':>8} {'context':>8} {'measured':>9} "
           f"{'predicted':>9} {'diff':>6}   (means a step: tokens, ms)")
     for (kind, batch), (count, measured, predicted, prefill, context) in sorted(groups.items()):
@@ -206,8 +208,11 @@ def main() -> int:
     parser.add_argument("--caching", default="on", help="on, off or on,off: the live engines' prefix caching")
     parser.add_argument("--profile", default="tiny-random-llama-cpu")
     parser.add_argument("--fit-out", help="fit a profile on the steps logged and write it here")
+    parser.add_argument("--baseline-profile", action="append", default=[],
+                        help="a profile (name or file) simulated beside --profile against the same live storm")
     args = parser.parse_args()
     profile = load_profile(args.profile)
+    baselines = [load_profile(name) for name in args.baseline_profile]
     workdir = Path(tempfile.mkdtemp(prefix="tidegate-storm-fidelity-"))
     ok = True
     for mode in args.caching.split(","):
@@ -219,6 +224,10 @@ def main() -> int:
         ok &= side_by_side(live, simulated_storm(profile, args.clients, args.storm_s, prompt_tokens, caching))
         print("  live engine steps against the profile:")
         step_report(sorted(workdir.glob(f"steps-{mode}-*.csv")), profile)
+        for baseline in baselines:  # not a bar: a before and after on the same live storm
+            print(f"\n  the same live storm against {baseline.name} ({baseline.cost.describe()}):")
+            side_by_side(live, simulated_storm(baseline, args.clients, args.storm_s, prompt_tokens, caching))
+            step_report(sorted(workdir.glob(f"steps-{mode}-*.csv")), baseline)
     if args.fit_out:
         from tidegate.calibration import calibrate_from_step_logs
         fitted = calibrate_from_step_logs([str(p) for p in sorted(workdir.glob("steps-*.csv"))], name="storm",

@@ -14,7 +14,8 @@ ALLOWED = {
     "policy": {"tidegate.policy", "tidegate.types", "tidegate.clock"},
     # the engine's pure scheduling modules, so modelled replicas batch exactly as the engine does
     "sim": {"tidegate.sim", "tidegate.policy", "tidegate.types", "tidegate.clock", "tidegate.loadgen",
-            "tidegate.errors", "tidegate.engine.scheduler", "tidegate.engine.kv_cache", "tidegate.engine.sequence"},
+            "tidegate.errors", "tidegate.engine.scheduler", "tidegate.engine.kv_cache", "tidegate.engine.sequence",
+            "tidegate.engine.mirror_rows"},
 }
 # modules no policy may import: policies get time and I/O results as arguments
 IMPURE_FOR_POLICY = {"asyncio", "time", "socket", "threading", "aiohttp", "httptools", "uvloop", "random"}
@@ -54,7 +55,7 @@ def test_policies_do_no_io_and_read_no_clock() -> None:
 # the simulator runs on virtual time: no event loop of asyncio's, no HTTP, no clock reads
 IMPURE_FOR_SIM = {"asyncio", "aiohttp", "time"}
 # the engine modules the simulator borrows must stay free of I/O, threads, clocks and torch
-PURE_ENGINE_MODULES = ("scheduler", "kv_cache", "sequence")
+PURE_ENGINE_MODULES = ("scheduler", "kv_cache", "sequence", "mirror_rows")
 IMPURE_FOR_ENGINE_CORE = {"asyncio", "time", "socket", "threading", "aiohttp", "torch"}
 
 

@@ -165,11 +165,15 @@ def calibrate(urls: Sequence[str], model: str, *, name: str, description: str, m
 def calibrate_from_step_logs(paths: Sequence[str], *, name: str, description: str, max_num_seqs: int | None = None,
                              max_batch_tokens: int | None = None, kv_cache_tokens: int | None = None,
                              attention_cost_tokens: int | None = None, cold_start_s: float = 0.0,
-                             by_rows: bool = True) -> ReplicaProfile:
+                             by_rows: bool = True, decode_attention: bool = False) -> ReplicaProfile:
     """A profile fitted on the steps engines logged while serving (`tidegate engine --step-log`);
     limits not given are the embedded engine's defaults. The steps mix prefill chunks and decodes,
     so they are fitted by the forward pass's rows (`sim.costfit`; `by_rows=False`: by prefill
-    tokens and decode batch, as a probe's samples are)."""
+    tokens and decode batch, as a probe's samples are). `decode_attention`: fit the decode
+    attention by the engine's rows x the longest decode context and the prefill chunks' context
+    apart (by rows, on logs that carry the attention's shape). Off by default: on the served steps
+    of the fidelity loads it predicted held-out shapes no better than the summed context does
+    (docs/simulator.md, "The decode step's attention")."""
     steps = []
     for path in paths:
         # gzip'd as kept beside a profile (bench/data/calibration), else as the engine writes it
@@ -182,7 +186,7 @@ def calibrate_from_step_logs(paths: Sequence[str], *, name: str, description: st
     max_batch_tokens = max_batch_tokens or defaults.max_batch_tokens
     # held out every third step of a log ordered by shape, so each shape has some held out
     steps.sort(key=lambda s: (s.decodes, s.prefill_tokens > 0))
-    fit, error = fit_with_held_out(steps, max_batch_tokens, attention_cost_tokens, by_rows)
+    fit, error = fit_with_held_out(steps, max_batch_tokens, attention_cost_tokens, by_rows, decode_attention)
     return ReplicaProfile(name, description, estimate=False,
                           sources=(f"tidegate sim calibrate --step-log: {len(steps)} steps logged while serving, "
                                    f"from {len(paths)} log(s)",),

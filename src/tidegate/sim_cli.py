@@ -44,6 +44,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--attention-cost-tokens", type=int,
                      help="the engine's budget charge per prefill token at context c is 1 + c / this "
                           "(the embedded engine states it)")
+    cal.add_argument("--decode-attention", action="store_true",
+                     help="with --step-log: fit the decode attention as the engine runs it (mirror rows x the "
+                          "longest decode context) and the prefill chunks' context apart; needs logs of "
+                          "engines that log the attention's shape")
     cal.add_argument("--out", required=True, help="profile file to write (JSON)")
     cal.add_argument("--name", help="the profile's name (default: the file's stem)")
     cal.add_argument("--description", default="", help="what was measured: engine, model, machine")
@@ -119,7 +123,8 @@ def _calibrate(args: argparse.Namespace) -> int:
                                            max_batch_tokens=args.max_batch_tokens,
                                            kv_cache_tokens=args.kv_cache_tokens,
                                            attention_cost_tokens=args.attention_cost_tokens,
-                                           cold_start_s=args.cold_start_s)
+                                           cold_start_s=args.cold_start_s,
+                                           decode_attention=args.decode_attention)
         return _wrote(profile, args.out)
     if not args.url or not args.model:
         raise ValueError("give --url and --model (a running engine), or --step-log")

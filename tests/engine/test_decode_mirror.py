@@ -85,3 +85,15 @@ def test_growth_keeps_the_rows_contents() -> None:
     mirror.k[0, 0, 5] = 7.0
     mirror.plan(_decode((a, 200)), BLOCK)  # longer than the first allocation
     assert mirror.capacity[1] >= 201 and mirror.k[0, 0, 5].tolist() == [[7.0, 7.0]]
+
+
+def test_the_positions_a_plan_copies_are_counted_for_the_step_log() -> None:
+    """Refills copy each new row's context; growing the mirror copies its old rows."""
+    mirror, a, b = _mirror(), Seq([0, 1]), Seq([2, 3])
+    mirror.plan(_decode((a, 5), (b, 3)), BLOCK)
+    assert mirror.copied_positions == 5 + 3  # two refills, the first allocation copies nothing
+    mirror.plan(_decode((a, 6), (b, 4)), BLOCK)
+    assert mirror.copied_positions == 0  # both extended in place
+    rows, length = mirror.capacity
+    mirror.plan(_decode((a, length + 1)), BLOCK)  # past the row length: grown, a refilled
+    assert mirror.copied_positions == rows * length + length + 1

@@ -234,3 +234,57 @@ def test_a_gzipped_step_log_fits_as_the_plain_one(tmp_path) -> None:
     plain, zipped = (calibrate_from_step_logs([str(tmp_path / name)], name="p", description="")
                      for name in ("steps.csv", "steps.csv.gz"))
     assert zipped.cost == plain.cost and zipped.cost.forward_s_by_rows
+
+
+def test_the_decode_attention_costs_decodes_x_the_longest_context_not_the_summed_one() -> None:
+    """The engine's decode attention reads every decoding row up to the step's longest context
+    (bench/decode_attention_grid.py): one long decode among short ones costs as if all were long."""
+    from tidegate.engine.scheduler import ScheduledBatch, ScheduledChunk
+    from tidegate.engine.sequence import SamplingParams, Sequence
+
+    cost = StepCostModel(base_s=0.01, prefill_s_per_token=0.0, decode_s_per_seq=0.001, context_s_per_token=0.0,
+                         decode_attention_s_per_position=1e-6)
+    assert cost.step_s(0, 8, 8 * 300, 300) == pytest.approx(0.01 + 0.008 + 8 * 300 * 1e-6)
+    seqs = [Sequence(seq_id=i, prompt_token_ids=[1] * 4, params=SamplingParams(max_tokens=4)) for i in range(3)]
+    batch = ScheduledBatch(tuple(ScheduledChunk(seq, start, 1, True) for seq, start in zip(seqs, (499, 19, 9))), 3)
+    assert cost.batch_step_s(batch) == pytest.approx(0.01 + 0.003 + 3 * 500 * 1e-6)
+
+
+def test_logged_decode_attention_shapes_fit_a_cost_a_position_apart_from_the_summed_context() -> None:
+    """Steps of a true model with the decode attention's term: where every decode has about the
+    same context the two terms move together, so the steps mix long and short contexts, as served
+    traffic does; the fit finds the term, and the old form (context only) misses the long steps."""
+    from dataclasses import replace
+
+    from tidegate.sim.costfit import StepSample
+
+    truth = replace(ROWS_TRUE, context_s_per_token=2e-6, decode_attention_s_per_position=4e-6)
+    rng = np.random.default_rng(21)
+    steps = []
+    for _ in range(5000):
+        decodes = int(rng.integers(0, 33))
+        prefill = int(rng.integers(8, BUDGET - decodes + 1)) if decodes == 0 or rng.random() < 0.4 else 0
+        contexts = rng.integers(20, 600, size=decodes)
+        longest = int(contexts.max()) if decodes else 0
+        context = int(contexts.sum()) + prefill * 2
+        step_s = truth.step_s(prefill, decodes, context, longest) * (1 + 0.02 * rng.standard_normal())
+        steps.append(StepSample(prefill, decodes, context, step_s, int(contexts.sum()), decodes, longest,
+                                "mirror" if decodes else "", 0))
+    fit = fit_cost_model(steps, BUDGET, by_rows=True, decode_attention=True).model
+    assert fit.decode_attention_s_per_position == pytest.approx(4e-6, rel=0.1)
+    long_steps = [s for s in steps if s.decodes >= 16]
+    truth_s = sum(s.step_s for s in long_steps)
+    assert sum(predict_s(CostFit(fit), s, BUDGET) for s in long_steps) == pytest.approx(truth_s, rel=0.02)
+    with pytest.raises(ValueError, match="longest decode context"):
+        fit_cost_model([replace(s, decode_positions=None) for s in steps], BUDGET, by_rows=True, decode_attention=True)
+
+
+def test_a_step_log_with_the_decode_attention_s_shape_reads_and_a_bad_path_is_named() -> None:
+    from tidegate.sim.costfit import read_step_log
+
+    old, new = read_step_log(["0.1,0.02,0,4,100", "0.2,0.03,40,4,300,100,6,31,mirror,120"])
+    assert old.decode_positions is None and old.longest_decode_context == 0
+    assert (new.decode_rows, new.decode_positions, new.decode_path, new.copied_positions) == (6, 31, "mirror", 120)
+    assert new.longest_decode_context == 31
+    with pytest.raises(ValueError, match="line 1"):
+        read_step_log(["0.2,0.03,40,4,300,100,6,31,sideways,120"])

@@ -117,6 +117,47 @@ def test_stretches_of_decode_steps_give_the_records_of_one_step_at_a_time() -> N
             assert (x is None) == (y is None) and (x is None or abs(x - y) < 1e-6), (a.request_id, name, x, y)
 
 
+def test_stretches_charge_the_decode_attention_by_the_longest_context_as_single_steps_do() -> None:
+    """A stretch's steps grow the longest decode context one token a step, as the engine's do."""
+    from dataclasses import replace as replaced
+
+    from tidegate.sim.capacity import patient_tiers
+
+    cost = StepCostModel(decode_attention_s_per_position=2e-5)
+    requests = [SimRequest(i, 0.05 * i, "t", "standard", 40 + 97 * (i % 5), 30 + 7 * (i % 4)) for i in range(24)]
+    runs = []
+    for stretches in (True, False):
+        spec = ReplicaSpec("r0", cost=cost, stretches=stretches)
+        runs.append(Harness([spec], FifoDispatcher(["r0"], patient_tiers(), slot_limit=16)).run(requests))
+    fast, slow = runs
+    plain = Harness([replaced(ReplicaSpec("r0"), stretches=False)],
+                    FifoDispatcher(["r0"], patient_tiers(), slot_limit=16)).run(requests)
+    for a, b, c in zip(fast.records, slow.records, plain.records):
+        assert a.finish_s is not None and b.finish_s is not None and c.finish_s is not None
+        assert abs(a.finish_s - b.finish_s) < 1e-6, a.request_id
+        assert a.finish_s > c.finish_s  # the attention's term was charged
+
+
+def test_a_decode_left_alone_above_a_freed_mirror_row_pays_for_the_rows_below_it() -> None:
+    """The engine's decode attention reads every mirror row up to the highest one in use
+    (`engine.mirror_rows`): when the sequence in row 0 finishes, the one in row 1 decodes alone
+    but the attention still runs over two rows, until a new decode takes row 0."""
+    cost = StepCostModel(base_s=0.01, prefill_s_per_token=0.0, decode_s_per_seq=0.0, context_s_per_token=0.0,
+                         decode_attention_s_per_position=1e-4)
+    requests = [SimRequest(0, 0.0, "t", "standard", 20, 3), SimRequest(1, 0.0, "t", "standard", 20, 9)]
+    harness = Harness([ReplicaSpec("r0", cost=cost, stretches=False)],
+                      FifoDispatcher(["r0"], default_tiers(), slot_limit=8))
+    steps: list[tuple[int, int, float]] = []  # decodes, longest decode context, step time
+    harness.replicas["r0"].step_observer = lambda _, start_s, step_s, batch: steps.append(
+        (batch.num_decodes, max((c.start + 1 for c in batch.chunks[:batch.num_decodes]), default=0), step_s))
+    harness.run(requests)
+    alone = [(longest, step_s) for decodes, longest, step_s in steps if decodes == 1]
+    together = [(longest, step_s) for decodes, longest, step_s in steps if decodes == 2]
+    assert alone and together
+    assert all(step_s == pytest.approx(0.01 + 2 * longest * 1e-4) for longest, step_s in alone)  # two rows
+    assert all(step_s == pytest.approx(0.01 + 2 * longest * 1e-4) for longest, step_s in together)
+
+
 def test_the_step_observer_sees_every_step_and_their_times_add_up_to_the_busy_time() -> None:
     requests = [SimRequest(i, 0.01 * i, "t", "standard", 200, 20) for i in range(8)]
     harness = Harness([ReplicaSpec("r0", stretches=False)], FifoDispatcher(["r0"], default_tiers(), slot_limit=8))

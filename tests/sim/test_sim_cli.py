@@ -116,11 +116,20 @@ def test_the_steps_an_engine_logged_while_serving_fit_a_profile_too(engine: str,
     logs = sorted(step_log_dir.glob("steps-*.csv"))
     assert len(logs) == 1  # line-buffered: readable while the engine runs
     lines = logs[0].read_text().splitlines()
-    assert len(lines) >= 45 and all(len(line.split(",")) == 5 for line in lines)
+    # five columns, then what the decode attention read: the decodes' context, rows, positions, path, copies
+    assert len(lines) >= 45 and all(len(line.split(",")) == 10 for line in lines)
+    from tidegate.sim.costfit import read_step_log
+
+    decoding = [step for step in read_step_log(lines) if step.decodes]
+    assert decoding and all(step.decode_path == "mirror" and step.decode_rows >= step.decodes
+                            and step.decode_positions <= step.decode_context_tokens for step in decoding)
     out = tmp_path / "in-situ.json"
     assert main(["sim", "calibrate", "--step-log", str(logs[0]), "--out", str(out)]) == 0
     profile = load_profile(out)
     assert profile.cost.base_s > 0 and "logged while serving" in profile.sources[0]
+    # the decode attention fitted as the engine runs it, from the same log (an option: docs/simulator.md)
+    assert main(["sim", "calibrate", "--step-log", str(logs[0]), "--decode-attention", "--out", str(out)]) == 0
+    assert load_profile(out).cost.base_s > 0
 
 
 def test_the_progress_bar_and_the_probes_change_nothing_in_the_run() -> None:

@@ -16,11 +16,12 @@ its row, and is refilled from the paged cache when it decodes again.
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from tidegate.engine.mirror_rows import MirrorRows
 
 __all__ = ["DecodeMirror", "MirrorPlan", "context_slots"]
 
@@ -44,9 +45,10 @@ class DecodeMirror:
         self._shape = (num_layers, num_kv_heads, head_dim)
         self._dtype = dtype
         self.budget_tokens = budget_tokens
-        self._row_of: dict[Any, int] = {}  # sequence (by identity) -> row
-        self._filled: dict[int, int] = {}  # row -> positions [0, n) hold that row's sequence's K/V
-        self._free: list[int] = []  # a heap, so the lowest rows are reused first
+        self._rows = MirrorRows()  # which row each decoding sequence holds
+        # positions the last plan copied: its refills, and the old rows when it grew the mirror
+        # (for the engine's step log: copies the simulator's step cost may have to account for)
+        self.copied_positions = 0
         self.reset()
 
     @property
@@ -56,26 +58,23 @@ class DecodeMirror:
     def plan(self, decodes: list[tuple[Any, int, list[int]]], block_size: int) -> MirrorPlan | None:
         """`decodes`: (sequence, new token's position, block table) per decode, in batch order.
         None when the rows would not fit the budget (the caller gathers instead)."""
-        present = {seq for seq, _, _ in decodes}  # sequences hash by identity
-        for seq in [s for s in self._row_of if s not in present]:
-            self._release(seq)
+        self.copied_positions = 0
+        table = self._rows
+        table.release_absent(seq for seq, _, _ in decodes)
         if not decodes:
             return None
         length = max(position for _, position, _ in decodes) + 1
-        rows_needed = len(self._row_of) + sum(1 for seq, _, _ in decodes if seq not in self._row_of)
-        # every row index handed out since the last reset is below `allocated`
-        if not self._reserve(max(rows_needed, self._allocated()), length):
+        rows_needed = table.rows_needed(seq for seq, _, _ in decodes)
+        if not self._reserve(max(rows_needed, table.allocated), length):
             self.reset()
             return None
         rows, refills = [], []
         for seq, position, block_table in decodes:
-            row = self._row_of.get(seq)
-            if row is None:
-                row = self._row_of[seq] = heapq.heappop(self._free) if self._free else self._allocated()
-                self._filled[row] = 0
-            if self._filled[row] != position:
+            row = table.row(seq)
+            if table.filled[row] != position:
                 refills.append((row, context_slots(block_table, position, block_size)))
-            self._filled[row] = position + 1
+                self.copied_positions += position
+            table.filled[row] = position + 1
             rows.append(row)
         num_rows = max(rows) + 1
         lengths = torch.ones(num_rows, dtype=torch.long)  # a row not decoding sees one position
@@ -89,17 +88,7 @@ class DecodeMirror:
     def reset(self) -> None:
         """Frees the memory; the next plan refills every row."""
         self.k = self.v = torch.zeros(self._shape[0], 0, 0, *self._shape[1:], dtype=self._dtype)
-        self._row_of.clear()
-        self._filled.clear()
-        self._free.clear()
-
-    def _allocated(self) -> int:
-        return len(self._filled) + len(self._free)
-
-    def _release(self, seq: Any) -> None:
-        row = self._row_of.pop(seq)
-        del self._filled[row]
-        heapq.heappush(self._free, row)
+        self._rows.reset()
 
     def _reserve(self, rows: int, length: int) -> bool:
         cap_rows, cap_length = self.capacity
@@ -114,6 +103,7 @@ class DecodeMirror:
         v = torch.zeros_like(k)
         k[:, :cap_rows, :cap_length] = self.k
         v[:, :cap_rows, :cap_length] = self.v
+        self.copied_positions += cap_rows * cap_length
         self.k, self.v = k, v
         return True
 

@@ -54,7 +54,9 @@ class EngineLoop:
         # size, as on a slower machine; for measuring how the gateway's limits follow a slow replica.
         self.slowdown = 1.0
         # `tidegate engine --step-log`: one CSV line a step (start, seconds, prefill tokens, decoding
-        # sequences, summed context), what `tidegate sim calibrate --step-log` fits a profile on
+        # sequences, summed context, and from a ModelRunner the decodes' part of that context and what
+        # its decode attention read: rows, positions, path, copied positions), what `tidegate sim
+        # calibrate --step-log` fits a profile on
         self.step_log: TextIO | None = None
         # the block manager's prefix-cache counters as last published (the metrics take the deltas)
         self._published_prefix_counts = (0, 0, 0)
@@ -149,9 +151,16 @@ class EngineLoop:
             outputs = [o for c in batch.chunks if (o := self._scheduler.abort(c.seq.seq_id)) is not None]
         if self.step_log is not None:
             decodes = batch.num_decodes
+            # a runner without the attribute (a test's fake) logs the five columns of old
+            attention = getattr(self._runner, "decode_attention", None)
+            shape = ""
+            if attention is not None:
+                decode_context = sum(c.start + 1 for c in batch.chunks[:decodes])
+                shape = (f",{decode_context},{attention.rows},{attention.positions},{attention.path},"
+                         f"{attention.copied_positions}")
             self.step_log.write(f"{started_s:.6f},{time.perf_counter() - started_s:.6f},"
                                 f"{sum(c.num_tokens for c in batch.chunks[decodes:])},{decodes},"
-                                f"{sum(c.start + c.num_tokens for c in batch.chunks)}\n")
+                                f"{sum(c.start + c.num_tokens for c in batch.chunks)}{shape}\n")
         if self._metrics is not None:
             self._metrics.step_batch_size.observe(len(batch.chunks))
         return outputs

@@ -14,9 +14,24 @@ from tidegate.engine.paged_llama import PagedLlama, PrefillSpan, StepInputs
 from tidegate.engine.scheduler import ScheduledBatch, ScheduledChunk
 from tidegate.engine.sequence import Sequence
 
-__all__ = ["RunnerConfig", "ModelRunner", "DTYPES"]
+__all__ = ["RunnerConfig", "ModelRunner", "DecodeAttention", "DTYPES"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeAttention:
+    """What a step's batched decode attention ran over, for the step log: it reads `rows` x
+    `positions` of K/V whatever each sequence's own context (the mask hides the rest), so its cost
+    follows the longest context, not the summed one."""
+
+    rows: int  # the mirror's rows up to the highest one decoding, or the decodes when gathered
+    positions: int  # the longest decode context (mirror), or it rounded up to whole blocks (gather)
+    path: str  # "mirror", "gather" (the mirror over its budget) or "" (no decodes)
+    copied_positions: int  # K/V positions copied into the mirror first (refills, growth)
+
+
+NO_DECODES = DecodeAttention(0, 0, "", 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +59,7 @@ class ModelRunner:
         self.model.eval()
         self._entropy = random.Random()
         self._threads = config.threads
+        self.decode_attention = NO_DECODES  # the last step's
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> list[int]:
@@ -65,6 +81,12 @@ class ModelRunner:
         mirror_plan = self.model.mirror.plan([(c.seq, c.start, c.seq.block_table) for c in decodes], bs)
         if decodes and mirror_plan is None:
             decode_blocks, decode_mask = self._decode_context(decodes)
+            self.decode_attention = DecodeAttention(len(decodes), decode_mask.shape[-1], "gather", 0)
+        elif mirror_plan is not None:
+            self.decode_attention = DecodeAttention(mirror_plan.num_rows, mirror_plan.length, "mirror",
+                                                    self.model.mirror.copied_positions)
+        else:
+            self.decode_attention = NO_DECODES
         prefills: list[PrefillSpan] = []
         for chunk in batch.chunks[batch.num_decodes :]:
             row = len(ids)

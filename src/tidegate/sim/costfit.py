@@ -43,7 +43,7 @@ from tidegate.sim.profile import FitError
 from tidegate.sim.replica import StepCostModel
 
 __all__ = ["PrefillSample", "DecodeSample", "StepSample", "read_step_log", "CostFit", "prefill_steps", "fit_cost_model", "predict_s",
-           "fit_with_held_out"]
+           "fit_with_held_out", "logged_step_s"]
 
 _PROMPT_TOKEN = 7  # any token: a modelled prompt's content does not matter
 
@@ -69,6 +69,20 @@ class StepSample:
     decodes: int
     context_tokens: int  # summed over the step's sequences: each one's last position + 1
     step_s: float
+    # what the decode attention read (logs written before the engine logged it: None): rows x
+    # positions of K/V, by the mirror or a gather, after copying `copied_positions` into the mirror;
+    # and the decodes' part of `context_tokens` (the rest is the prefill chunks')
+    decode_context_tokens: int | None = None
+    decode_rows: int | None = None
+    decode_positions: int | None = None
+    decode_path: str = ""
+    copied_positions: int = 0
+
+    @property
+    def longest_decode_context(self) -> int:
+        """The step's longest decode context, as the simulator knows it (0 where not logged): the
+        positions the mirror's attention read (a gather's are that rounded up to a block)."""
+        return (self.decode_positions or 0) if self.decodes else 0
 
 
 Sample = PrefillSample | DecodeSample | StepSample
@@ -96,6 +110,12 @@ def prefill_steps(prompt_tokens: int, max_batch_tokens: int,
     return steps
 
 
+def logged_step_s(model: StepCostModel, step: StepSample) -> float:
+    """What the model predicts for a logged step, with its attention's shape where it was logged."""
+    return model.step_s(step.prefill_tokens, step.decodes, step.context_tokens, step.longest_decode_context,
+                        attention_rows=step.decode_rows, decode_context_tokens=step.decode_context_tokens)
+
+
 def predict_s(fit: CostFit, sample: Sample, max_batch_tokens: int, attention_cost_tokens: int | None = None) -> float:
     """The sample's time as the fitted model (the simulator's) gives it."""
     model = fit.model
@@ -104,7 +124,7 @@ def predict_s(fit: CostFit, sample: Sample, max_batch_tokens: int, attention_cos
                                          for tokens, context in prefill_steps(sample.prompt_tokens, max_batch_tokens,
                                                                                   attention_cost_tokens))
     if isinstance(sample, StepSample):
-        return model.step_s(sample.prefill_tokens, sample.decodes, sample.context_tokens)
+        return logged_step_s(model, sample)
     return model.step_s(0, sample.batch, sample.batch * (sample.context_tokens + 1.0))  # type: ignore[arg-type]
 
 
@@ -143,21 +163,31 @@ def _row_weights(rows: int, points: Sequence[int]) -> list[float]:
 
 
 def fit_cost_model(samples: Sequence[Sample], max_batch_tokens: int,
-                   attention_cost_tokens: int | None = None, by_rows: bool = False) -> CostFit:
+                   attention_cost_tokens: int | None = None, by_rows: bool = False,
+                   decode_attention: bool = False) -> CostFit:
     """Least squares on relative error (relative to the model's prediction: see below), every cost
     >= 0 (a cost fitted negative is dropped to 0 and the rest refitted: noise must not make a longer
     batch cheaper).
 
     Unknowns: the fixed cost of a step, the cost of a prefill token and of a context token, and
     the decode cost at each batch size measured (`decode_s_by_batch`; the
-    slope between its last two points carries it past them, as `decode_s_per_seq`)."""
+    slope between its last two points carries it past them, as `decode_s_per_seq`).
+    `decode_attention`: also a row x position of the batched decode attention
+    (`StepCostModel.decode_attention_s_per_position`) and a prefill chunk's context token
+    (`prefill_context_s_per_token`), from logged steps that carry their attention's shape (every
+    one must); a probe's decode samples count batch x their context."""
     prefills = [s for s in samples if isinstance(s, PrefillSample)]
     decodes = [s for s in samples if isinstance(s, DecodeSample)]
     steps_logged = [s for s in samples if isinstance(s, StepSample)]
     if not steps_logged and (not prefills or not decodes):
         raise ValueError("need both prefill and decode samples, or logged steps")
+    if decode_attention and any(s.decode_positions is None for s in steps_logged):
+        raise ValueError("the decode attention's term needs step logs that carry each step's longest decode "
+                         "context (an engine of this version's `--step-log`)")
     if by_rows:
-        return _fit_by_rows(prefills, decodes, steps_logged, max_batch_tokens, attention_cost_tokens)
+        return _fit_by_rows(prefills, decodes, steps_logged, max_batch_tokens, attention_cost_tokens, decode_attention)
+    if decode_attention:
+        raise ValueError("the decode attention's term is fitted by rows only")
     batches = sorted({s.batch for s in decodes} | {s.decodes for s in steps_logged if s.decodes > 0})
     rows, times = [], []
     for sample in prefills:
@@ -180,31 +210,45 @@ def fit_cost_model(samples: Sequence[Sample], max_batch_tokens: int,
 
 
 def _fit_by_rows(prefills: Sequence[PrefillSample], decodes: Sequence[DecodeSample], steps_logged: Sequence[StepSample],
-                 max_batch_tokens: int, attention_cost_tokens: int | None) -> CostFit:
+                 max_batch_tokens: int, attention_cost_tokens: int | None, decode_attention: bool = False) -> CostFit:
     """Unknowns: the fixed cost of a step, a context token's cost, and the forward pass's cost at
     each row count of `_row_points` (the smallest's is the fixed cost's: 0, else the two could not
-    be told apart)."""
+    be told apart); with `decode_attention`, a prefill chunk context token's and a decode attention row x
+    position's too (the last two columns)."""
     chunked = {s.prompt_tokens: prefill_steps(s.prompt_tokens, max_batch_tokens, attention_cost_tokens) for s in prefills}
     points = _row_points([t for steps in chunked.values() for t, _ in steps] + [s.batch for s in decodes]
                          + [s.prefill_tokens + s.decodes for s in steps_logged])
     rows, times = [], []
+    attention = [0.0, 0.0] if decode_attention else []  # a prefill chunk's context token, a row x position
     for sample in prefills:
         steps = chunked[sample.prompt_tokens]
         weights = np.sum([_row_weights(tokens, points) for tokens, _ in steps], axis=0)
-        rows.append([float(len(steps)), float(sum(c for _, c in steps))] + list(weights[1:]))
+        rows.append([float(len(steps)), float(sum(c for _, c in steps))] + list(weights[1:])
+                    + ([float(sum(c for _, c in steps)), 0.0] if attention else []))
         times.append(sample.ttft_s)
     for sample in decodes:
-        rows.append([1.0, sample.batch * (sample.context_tokens + 1.0)] + _row_weights(sample.batch, points)[1:])
+        positions = sample.batch * (sample.context_tokens + 1.0)  # every stream at the same context
+        rows.append([1.0, positions] + _row_weights(sample.batch, points)[1:] + ([0.0, positions] if attention else []))
         times.append(sample.step_s)
     for logged in steps_logged:
-        rows.append([1.0, float(logged.context_tokens)]
-                    + _row_weights(logged.prefill_tokens + logged.decodes, points)[1:])
+        rows.append([1.0, float(logged.context_tokens)] + _row_weights(logged.prefill_tokens + logged.decodes, points)[1:]
+                    + (_attention_columns(logged) if attention else []))
         times.append(logged.step_s)
     coefficients = _relative_least_squares(rows, times)
     base, context = (float(c) for c in coefficients[:2])
-    table = ((points[0], 0.0),) + tuple((r, float(t)) for r, t in zip(points[1:], coefficients[2:]))
+    prefill_context, per_position = (float(c) for c in coefficients[-2:]) if decode_attention else (0.0, 0.0)
+    forward = coefficients[2:len(coefficients) - len(attention)]
+    table = ((points[0], 0.0),) + tuple((r, float(t)) for r, t in zip(points[1:], forward))
     return CostFit(StepCostModel(base, 0.0, 0.0, context, forward_s_by_rows=table,
-                                 forward_s_per_row=_slope_past(table)))
+                                 forward_s_per_row=_slope_past(table), decode_attention_s_per_position=per_position,
+                                 prefill_context_s_per_token=prefill_context))
+
+
+def _attention_columns(step: StepSample) -> list[float]:
+    """A logged step's prefill chunks' context and its decode attention's rows x longest context."""
+    decode_context = step.decode_context_tokens if step.decode_context_tokens is not None else 0
+    rows = step.decode_rows if step.decode_rows is not None else step.decodes
+    return [float(step.context_tokens - decode_context), float(rows * step.longest_decode_context)]
 
 
 def _relative_least_squares(rows: Sequence[Sequence[float]], times: Sequence[float]) -> np.ndarray:
@@ -251,13 +295,14 @@ def _nonnegative_least_squares(design: np.ndarray, target: np.ndarray) -> np.nda
 
 
 def fit_with_held_out(samples: Sequence[Sample], max_batch_tokens: int,
-                      attention_cost_tokens: int | None = None, by_rows: bool = False) -> tuple[CostFit, FitError]:
+                      attention_cost_tokens: int | None = None, by_rows: bool = False,
+                      decode_attention: bool = False) -> tuple[CostFit, FitError]:
     """The fit on all samples, and the relative errors on every third sample of a fit without them
     (samples in the order given: pass them ordered by shape so the held-out ones interleave; logged
     steps are compared shape by shape, their mean time against the mean predicted)."""
     held_out = [s for i, s in enumerate(samples) if i % 3 == 2]
     fitted_on = [s for i, s in enumerate(samples) if i % 3 != 2]
-    partial = fit_cost_model(fitted_on, max_batch_tokens, attention_cost_tokens, by_rows)
+    partial = fit_cost_model(fitted_on, max_batch_tokens, attention_cost_tokens, by_rows, decode_attention)
     errors = [abs(predict_s(partial, s, max_batch_tokens, attention_cost_tokens) / _measured_s(s) - 1.0)
               for s in held_out if not isinstance(s, StepSample)]
     # one logged step is noisy (the OS, the neighbours); a shape is the mean of its steps: by decode
@@ -272,7 +317,7 @@ def fit_with_held_out(samples: Sequence[Sample], max_batch_tokens: int,
     errors += [abs(predicted / measured - 1.0) for count, predicted, measured in shapes.values() if count >= 10]
     error = FitError(len(errors), float(np.mean(errors)) if errors else float("nan"),
                      float(np.max(errors)) if errors else float("nan"), len(fitted_on))
-    return fit_cost_model(samples, max_batch_tokens, attention_cost_tokens, by_rows), error
+    return fit_cost_model(samples, max_batch_tokens, attention_cost_tokens, by_rows, decode_attention), error
 
 
 def _measured_s(sample: Sample) -> float:
@@ -280,14 +325,26 @@ def _measured_s(sample: Sample) -> float:
 
 
 def read_step_log(lines: Iterable[str]) -> list[StepSample]:
-    """Steps from an engine's step log (`start_s,step_s,prefill_tokens,decodes,context_tokens`)."""
+    """Steps from an engine's step log (`start_s,step_s,prefill_tokens,decodes,context_tokens`, then,
+    in logs of engines that log it, `decode_context,decode_rows,decode_positions,decode_path,copied_positions`)."""
     steps = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            _, step_s, prefill, decodes, context = line.split(",")
-            steps.append(StepSample(int(prefill), int(decodes), int(context), float(step_s)))
+            fields = line.strip().split(",")
+            if len(fields) not in (5, 10):
+                raise ValueError
+            _, step_s, prefill, decodes, context = fields[:5]
+            shape = {}
+            if len(fields) == 10:
+                decode_context, rows, positions, path, copied = fields[5:]
+                if path not in ("", "mirror", "gather"):
+                    raise ValueError
+                shape = dict(decode_context_tokens=int(decode_context), decode_rows=int(rows),
+                             decode_positions=int(positions), decode_path=path, copied_positions=int(copied))
+            steps.append(StepSample(int(prefill), int(decodes), int(context), float(step_s), **shape))
         except ValueError:
-            raise ValueError(f"step log line {number}: expected start_s,step_s,prefill,decodes,context") from None
+            raise ValueError(f"step log line {number}: expected start_s,step_s,prefill,decodes,context"
+                             "[,decode_context,decode_rows,decode_positions,decode_path,copied_positions]") from None
     return steps

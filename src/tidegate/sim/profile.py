@@ -54,7 +54,8 @@ class ReplicaProfile:
         if self.max_num_seqs < 1 or self.max_batch_tokens < 1 or self.kv_cache_tokens < 1 or self.cold_start_s < 0:
             raise ValueError(f"profile {self.name}: limits must be >= 1 and cold_start_s >= 0")
         costs = (self.cost.base_s, self.cost.prefill_s_per_token, self.cost.decode_s_per_seq,
-                 self.cost.context_s_per_token)
+                 self.cost.context_s_per_token, self.cost.decode_attention_s_per_position,
+                 self.cost.prefill_context_s_per_token)
         if min(costs) < 0 or self.cost.base_s <= 0:
             raise ValueError(f"profile {self.name}: costs must be >= 0 and base_s > 0")
         for table_name in ("decode_s_by_batch", "forward_s_by_rows"):
@@ -80,6 +81,9 @@ class ReplicaProfile:
             data["cost"]["forward_s_by_rows"] = [list(point) for point in self.cost.forward_s_by_rows]
         else:  # the profiles written before the forward table existed read as they did
             del data["cost"]["forward_s_by_rows"], data["cost"]["forward_s_per_row"]
+        for name in ("decode_attention_s_per_position", "prefill_context_s_per_token"):
+            if not getattr(self.cost, name):  # nor those before the decode attention's terms
+                del data["cost"][name]
         return json.dumps(data, indent=2) + "\n"
 
     @classmethod

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from tidegate.engine.kv_cache import BlockManager
+from tidegate.engine.mirror_rows import MirrorRows
 from tidegate.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tidegate.engine.sequence import SamplingParams, Sequence
 from tidegate.sim.loop import EventHandle, EventLoop
@@ -83,6 +84,16 @@ class StepCostModel:
     # decodes and a chunk 7-14 % fast; by rows, held-out shapes within 7 %).
     forward_s_by_rows: tuple[tuple[int, float], ...] = ()
     forward_s_per_row: float = 0.0
+    # the batched decode attention, a row x position it reads: the embedded engine runs it over its
+    # decode mirror (`engine.decode_mirror`), every row up to the highest one decoding read to the
+    # step's longest decode context (a mask hides the rest), so it costs rows x the longest context,
+    # not the summed contexts (bench/decode_attention_grid.py); rows as `engine.mirror_rows` hands
+    # them out (at least the decodes). Fitted on step logs that carry the attention's shape, on request
+    # (`tidegate sim calibrate --step-log ... --decode-attention`)
+    decode_attention_s_per_position: float = 0.0
+    # a prefill chunk's context (its start + its tokens), summed over the step's chunks: its
+    # attention over the cached positions before it, and their copy out of the paged cache
+    prefill_context_s_per_token: float = 0.0
 
     def decode_s(self, batch: int) -> float:
         """What `batch` decoding sequences add to a step (without a forward table)."""
@@ -100,24 +111,55 @@ class StepCostModel:
             points = ", ".join(f"{rows}: {s * 1000:.1f}" for rows, s in self.forward_s_by_rows)
             return (f"step_s = {self.base_s * 1000:.2f} ms + forward pass by rows (ms: {points}; then "
                     f"{self.forward_s_per_row * 1e6:.0f} us a row) + {self.context_s_per_token * 1e9:.1f} ns x "
-                    "context tokens")
+                    f"context tokens{self._describe_attention()}")
         return (f"step_s = {self.base_s * 1000:.2f} ms + {self.prefill_s_per_token * 1e6:.1f} us x prefill tokens "
                 f"+ {'decode table' if self.decode_s_by_batch else f'{self.decode_s_per_seq * 1e6:.1f} us x decoding sequences'}"
-                f" + {self.context_s_per_token * 1e9:.1f} ns x context tokens")
+                f" + {self.context_s_per_token * 1e9:.1f} ns x context tokens{self._describe_attention()}")
 
-    def step_s(self, prefill_tokens: int, decode_batch: int, sum_context_tokens: int) -> float:
+    def _describe_attention(self) -> str:
+        text = ""
+        if self.prefill_context_s_per_token:
+            text += f" + {self.prefill_context_s_per_token * 1e9:.1f} ns x prefill chunks' context"
+        if self.decode_attention_s_per_position:
+            text += f" + {self.decode_attention_s_per_position * 1e9:.1f} ns x attention rows x longest decode context"
+        return text
+
+    def step_s(self, prefill_tokens: int, decode_batch: int, sum_context_tokens: int,
+               longest_decode_context: int = 0, *, attention_rows: int | None = None,
+               decode_context_tokens: int | None = None) -> float:
+        """`longest_decode_context`: the longest context of the step's decoding sequences (the
+        position of its new token + 1), which the decode attention reads in each of its
+        `attention_rows` (None: one a decode). `decode_context_tokens`: the decodes' part of
+        `sum_context_tokens`, the rest the prefill chunks' (None: all of it where the step
+        decodes, else none)."""
+        rows = decode_batch if attention_rows is None else attention_rows
+        attention_s = self.decode_attention_s_per_position * rows * longest_decode_context
+        if decode_context_tokens is None:
+            decode_context_tokens = sum_context_tokens if decode_batch else 0
+        attention_s += self.prefill_context_s_per_token * (sum_context_tokens - decode_context_tokens)
         if self.forward_s_by_rows:
             return (self.base_s + self.forward_s(prefill_tokens + decode_batch)
-                    + self.context_s_per_token * sum_context_tokens)
+                    + self.context_s_per_token * sum_context_tokens + attention_s)
         return (self.base_s + self.prefill_s_per_token * prefill_tokens + self.decode_s(decode_batch)
-                + self.context_s_per_token * sum_context_tokens)
+                + self.context_s_per_token * sum_context_tokens + attention_s)
 
-    def batch_step_s(self, batch: ScheduledBatch) -> float:
+    @property
+    def has_attention_terms(self) -> bool:
+        """Whether a step's cost depends on its decode attention's shape (else the simulator need
+        not track the mirror's rows: a step is costed as fast as before the terms existed)."""
+        return bool(self.decode_attention_s_per_position or self.prefill_context_s_per_token)
+
+    def batch_step_s(self, batch: ScheduledBatch, attention_rows: int | None = None) -> float:
         decodes = batch.num_decodes
         prefill_tokens = sum(chunk.num_tokens for chunk in batch.chunks[decodes:])
         # a chunk's last position attends to everything before it
         sum_context_tokens = sum(chunk.start + chunk.num_tokens for chunk in batch.chunks)
-        return self.step_s(prefill_tokens, decodes, sum_context_tokens)
+        if not self.has_attention_terms:
+            return self.step_s(prefill_tokens, decodes, sum_context_tokens)
+        decode_context_tokens = sum(chunk.start + 1 for chunk in batch.chunks[:decodes])
+        longest = max((chunk.start + 1 for chunk in batch.chunks[:decodes]), default=0)
+        return self.step_s(prefill_tokens, decodes, sum_context_tokens, longest, attention_rows=attention_rows,
+                           decode_context_tokens=decode_context_tokens)
 
 
 def _interpolated(table: tuple[tuple[int, float], ...], at: int, slope_past_last: float) -> float:
@@ -183,6 +225,9 @@ class ModelledReplica:
         self.slowdown = 1.0  # step durations are multiplied by this
         # and by this: the share of its cores other work on the machine takes (`share_cores`)
         self.contention = 1.0
+        # the rows of the engine's decode mirror the decoding sequences hold: the decode attention
+        # reads every row up to the highest one in use (`StepCostModel.decode_attention_s_per_position`)
+        self._mirror_rows = MirrorRows()
         self._next_step: EventHandle | None = None  # a step started or about to start
         self._stretch: _Stretch | None = None  # the decode stretch `_next_step` ends, if it is one
         self._load: ReplicaLoad | None = None  # `load`, until the scheduler's state changes
@@ -278,6 +323,7 @@ class ModelledReplica:
         if self.alive:
             raise ValueError(f"replica {self.replica_id} is already serving")
         self.scheduler = Scheduler(self.spec.scheduler, BlockManager(self.spec.kv_cache_tokens))
+        self._mirror_rows = MirrorRows()
         self.alive = True
         self._load = None
 
@@ -304,7 +350,10 @@ class ModelledReplica:
             # nothing can run (cannot happen with prompts that fit the cache): idle till a submit
             self._next_step = None
             return
-        step_s = self.spec.cost.batch_step_s(batch) * self.slowdown * self.contention
+        cost = self.spec.cost
+        rows = (self._mirror_rows.attention_rows([chunk.seq for chunk in batch.chunks[:batch.num_decodes]])
+                if cost.has_attention_terms else None)
+        step_s = cost.batch_step_s(batch, rows) * self.slowdown * self.contention
         self._next_step = self._loop.call_later(step_s, self._end_step, batch)
         if self.step_observer is not None:
             self.step_observer(self.replica_id, self._loop.now_s, step_s, batch)
@@ -377,11 +426,19 @@ class ModelledReplica:
         cost, ends_s, elapsed_s = self.spec.cost, [], 0.0
         slowdown = self.slowdown * self.contention
         context = sum(seq.num_tokens for seq in running if seq is not prompt)  # a decode's: its tokens so far
+        longest, rows = 0, None
+        if cost.has_attention_terms:
+            decoders = [seq for seq in running if seq is not prompt]
+            longest = max((seq.num_tokens for seq in decoders), default=0)
+            # the same sequences decode in every step of the stretch: the same mirror rows
+            rows = self._mirror_rows.attention_rows(decoders)
         prompt_at = prompt.num_computed_tokens if prompt is not None else 0
         for chunk in chunks:
-            elapsed_s += cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0)) * slowdown
+            elapsed_s += cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0), longest,
+                                     attention_rows=rows, decode_context_tokens=context) * slowdown
             ends_s.append(elapsed_s)
             context += decoding
+            longest += 1
             prompt_at += chunk
         return _Stretch(self._loop.now_s, ends_s, prompt, chunks)
 
