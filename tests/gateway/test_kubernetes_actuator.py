@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "control"))
 from kube_fake import KubeFake, Workload  # noqa: E402
 
 from tidegate.control.kubernetes_scaler import KubernetesScaler, ScaleTarget, WorkloadKind  # noqa: E402
-from tidegate.gateway.scaling import KubernetesActuator  # noqa: E402
+from tidegate.gateway.kubernetes_actuator import KubernetesActuator  # noqa: E402
 from tidegate.types import ReplicaHealth as H  # noqa: E402
 
 KEY = ("serving", "statefulsets", "vllm")

@@ -462,6 +462,18 @@ def test_the_top_of_a_rise_and_the_fall_after_it_run_at_the_edge() -> None:
         assert fall - edge_fall <= 0.5 * (floor_fall - edge_fall)
 
 
+def _carry_out(desired: int, t: int, ready: int, started: list[int], cold_start_s: int = 60) -> tuple[int, list[int]]:
+    """The fleet after a decision at tick `t`: (ready, when each starting replica serves). A replica
+    asked for serves a cold start later; a cut takes starting replicas first, then ready ones."""
+    if desired > ready + len(started):
+        started = started + [t + cold_start_s] * (desired - ready - len(started))
+    elif desired < ready + len(started):
+        cut = ready + len(started) - desired
+        started, cut = started[:max(0, len(started) - cut)], max(0, cut - len(started))
+        ready -= cut
+    return ready, started
+
+
 def _night_with_a_burst(scaler, seed: int, burst_s: tuple[float, float]) -> list[int]:
     """The night in miniature (0.92 of one replica) for 1,500 s with a replica's cold start (60 s):
     one replica ready reaches its latency target during `burst_s` and drains its queue itself
@@ -476,12 +488,7 @@ def _night_with_a_burst(scaler, seed: int, burst_s: tuple[float, float]) -> list
         slow = burst_s[0] <= t < burst_s[1] and ready == 1
         decision = scaler.on_tick(ScaleSignals(float(t), ready, len(started), 20, 0, arrivals, arrived_tokens=tokens,
                                                ttft_ratio=1.5 if slow else 0.3))
-        if decision.desired > ready + len(started):
-            started += [t + 60] * (decision.desired - ready - len(started))
-        elif decision.desired < ready + len(started):
-            cut = ready + len(started) - decision.desired
-            started, cut = started[:max(0, len(started) - cut)], max(0, cut - len(started))
-            ready -= cut
+        ready, started = _carry_out(decision.desired, t, ready, started)
         desired.append(decision.desired)
     return desired
 
@@ -580,12 +587,7 @@ def test_at_the_edge_a_tick_over_the_trigger_now_and_then_adds_nothing() -> None
             tokens = int(rng.uniform(0.5, 1.5, arrivals).sum() * 4500.0 / 100)
             decision = scaler.on_tick(ScaleSignals(float(t), ready, len(started), 45, 0, arrivals,
                                                    arrived_tokens=tokens, ttft_ratio=1.3 if t % 45 == 0 else 0.3))
-            if decision.desired > ready + len(started):
-                started += [t + 60] * (decision.desired - ready - len(started))
-            elif decision.desired < ready + len(started):
-                cut = ready + len(started) - decision.desired
-                started, cut = started[:max(0, len(started) - cut)], max(0, cut - len(started))
-                ready -= cut
+            ready, started = _carry_out(decision.desired, t, ready, started)
             desired.append(decision.desired)
             layers.add(decision.layer)
         assert ScaleLayer.TRIGGER not in layers and _flaps(desired) == 0
