@@ -113,6 +113,27 @@ def test_a_standby_pod_takes_traffic_at_once_and_a_drained_pod_becomes_the_stand
     asyncio.run(scenario())
 
 
+def test_a_scale_out_calls_off_a_drain_not_yet_written(fake: KubeFake) -> None:
+    backends = [Backend(f"vllm-{i}") for i in range(3)]
+    workload = fake.workloads[KEY]
+
+    async def scenario() -> None:
+        actuator = _actuator(fake, backends, [])
+        await _settle(actuator, 3, lambda: actuator._written == 3)
+        backends[2].outstanding = 1  # a long stream holds the drain
+        actuator.apply(2)
+        await asyncio.sleep(0.2)
+        assert backends[2].health is H.DRAINING
+        actuator.apply(3)  # a surge: the pod still runs, so it serves again at once, before any write
+        assert backends[2].health is H.HEALTHY
+        for _ in range(10):
+            actuator.apply(3)
+            await asyncio.sleep(0.02)
+        assert workload.replicas == 3 and fake.writes == 0 and backends[2].health is H.HEALTHY
+
+    asyncio.run(scenario())
+
+
 def test_a_refused_write_puts_the_drained_pods_back_in_traffic(fake: KubeFake) -> None:
     backends = [Backend(f"vllm-{i}") for i in range(3)]
 

@@ -53,6 +53,8 @@ class KubernetesActuator:
         self._busy = False
         self._last_error: str | None = None
         self._drain_refused_s = -math.inf  # when the API last refused a drained scale-in (loop time)
+        self._draining: list[Any] | None = None  # pods a scale-in drains, until its count is written
+        self._drain_target = 0  # the serving count that scale-in goes to
 
     def starting(self) -> int:
         """Replicas asked to serve and not ready yet."""
@@ -66,7 +68,11 @@ class KubernetesActuator:
         loop = asyncio.get_running_loop()
         serving = self._serving
         scale_in = self._ordinals is not None and serving is not None and desired < serving
-        if self._busy or (scale_in and loop.time() - self._drain_refused_s < DRAIN_RETRY_S):
+        if self._busy:
+            if self._draining is not None and desired > self._drain_target:
+                self._call_off_drain()
+            return
+        if scale_in and loop.time() - self._drain_refused_s < DRAIN_RETRY_S:
             return
         self._busy = True
         if self._ordinals is None:
@@ -126,8 +132,22 @@ class KubernetesActuator:
         leaving = self._ordinals[desired:self._serving]
         for replica in leaving:
             replica.health = ReplicaHealth.DRAINING
+        self._draining, self._drain_target = leaving, desired
         self._wake()
         return leaving
+
+    def _call_off_drain(self) -> None:
+        """A scale-out decided while a scale-in still drains, its count not written: the draining
+        pods go back in traffic at once (their pods still run) and nothing is written; the next tick
+        scales out from the count as it stands (changes state). Else a surge would wait for the
+        drain's longest request, up to the drain timeout."""
+        assert self._draining is not None
+        for replica in self._draining:
+            if replica.health is ReplicaHealth.DRAINING:
+                replica.health = ReplicaHealth.HEALTHY
+        log.info("scale-in called off", extra={"fields": {"replicas": [r.replica_id for r in self._draining]}})
+        self._draining = None
+        self._wake()
 
     async def _drain_then_scale(self, desired: int, leaving: list[Any]) -> tuple[int | None, Any]:
         """Once `leaving` hold no request, the count without them is written; they become the
@@ -135,8 +155,12 @@ class KubernetesActuator:
         assert self._ordinals is not None
         loop = asyncio.get_running_loop()
         deadline_s = loop.time() + self._drain_timeout_s
-        while any(replica.outstanding > 0 for replica in leaving) and loop.time() < deadline_s:
+        while (self._draining is leaving and any(replica.outstanding > 0 for replica in leaving)
+               and loop.time() < deadline_s):
             await asyncio.sleep(0.05)
+        if self._draining is not leaving:  # called off by a scale-out: nothing written
+            return self._written, self._state
+        self._draining = None  # the write goes out: past calling off
         count = self._count(desired)
         try:
             result = await asyncio.to_thread(self._sync, count)
