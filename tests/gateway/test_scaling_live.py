@@ -120,14 +120,15 @@ def test_the_gateway_writes_the_desired_count_to_a_kubernetes_workload(tmp_path:
         # the workload's one pod serves, the next is asked for as the standby; the last answers its
         # checks but is no pod of the workload yet
         assert wait_for(lambda: _health(gateway) == ["healthy", "standby", "stopped"], 8), _health(gateway)
-        assert workload.replicas == 2
+        assert wait_for(lambda: workload.replicas == 2, 5), workload
         with StreamingLoad(gateway, "m", clients=8, duration_s=5.0):
             # the standby takes traffic and the last pod is asked for as the next standby
             assert wait_for(lambda: _health(gateway) == ["healthy", "healthy", "standby"], 8), _health(gateway)
-            assert workload.replicas == 3
+            assert wait_for(lambda: workload.replicas == 3, 5), workload
         # scaled in after its window: pod 1 drained and kept as the standby, pod 2 removed
         assert wait_for(lambda: workload.replicas == 2, 15), workload
-        assert _health(gateway) == ["healthy", "standby", "stopped"]
+        # the health follows once the write's answer is back (the count is written first)
+        assert wait_for(lambda: _health(gateway) == ["healthy", "standby", "stopped"], 5), _health(gateway)
         assert api.writes >= 3
         with StreamingLoad(gateway, "m", clients=2) as load:
             time.sleep(2.0)
