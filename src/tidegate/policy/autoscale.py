@@ -253,9 +253,9 @@ class Autoscaler:
         return math.ceil(demand / (self.settings.slots_per_replica * (target or self._target)) - 1e-9)
 
     def _scale_in_target(self, now_s: float) -> float:
-        """The utilisation a scale-in is counted at: this tick's target, except that the pool
-        does not cut the fleet it found to the edge before it has seen its latency for
-        `edge_hold_s`: unseen latency is no margin (nor a miss, so a scale-out is counted at the
+        """The utilisation a scale-in is counted at (changes state: notes the first tick seen):
+        this tick's target, except that the pool does not cut the fleet it found to the edge
+        before it has seen its latency for `edge_hold_s`: unseen latency is no margin (nor a miss, so a scale-out is counted at the
         edge meanwhile). The working day's pool, started with the 2 replicas its night needs at
         the floor, cut one at the edge 89 s in and asked for it back 83 s later when the one
         replica queued: its one flap (`test_the_fleet_found_is_not_cut_to_the_edge_before_its_latency_is_seen`)."""
