@@ -111,17 +111,33 @@ def _children(pid: int) -> list[int]:
     return found
 
 
+# other work on the machine, in cores, past which a live phase is void: it slows the engines' steps
+# (bench/storm_fidelity.py's rule: a run with unit tests beside it took 0.5-1 core, every step 1.5-2x slower)
+OTHER_WORK_CORES = 0.1
+
+
+def machine_busy_s() -> float:
+    """CPU seconds every core of the machine has spent busy so far (/proc/stat)."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_by_role(gateway_pid: int) -> dict[str, float]:
-    """CPU seconds so far of the engine workers (the gateway's children), the gateway, this generator."""
+    """CPU seconds so far of the engine workers (the gateway's children), the gateway, this generator,
+    and everything else on the machine (other work there slows the engines: the phase is void while it runs)."""
     times = os.times()
-    return {"engines": sum(_cpu_s(child) for child in _children(gateway_pid)), "gateway": _cpu_s(gateway_pid),
+    used = {"engines": sum(_cpu_s(child) for child in _children(gateway_pid)), "gateway": _cpu_s(gateway_pid),
             "load generator": times.user + times.system}
+    used["other work"] = machine_busy_s() - sum(used.values())
+    return used
 
 
 def print_cores(before: dict[str, float], after: dict[str, float], wall_s: float) -> None:
     used = {role: (after[role] - before[role]) / wall_s for role in after}
     print("  cores used: " + ", ".join(f"{role} {cores:.2f}" for role, cores in used.items())
-          + f" (of {os.cpu_count()}; the model's replicas have theirs to themselves)")
+          + f" (of {os.cpu_count()}; the model's replicas have theirs to themselves)"
+          + (f"; CONTENDED: other work took {used['other work']:.2f} cores, this phase's figures are void"
+             if used["other work"] > OTHER_WORK_CORES else ""), flush=True)
 
 
 async def live(url: str, rate: float | None, duration_s: float, seed: int) -> list[RequestRecord]:
