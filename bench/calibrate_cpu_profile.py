@@ -32,6 +32,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 HERE = Path(__file__).resolve().parent
@@ -66,23 +67,29 @@ async def drive(url: str, gateway_pid: int, phase_s: float, capacity_s: float) -
         await asyncio.sleep(5.0)
 
 
-def held_out_by_shape(logs: list[str], attention_cost_tokens: int | None,
-                      decode_attention: bool = False) -> list[tuple[tuple[int, bool], int, float]]:
-    """`fit_with_held_out`'s shapes one by one: every third step of a shape held out, the rest fitted."""
+def held_out_by_shape(logs: list[str], attention_cost_tokens: int | None, decode_attention: bool = False,
+                      third: int = 2) -> list[tuple[tuple[int, bool], int, float, float]]:
+    """`fit_with_held_out`'s shapes one by one (`third` 2, the profile's bar): every third step of a
+    shape held out, the rest fitted. Each shape: its held-out steps, predicted / measured - 1, and the
+    standard error of its steps' measured / predicted, how far that mean moves with which steps were
+    held out (a shape of 20 steps on a shared VM: 4-9 %; a figure within two of them is noise)."""
     steps = [step for log in logs
              for step in read_step_log((gzip.open(log, "rt") if log.endswith(".gz") else open(log)).read().splitlines())]
     steps.sort(key=lambda s: (s.decodes, s.prefill_tokens > 0))
     budget = SchedulerConfig().max_batch_tokens
-    partial = fit_cost_model([s for i, s in enumerate(steps) if i % 3 != 2], budget, attention_cost_tokens, by_rows=True,
-                             decode_attention=decode_attention)
-    shapes: dict[tuple[int, bool], list[float]] = {}
-    for step in steps[2::3]:
-        totals = shapes.setdefault((step.decodes, step.prefill_tokens > 0), [0, 0.0, 0.0])
-        totals[0] += 1
-        totals[1] += predict_s(partial, step, budget, attention_cost_tokens)
-        totals[2] += step.step_s
-    return [(shape, int(count), predicted / measured - 1.0)
-            for shape, (count, predicted, measured) in sorted(shapes.items()) if count >= 10]
+    partial = fit_cost_model([s for i, s in enumerate(steps) if i % 3 != third], budget, attention_cost_tokens,
+                             by_rows=True, decode_attention=decode_attention)
+    shapes: dict[tuple[int, bool], list[tuple[float, float]]] = {}
+    for step in steps[third::3]:
+        shapes.setdefault((step.decodes, step.prefill_tokens > 0), []).append(
+            (predict_s(partial, step, budget, attention_cost_tokens), step.step_s))
+    rows = []
+    for shape, pairs in sorted(shapes.items()):
+        if len(pairs) >= 10:
+            predicted, measured = (float(sum(column)) for column in zip(*pairs))
+            ratios = [m / p for p, m in pairs]
+            rows.append((shape, len(pairs), predicted / measured - 1.0, float(np.std(ratios) / np.sqrt(len(ratios)))))
+    return rows
 
 
 def fit(out: Path, write_profile: str | None, decode_attention: bool = False) -> None:
@@ -100,10 +107,20 @@ def fit(out: Path, write_profile: str | None, decode_attention: bool = False) ->
     print(f"\nfitted on {error.fitted_samples} steps: {cost.describe()}")
     print(f"held-out shapes: {error.held_out_samples}, error mean {error.held_out_mean:.1%}, "
           f"worst {error.held_out_max:.1%} (bar: 10 %)")
-    print("held out by shape (decodes, with a prefill chunk or not): steps, predicted / measured - 1")
-    print("  " + "; ".join(f"{decodes}{'+chunk' if chunk else ''} {count} {error:+.1%}"
-                           for (decodes, chunk), count, error in held_out_by_shape(logs, shipped.attention_cost_tokens,
-                                                                                 decode_attention)))
+    print("held out by shape (decodes, with a prefill chunk or not): steps, predicted / measured - 1, "
+          "+- the standard error of its steps' mean")
+    print("  " + "; ".join(f"{decodes}{'+chunk' if chunk else ''} {count} {error:+.1%} +-{noise:.1%}"
+                           for (decodes, chunk), count, error, noise in held_out_by_shape(
+                               logs, shipped.attention_cost_tokens, decode_attention)))
+    # the other two thirds held out in turn: which shapes miss 10 % depends on which steps were held out
+    for third in (0, 1):
+        shapes = held_out_by_shape(logs, shipped.attention_cost_tokens, decode_attention, third)
+        worst = max(shapes, key=lambda row: abs(row[2]))
+        print(f"  steps {third} mod 3 held out instead: {len(shapes)} shapes, error mean "
+              f"{np.mean([abs(row[2]) for row in shapes]):.1%}, worst {worst[2]:+.1%} +-{worst[3]:.1%} "
+              f"({worst[0][0]}{'+chunk' if worst[0][1] else ''}, {worst[1]} steps); over 10 %: "
+              + (", ".join(f"{d}{'+chunk' if c else ''} {e:+.1%} +-{n:.1%}" for (d, c), _, e, n in shapes
+                           if abs(e) > 0.10) or "none"))
     step_report([Path(p) for p in logs], str(out / "profile.json"))
     step_report([Path(p) for p in logs], SHIPPED)
     if write_profile:
