@@ -13,7 +13,8 @@ end-to-end latency of the requests served, requests completed, requests refused.
 Bars (issue: the simulator): latency within 15 %, completed within 5 %, refused within 10 % in the
 surge. The live arm shares 2 cores between the workers, the gateway and this load generator; the
 profile was measured on one worker alone: the gap between them is part of what this measures, and
-each phase prints the cores each of them used. `--out DIR` writes each phase's live and simulated
+each phase prints the cores each of them used, and other work on the machine (a phase where it
+took over 0.1 core is flagged void: it slows the engines). `--out DIR` writes each phase's live and simulated
 reports (the schema of `tidegate bench`) and their comparison (`tidegate report compare`).
 `--baseline-profile P` simulates P beside the shipped profile on the same requests; `--keep DIR`
 keeps the live run (its requests, the engines' step logs, the in-situ profile), and `--replay DIR
