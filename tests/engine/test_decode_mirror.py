@@ -42,23 +42,29 @@ def test_a_row_that_decoded_last_step_is_extended_not_refilled() -> None:
 def test_a_sequence_that_skips_a_step_loses_its_row_and_is_refilled() -> None:
     mirror, a, b = _mirror(), Seq([0, 1]), Seq([2, 3])
     mirror.plan(_decode((a, 5), (b, 5)), BLOCK)
-    mirror.plan(_decode((b, 6)), BLOCK)  # a was preempted or prefilled this step
+    mirror.plan(_decode((b, 6)), BLOCK)  # a was preempted or prefilled this step: b moved down to row 0
     plan = mirror.plan(_decode((a, 6), (b, 7)), BLOCK)
     assert plan is not None
-    assert plan.rows.tolist() == [0, 1]  # a took the lowest free row again
-    assert [row for row, _ in plan.refills] == [0]
+    assert plan.rows.tolist() == [1, 0]  # a took the next row past those in use
+    assert [row for row, _ in plan.refills] == [1]
 
 
-def test_freed_rows_are_reused_out_of_order_and_idle_rows_see_one_position() -> None:
+def test_a_freed_row_below_live_ones_takes_the_highest_live_row_so_rows_stay_dense() -> None:
+    """The attention computes every row up to the highest in use: a freed row left between live ones
+    would be computed, masked, on every step until a new decode took it."""
     mirror, a, b, c = _mirror(), Seq([0, 1]), Seq([2, 3]), Seq([4, 5])
     mirror.plan(_decode((a, 4), (b, 4), (c, 4)), BLOCK)
-    plan = mirror.plan(_decode((c, 5), (a, 5)), BLOCK)  # b left: row 1 idles between a and c
-    assert plan is not None and plan.rows.tolist() == [2, 0] and not plan.in_order
-    assert plan.num_rows == 3
-    assert plan.mask[1, 0, 0].tolist() == [True] + [False] * 5
+    mirror.k[:, 2, :5] = 7.0  # c's context in row 2, every layer
+    mirror.v[:, 2, :5] = 8.0
+    plan = mirror.plan(_decode((c, 5), (a, 5)), BLOCK)  # b left: c moves from row 2 into row 1
+    assert plan is not None and plan.rows.tolist() == [1, 0] and not plan.in_order
+    assert plan.num_rows == 2 and plan.refills == ()  # moved, not refilled from the paged cache
+    assert bool((mirror.k[:, 1, :5] == 7.0).all()) and bool((mirror.v[:, 1, :5] == 8.0).all())
+    assert mirror.copied_positions == 5  # the move's copy, for the step log
+    assert plan.mask[:, 0, 0].tolist() == [[True] * 6, [True] * 6]
     d = Seq([6, 7])
     plan = mirror.plan(_decode((a, 6), (c, 6), (d, 3)), BLOCK)
-    assert plan is not None and plan.rows.tolist() == [0, 2, 1]
+    assert plan is not None and plan.rows.tolist() == [0, 1, 2] and plan.in_order
 
 
 def test_no_decodes_frees_every_row() -> None:

@@ -75,13 +75,24 @@ def test_saved_model_loads_and_engine_matches_transformers_greedy(tmp_path: Path
 def test_staggered_batch_matches_transformers_greedy(tmp_path: Path, mirror_budget_tokens: int) -> None:
     # 12 sequences of different lengths arrive in two waves and finish at different steps, so decode
     # batches grow and shrink, rows are freed and reused out of order, and every Linear sees >= 8 rows
-    # (the prepacked path); each sequence's tokens must still be the ones generate() gives it alone.
+    # (the prepacked path), and rows freed below live ones take the highest live rows' K/V; each
+    # sequence's tokens must still be the ones generate() gives it alone.
     # A budget of 0 turns the decode mirror off: attention then gathers the paged blocks.
     _save_model(tmp_path, "llama")
     _save_tokenizer(tmp_path)
     loaded = load_model(str(tmp_path))
     runner = ModelRunner(loaded, RunnerConfig(kv_cache_tokens=1024))
     runner.model.mirror.budget_tokens = mirror_budget_tokens
+    moves: list = []  # rows moved down into freed ones (`MirrorRows`): their copied K/V must serve as before
+    rows = runner.model.mirror._rows
+    release_absent = rows.release_absent
+
+    def counted_release(present: object) -> list:
+        step_moves = release_absent(present)
+        moves.extend(step_moves)
+        return step_moves
+
+    rows.release_absent = counted_release
     prompts = [loaded.tokenizer.encode(f"the ship {'and the sea ' * (i % 4)}story {i}") for i in range(12)]
     lengths = [4 + (i * 5) % 11 for i in range(12)]
     references = []
@@ -106,6 +117,7 @@ def test_staggered_batch_matches_transformers_greedy(tmp_path: Path, mirror_budg
     assert [seq.output_token_ids for seq in seqs] == references
     if mirror_budget_tokens:
         assert runner.model.mirror.capacity[0] >= 8  # the mirror did serve these decodes
+        assert moves  # and moved rows
 
 
 def test_saved_tokenizer_round_trips_text(tmp_path: Path) -> None:

@@ -138,10 +138,10 @@ def test_stretches_charge_the_decode_attention_by_the_longest_context_as_single_
         assert a.finish_s > c.finish_s  # the attention's term was charged
 
 
-def test_a_decode_left_alone_above_a_freed_mirror_row_pays_for_the_rows_below_it() -> None:
-    """The engine's decode attention reads every mirror row up to the highest one in use
-    (`engine.mirror_rows`): when the sequence in row 0 finishes, the one in row 1 decodes alone
-    but the attention still runs over two rows, until a new decode takes row 0."""
+def test_a_decode_left_alone_after_the_row_below_it_is_freed_pays_for_its_own_row_only() -> None:
+    """The engine's decode attention reads every mirror row up to the highest one in use, and the
+    rows in use are kept dense (`engine.mirror_rows`): when the sequence in row 0 finishes, the one in
+    row 1 moves down and decodes alone over one row (it paid for two before the rows were kept dense)."""
     cost = StepCostModel(base_s=0.01, prefill_s_per_token=0.0, decode_s_per_seq=0.0, context_s_per_token=0.0,
                          decode_attention_s_per_position=1e-4)
     requests = [SimRequest(0, 0.0, "t", "standard", 20, 3), SimRequest(1, 0.0, "t", "standard", 20, 9)]
@@ -154,7 +154,7 @@ def test_a_decode_left_alone_above_a_freed_mirror_row_pays_for_the_rows_below_it
     alone = [(longest, step_s) for decodes, longest, step_s in steps if decodes == 1]
     together = [(longest, step_s) for decodes, longest, step_s in steps if decodes == 2]
     assert alone and together
-    assert all(step_s == pytest.approx(0.01 + 2 * longest * 1e-4) for longest, step_s in alone)  # two rows
+    assert all(step_s == pytest.approx(0.01 + 1 * longest * 1e-4) for longest, step_s in alone)  # its own row
     assert all(step_s == pytest.approx(0.01 + 2 * longest * 1e-4) for longest, step_s in together)
 
 

@@ -11,7 +11,9 @@ truth (prefill context, preemption); the mirror costs extra memory, capped at `b
 (rows x row length), beyond which the runner falls back to the gather.
 
 Rows belong to the sequences decoding in the current step: a sequence that skips a step loses
-its row, and is refilled from the paged cache when it decodes again.
+its row, and is refilled from the paged cache when it decodes again. The rows in use stay dense
+(`MirrorRows`): a row freed below live ones takes the highest live row's K/V, copied once, so the
+attention never computes a freed row.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ _LENGTH_ALIGN = 128
 @dataclass(frozen=True)
 class MirrorPlan:
     rows: torch.Tensor  # [B] the mirror row of each decode, in batch order
-    num_rows: int  # attention runs over rows [0, num_rows); rows not decoding are ignored
+    num_rows: int  # attention runs over rows [0, num_rows): one a decode (rows are kept dense)
     length: int  # positions [0, length) are read; mask hides each row's tail
     mask: torch.Tensor  # [num_rows, 1, 1, length]
     positions: torch.Tensor  # [B] position of each decode's new token
@@ -60,9 +62,13 @@ class DecodeMirror:
         None when the rows would not fit the budget (the caller gathers instead)."""
         self.copied_positions = 0
         table = self._rows
-        table.release_absent(seq for seq, _, _ in decodes)
+        moves = table.release_absent(seq for seq, _, _ in decodes)
         if not decodes:
             return None
+        for move in moves:  # every layer's K and V at once, before any layer reads them
+            self.k[:, move.target, : move.positions] = self.k[:, move.source, : move.positions]
+            self.v[:, move.target, : move.positions] = self.v[:, move.source, : move.positions]
+            self.copied_positions += move.positions
         length = max(position for _, position, _ in decodes) + 1
         rows_needed = table.rows_needed(seq for seq, _, _ in decodes)
         if not self._reserve(max(rows_needed, table.allocated), length):
@@ -77,9 +83,9 @@ class DecodeMirror:
             table.filled[row] = position + 1
             rows.append(row)
         num_rows = max(rows) + 1
-        lengths = torch.ones(num_rows, dtype=torch.long)  # a row not decoding sees one position
         positions = torch.tensor([position for _, position, _ in decodes])
         row_tensor = torch.tensor(rows)
+        lengths = torch.ones(num_rows, dtype=torch.long)  # rows are dense: each is overwritten below
         lengths[row_tensor] = positions + 1
         mask = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
         in_order = rows == list(range(len(rows)))
