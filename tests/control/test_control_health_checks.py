@@ -169,3 +169,41 @@ async def test_starting_replica_stays_unknown_until_first_success() -> None:
         await checker.stop()
         await runner.cleanup()
     assert target.health is ReplicaHealth.UNKNOWN
+
+
+async def test_a_standby_that_stops_answering_is_loading_again_not_promotable() -> None:
+    """A scale-out promotes a STANDBY into traffic at once, without a check of its own: a standby is
+    therefore checked while it waits, and one that fails goes back to WARMING until it answers."""
+    status = [200]
+    runner, base = await _serve(status)
+    target, changes = _Target(base), []
+    target.health = ReplicaHealth.STANDBY
+    checker = HealthChecker([target], interval_s=10, timeout_s=2, on_change=lambda: changes.append(1))
+    await checker.start()
+    try:
+        await checker.check_once(target)
+        assert target.health is ReplicaHealth.STANDBY  # answering: stays out of traffic, ready
+        status[0] = 503
+        await checker.check_once(target)
+        assert target.health is ReplicaHealth.WARMING
+        status[0] = 200
+        await checker.check_once(target)
+        assert target.health is ReplicaHealth.STANDBY  # answers again: ready again, still out of traffic
+    finally:
+        await checker.stop()
+        await runner.cleanup()
+    assert not changes  # nothing routable changed
+
+
+async def test_a_draining_replica_is_left_to_its_actuator() -> None:
+    runner, base = await _serve([200])
+    target = _Target(base)
+    target.health = ReplicaHealth.DRAINING
+    checker = HealthChecker([target], interval_s=10, timeout_s=2, on_change=lambda: None)
+    await checker.start()
+    try:
+        await checker.check_once(target)
+    finally:
+        await checker.stop()
+        await runner.cleanup()
+    assert target.health is ReplicaHealth.DRAINING

@@ -89,7 +89,9 @@ def parse_engine_load(text: str) -> ReplicaLoad:
                        kv_cache_usage=found["kv"], kv_cache_tokens=capacity)
 
 
-_ACTUATED = (ReplicaHealth.DRAINING, ReplicaHealth.STOPPED, ReplicaHealth.STANDBY)
+# set by an actuator and left alone by the checks (a standby is checked: one that stopped answering
+# must not be promoted into traffic, see `check_once`)
+_ACTUATED = (ReplicaHealth.DRAINING, ReplicaHealth.STOPPED)
 
 
 class HealthChecker:
@@ -139,6 +141,12 @@ class HealthChecker:
             if healthy:
                 replica.health = ReplicaHealth.STANDBY
                 log.info("standby ready", extra={"fields": {"replica": replica.replica_id}})
+            return
+        if replica.health is ReplicaHealth.STANDBY:  # loaded, out of traffic: a scale-out promotes it at once
+            if not healthy:  # so one that stopped answering counts as loading again, not as ready
+                replica.health = ReplicaHealth.WARMING
+                log.warning("standby stopped answering its health check", extra={"fields": {
+                    "replica": replica.replica_id}})
             return
         if new_health is not replica.health:
             if replica.health is not ReplicaHealth.UNKNOWN or healthy:
