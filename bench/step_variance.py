@@ -25,7 +25,7 @@ import numpy as np
 from tidegate.calibration import _read_step_logs, calibrate_from_step_logs, step_noise_of_logs
 from tidegate.sim.costfit import logged_step_s
 from tidegate.sim.profile import load_profile
-from tidegate.sim.step_noise import StepNoise, StepNoiseStream, residuals, time_autocorrelation
+from tidegate.sim.step_noise import SharedDrift, StepNoise, StepNoiseStream, residuals, time_autocorrelation
 
 SHIPPED_LOGS = str(Path(__file__).resolve().parent / "data/calibration/tiny-random-llama-cpu/steps-*.csv.gz")
 WINDOWS_S = (1.0, 5.0, 30.0)
@@ -66,9 +66,9 @@ def window_figures(series: list[tuple[np.ndarray, np.ndarray]]) -> dict[float, t
     return figures
 
 
-def drawn(noise: StepNoise, starts_s: np.ndarray, seed: int, replica_id: str) -> np.ndarray:
+def drawn(noise: StepNoise, starts_s: np.ndarray, seed: int, replica_id: str, shared: SharedDrift) -> np.ndarray:
     """log multipliers the simulator would draw for steps starting at `starts_s`."""
-    stream = StepNoiseStream(noise, seed, replica_id)
+    stream = StepNoiseStream(noise, seed, replica_id, shared)
     out = np.empty(len(starts_s))
     state = stream.committed
     for step, start_s in enumerate(starts_s):
@@ -124,7 +124,8 @@ def main() -> int:
         print("    autocorrelation by seconds apart, measured / fitted: "
               + " ".join(f"{lag:.2g}: {c:+.2f}/{m:+.2f}" for lag, c, m in fit.autocorrelation))
         for seed in range(MODEL_SEEDS):
-            model_series = [(s, drawn(fit.noise, s, seed, f"r{i}")) for i, (s, _) in enumerate(series)]
+            shared = SharedDrift(fit.noise, seed)  # the engines logged side by side: one machine
+            model_series = [(s, drawn(fit.noise, s, seed, f"r{i}", shared)) for i, (s, _) in enumerate(series)]
             describe(f"drawn from the fit (seed {seed}, on the same step times)", model_series)
     return 0
 

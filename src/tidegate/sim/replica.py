@@ -36,7 +36,7 @@ from tidegate.engine.mirror_rows import MirrorRows
 from tidegate.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tidegate.engine.sequence import SamplingParams, Sequence
 from tidegate.sim.loop import EventHandle, EventLoop
-from tidegate.sim.step_noise import StepNoise, StepNoiseStream
+from tidegate.sim.step_noise import SharedDrift, StepNoise, StepNoiseStream
 from tidegate.types import ReplicaLoad
 
 __all__ = ["StepCostModel", "ReplicaSpec", "ReplicaListener", "ModelledReplica", "FAILURE_KILLED",
@@ -222,7 +222,10 @@ class ReplicaListener(Protocol):
 
 
 class ModelledReplica:
-    def __init__(self, spec: ReplicaSpec, loop: EventLoop, listener: ReplicaListener) -> None:
+    def __init__(self, spec: ReplicaSpec, loop: EventLoop, listener: ReplicaListener,
+                 shared_drift: SharedDrift | None = None) -> None:
+        """`shared_drift`: the step noise's drift this replica shares with the others of its run
+        (`StepNoise.shared_share`); None: one of its own."""
         self.spec = spec
         self.replica_id = spec.replica_id
         self._loop = loop
@@ -235,7 +238,8 @@ class ModelledReplica:
         # the rows of the engine's decode mirror the decoding sequences hold: the decode attention
         # reads every row up to the highest one in use (`StepCostModel.decode_attention_s_per_position`)
         self._mirror_rows = MirrorRows()
-        self._noise = StepNoiseStream(spec.noise, spec.noise_seed, spec.replica_id) if spec.noise is not None else None
+        self._noise = (StepNoiseStream(spec.noise, spec.noise_seed, spec.replica_id, shared_drift)
+                       if spec.noise is not None else None)
         self._next_step: EventHandle | None = None  # a step started or about to start
         self._stretch: _Stretch | None = None  # the decode stretch `_next_step` ends, if it is one
         self._load: ReplicaLoad | None = None  # `load`, until the scheduler's state changes
@@ -367,7 +371,7 @@ class ModelledReplica:
         step_s = cost.batch_step_s(batch, rows) * self.slowdown * self.contention
         if self._noise is not None:
             step, now_s = self._noise.committed[0], self._loop.now_s
-            factor, drift = self._noise.factor(step, now_s, self._noise.committed)
+            factor, drift = self._noise.factor(step, now_s, self._noise.committed, now_s)
             self._noise.committed = (step + 1, now_s, drift)
             step_s *= factor
         self._next_step = self._loop.call_later(step_s, self._end_step, batch)
@@ -456,7 +460,7 @@ class ModelledReplica:
                                  attention_rows=rows, decode_context_tokens=context) * slowdown
             if noise is not None:  # drawn as stepping one step at a time would draw it
                 state = noise_states[-1] if noise_states else noise.committed
-                factor, drift = noise.factor(state[0], now_s + elapsed_s, state)
+                factor, drift = noise.factor(state[0], now_s + elapsed_s, state, now_s)
                 noise_states.append((state[0] + 1, now_s + elapsed_s, drift))
                 step_s *= factor
             elapsed_s += step_s
