@@ -84,19 +84,26 @@ class SharedDrift:
 
     def at(self, time_s: float, now_s: float) -> float:
         """Its value at `time_s` (>= `now_s`, the loop's time: nothing earlier is asked again)."""
-        position = max(time_s, 0.0) / self._step_s
+        position = time_s / self._step_s if time_s > 0.0 else 0.0
         index = int(position)
+        at = index - self._first
+        if at + 1 >= len(self._values):
+            self._extend(index, now_s)
+            at = index - self._first
+        low = self._values[at]
+        return low + (self._values[at + 1] - low) * (position - index)
+
+    def _extend(self, index: int, now_s: float) -> None:
+        """Points up to `index + 1`, dropping those before `now_s` (the drift's draws depend on
+        the seed alone: points are drawn in order, 256 at a time)."""
         drop = int(max(now_s, 0.0) / self._step_s) - self._first
         if drop > 1024:
             del self._values[:drop]
             self._first += drop
+        spread = math.sqrt(1.0 - self._keep * self._keep)
         while self._first + len(self._values) <= index + 1:
-            fresh = self._rng.standard_normal(256).tolist()
-            spread = math.sqrt(1.0 - self._keep * self._keep)
-            for normal in fresh:
+            for normal in self._rng.standard_normal(256).tolist():
                 self._values.append(self._values[-1] * self._keep + spread * normal)
-        low = self._values[index - self._first]
-        return low + (self._values[index + 1 - self._first] - low) * (position - index)
 
 
 class StepNoiseStream:
@@ -107,7 +114,8 @@ class StepNoiseStream:
     def __init__(self, noise: StepNoise, seed: int, replica_id: str, shared: SharedDrift | None = None) -> None:
         self.noise = noise
         self._rng_seed = [seed, zlib.crc32(replica_id.encode())]
-        self._blocks: dict[int, list[float]] = {}
+        self._block, self._block_values = -1, [0.0]  # the block of normals last read
+        self._drift_time_s = noise.drift_time_s
         self._drift_sd = noise.sd * math.sqrt(noise.drift_share)
         self._shared_sd = noise.sd * math.sqrt(noise.shared_share)
         self._shared = shared if shared is not None or not noise.shared_share else SharedDrift(noise, seed)
@@ -116,33 +124,27 @@ class StepNoiseStream:
         # (steps taken, the last one's start, its drift): the next step is number steps taken
         self.committed: tuple[int, float, float] = (0, 0.0, 0.0)
 
-    def _normals(self, step: int) -> tuple[float, float]:
-        block = step // _BLOCK
-        values = self._blocks.get(block)
-        if values is None:
-            # a block's draws depend on its number alone; blocks behind the committed step are dropped
-            committed_block = self.committed[0] // _BLOCK
-            for old in [b for b in self._blocks if b < committed_block]:
-                del self._blocks[old]
-            values = np.random.default_rng([*self._rng_seed, block]).standard_normal(2 * _BLOCK).tolist()
-            self._blocks[block] = values
-        offset = 2 * (step % _BLOCK)
-        return values[offset], values[offset + 1]
+    def _normals_block(self, block: int) -> list[float]:
+        """Block `block`'s normals (two a step), a function of its number alone: a block drawn
+        again (a stretch planned across a block's end, then cut) draws the same."""
+        self._block = block
+        self._block_values = np.random.default_rng([*self._rng_seed, block]).standard_normal(2 * _BLOCK).tolist()
+        return self._block_values
 
     def factor(self, step: int, start_s: float, previous: tuple[int, float, float],
                now_s: float = 0.0) -> tuple[float, float]:
         """(multiplier, the replica's own drift) of step number `step` starting at `start_s`, after
         `previous` (the state `committed` holds, or one `factor` gave for the step before); `now_s`:
         the loop's time (the shared drift forgets what lies before it)."""
-        drift_normal, white_normal = self._normals(step)
-        _, previous_start_s, previous_drift = previous
+        values = self._block_values if step // _BLOCK == self._block else self._normals_block(step // _BLOCK)
+        offset = 2 * (step % _BLOCK)
         if step == 0:
-            drift = self._drift_sd * drift_normal  # the stationary distribution
+            drift = self._drift_sd * values[offset]  # the stationary distribution
         else:
-            keep = math.exp(-max(start_s - previous_start_s, 0.0) / self.noise.drift_time_s)
-            drift = previous_drift * keep + self._drift_sd * math.sqrt(1.0 - keep * keep) * drift_normal
+            keep = math.exp((previous[1] - start_s) / self._drift_time_s) if start_s > previous[1] else 1.0
+            drift = previous[2] * keep + self._drift_sd * math.sqrt(1.0 - keep * keep) * values[offset]
         shared = self._shared_sd * self._shared.at(start_s, now_s) if self._shared is not None else 0.0
-        return math.exp(drift + shared + self._white_sd * white_normal + self._mean_shift), drift
+        return math.exp(drift + shared + self._white_sd * values[offset + 1] + self._mean_shift), drift
 
 
 @dataclass(frozen=True, slots=True)
