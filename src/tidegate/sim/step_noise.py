@@ -19,7 +19,12 @@ The model, with the fewest parameters the logs support: a step's time is its mea
   +0.1: a slow speed of the machine under a fast one of each engine; and a pool whose replicas
   slow down together queues longer than one whose don't;
 - `white` is drawn afresh for each step (the rest of the variance);
-- `- sd**2 / 2` keeps the mean multiplier 1, so a replica's throughput is the cost model's.
+- a constant keeps the mean multiplier *a step* 1, as the fit made the mean measured / predicted
+  a logged step (`costfit`), so a busy replica's throughput is the cost model's. It is not
+  `- sd**2 / 2`: a drift is a function of time, and a replica takes more steps while it runs fast
+  than while it runs slow, so its steps see the drift's fast values more often than its slow ones
+  (log-normal: a step's drift is its time distribution shifted by -its variance; with
+  `- sd**2 / 2` a busy replica ran 2 % faster than the mean model, on the shipped profile's noise).
 
 A replica's draws are a function of (seed, replica id, step number, step start time) alone, so a
 stretch of steps taken as one event (`replica._Stretch`) draws what stepping one step at a time
@@ -120,7 +125,9 @@ class StepNoiseStream:
         self._shared_sd = noise.sd * math.sqrt(noise.shared_share)
         self._shared = shared if shared is not None or not noise.shared_share else SharedDrift(noise, seed)
         self._white_sd = noise.sd * math.sqrt(noise.white_share)
-        self._mean_shift = -0.5 * noise.sd * noise.sd
+        # E[exp(white)] = exp(white variance / 2); a step's drift has mean -(its variance) (module doc)
+        drift_variance = noise.sd * noise.sd * (noise.drift_share + noise.shared_share)
+        self._mean_shift = 0.5 * drift_variance - 0.5 * noise.sd * noise.sd * noise.white_share
         # (steps taken, the last one's start, its drift): the next step is number steps taken
         self.committed: tuple[int, float, float] = (0, 0.0, 0.0)
 
