@@ -18,7 +18,9 @@ reports (the schema of `tidegate bench`) and their comparison (`tidegate report 
 `--baseline-profile P` simulates P beside the shipped profile on the same requests; `--keep DIR`
 keeps the live run (its requests, the engines' step logs, the in-situ profile), and `--replay DIR
 --profile P` simulates it again on other profiles without a live run: a profile's before and after
-on one live run.
+on one live run. On a profile with step noise (`sim.step_noise`) the simulated arms draw seed 0;
+`--noise-seeds N` also prints each phase over N seeds against the profile's mean alone (mean and
+range of the seeds, and how many are within each bar): one live run is one draw of its tail too.
 """
 
 from __future__ import annotations
@@ -256,9 +258,11 @@ def noise_spread(phases: list[tuple[str, float, list[RequestRecord]]], profile: 
     assert profile.noise is not None
     mean_only = replace(profile, noise=None)
     print(f"\nstep noise ({profile.noise.describe()}) against the mean only, {seeds} seeds: "
-          "figure, live, mean only (diff), with noise: mean of the seeds (diff) [range of the diffs]")
+          "figure, live, mean only (diff), with noise: mean of the seeds (diff) [range of the diffs], "
+          "seeds within the bar")
     for label, rate, records in phases:
-        runs = [simulate(records, mean_only, config)] + [simulate(records, profile, config, seed) for seed in range(seeds)]
+        runs = [simulate(records, mean_only, config)]
+        runs += [simulate(records, profile, config, seed) for seed in range(seeds)]
         print(f"{label} ({rate:.1f} req/s): {len(records)} requests")
         rows = [(name, [v for v in values]) for name, values in _latencies(records, runs)]
         rows.append(("completed", [float(sum(1 for r in records if r.ok))]
@@ -266,12 +270,14 @@ def noise_spread(phases: list[tuple[str, float, list[RequestRecord]]], profile: 
         rows.append(("refused", [float(sum(1 for r in records if r.status in (429, 503)))]
                      + [float(sum(1 for r in run if r.refused_reason is not None)) for run in runs]))
         for name, (live_v, flat, *noisy) in rows:
-            scale, unit = (1000.0, "") if "ms" in name else (1.0, "")
+            scale = 1000.0 if "ms" in name else 1.0
             diffs = [v / live_v - 1.0 if live_v else 0.0 for v in noisy]
             flat_diff = flat / live_v - 1.0 if live_v else 0.0
+            bar = 0.15 if "ms" in name else 0.05 if name == "completed" else 0.10 if "surge" in label else None
+            within = "" if bar is None else f" {sum(abs(d) <= bar for d in diffs)}/{len(diffs)} within +-{bar:.0%}"
             print(f"  {name:<12} {live_v * scale:>7.0f} {flat * scale:>8.0f} {flat_diff:>+6.0%}   "
                   f"{np.mean(noisy) * scale:>8.0f} {np.mean(noisy) / live_v - 1.0 if live_v else 0.0:>+6.0%} "
-                  f"[{min(diffs):+.0%}..{max(diffs):+.0%}]{unit}")
+                  f"[{min(diffs):+.0%}..{max(diffs):+.0%}]{within}")
 
 
 def replay(args: argparse.Namespace) -> int:
@@ -333,6 +339,8 @@ async def main_async(args: argparse.Namespace) -> int:
             await asyncio.sleep(5.0)  # let the surge's queue drain before the next phase
         processes.stop_all()  # the engines flush their step logs as they stop
         ok = simulated_side(done, span, phases, [shipped, in_situ, *baselines], config)
+        if args.noise_seeds and shipped.noise is not None:
+            noise_spread(phases, shipped, config, args.noise_seeds)
         step_report(sorted(workdir.glob("steps-*.csv")), args.profile)
         if args.keep:
             kept = Path(args.keep)
@@ -360,8 +368,8 @@ def main() -> int:
     parser.add_argument("--keep", help="a directory to keep the live run in (requests, step logs, in-situ profile)")
     parser.add_argument("--replay", help="no live run: simulate a kept one again on the profiles given")
     parser.add_argument("--noise-seeds", type=int, default=0,
-                        help="with --replay, on a profile with step noise: each phase with and without the noise, "
-                             "over this many seeds")
+                        help="on a profile with step noise: each phase with and without the noise, over this many "
+                             "seeds (the bars above are judged on seed 0)")
     args = parser.parse_args()
     return replay(args) if args.replay else asyncio.run(main_async(args))
 

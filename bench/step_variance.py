@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tidegate.calibration import _read_step_logs, calibrate_from_step_logs, step_noise_of_logs
+from tidegate.calibration import read_step_logs, calibrate_from_step_logs, step_noise_of_logs
 from tidegate.sim.costfit import logged_step_s
 from tidegate.sim.profile import load_profile
 from tidegate.sim.step_noise import SharedDrift, StepNoise, StepNoiseStream, residuals, time_autocorrelation
@@ -93,7 +93,8 @@ def describe(label: str, series: list[tuple[np.ndarray, np.ndarray]]) -> None:
     lags = (1, 2, 5, 10, 20, 50, 100)
     acf = [np.mean([np.corrcoef(v[:-k], v[k:])[0, 1] for _, v in series if len(v) > k + 2]) for k in lags]
     print("    autocorrelation by steps apart " + " ".join(f"{k}: {a:+.2f}" for k, a in zip(lags, acf)))
-    print("    autocorrelation by seconds apart " + " ".join(f"{lag:.2g}: {c:+.2f}" for lag, c, _ in time_autocorrelation(series)))
+    print("    autocorrelation by seconds apart "
+          + " ".join(f"{lag:.2g}: {c:+.2f}" for lag, c, _ in time_autocorrelation(series)))
     for window_s, (spread, white, cross) in window_figures(series).items():
         print(f"    {window_s:>4.0f} s windows: mean log residual sd {spread:.3f} (white noise: {white:.3f}); "
               f"range x{np.exp(-2 * spread):.2f}..x{np.exp(2 * spread):.2f} (2 sd)"
@@ -114,7 +115,7 @@ def main() -> int:
         if args.refit:
             profile = calibrate_from_step_logs(paths, name="in-sample", description="",
                                                attention_cost_tokens=profile.attention_cost_tokens)
-        logs = _read_step_logs(paths)
+        logs = read_step_logs(paths)
         print(f"\n{pattern}: {len(paths)} engine(s); residuals against {profile.name}")
         series = [(np.array([s.start_s for s in log]),
                    residuals([logged_step_s(profile.cost, s) for s in log], [s.step_s for s in log])) for log in logs]

@@ -31,12 +31,13 @@ import numpy as np
 
 from tidegate.engine.benchkit import StreamResult, stream_completion
 from tidegate.engine.scheduler import SchedulerConfig
-from tidegate.sim.costfit import DecodeSample, StepSample, PrefillSample, fit_with_held_out, logged_step_s, read_step_log
+from tidegate.sim.costfit import (DecodeSample, PrefillSample, StepSample, fit_with_held_out, logged_step_s,
+                                  read_step_log)
 from tidegate.sim.profile import ReplicaProfile
 from tidegate.sim.replica import StepCostModel
 from tidegate.sim.step_noise import NoiseFit, fit_step_noise, residuals
 
-__all__ = ["CalibrationGrid", "measure", "calibrate", "calibrate_from_step_logs", "step_noise_of_logs"]
+__all__ = ["CalibrationGrid", "measure", "calibrate", "calibrate_from_step_logs", "read_step_logs", "step_noise_of_logs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +179,7 @@ def calibrate_from_step_logs(paths: Sequence[str], *, name: str, description: st
     of the fidelity loads it predicted held-out shapes no better than the summed context does
     (docs/simulator.md, "The decode step's attention"). `step_noise`: fit how the steps vary around
     the fitted mean, in time (`sim.step_noise`), into the profile's `noise`."""
-    logs = _read_step_logs(paths)
+    logs = read_step_logs(paths)
     steps = [step for log in logs for step in log]
     if len(steps) < 30:
         raise ValueError(f"{len(steps)} logged steps: too few to fit a profile")
@@ -197,7 +198,8 @@ def calibrate_from_step_logs(paths: Sequence[str], *, name: str, description: st
                           noise=noise)
 
 
-def _read_step_logs(paths: Sequence[str]) -> list[list[StepSample]]:
+def read_step_logs(paths: Sequence[str]) -> list[list[StepSample]]:
+    """Each engine's step log (`tidegate engine --step-log`, .csv or .csv.gz) as its steps."""
     logs = []
     for path in paths:
         # gzip'd as kept beside a profile (bench/data/calibration), else as the engine writes it

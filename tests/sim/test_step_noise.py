@@ -14,7 +14,7 @@ from tidegate.policy.pool import PoolController, PoolReplica
 from tidegate.policy.tiers import default_tiers
 from tidegate.sim.harness import Harness, KillReplica, RunResult, SlowReplica
 from tidegate.sim.profile import ReplicaProfile, load_profile
-from tidegate.sim.replica import ReplicaSpec, StepCostModel
+from tidegate.sim.replica import StepCostModel
 from tidegate.sim.scenarios import mixed, replica_spec
 from tidegate.sim.step_noise import SharedDrift, StepNoise, StepNoiseStream
 from tidegate.simulate import Simulation, poisson_requests

@@ -224,7 +224,8 @@ class Harness:
         # the replicas of one profile and seed share their step noise's drift, as engines on one machine do
         drifts = {(spec.noise, spec.noise_seed): SharedDrift(spec.noise, spec.noise_seed)
                   for spec in replicas if spec.noise is not None and spec.noise.shared_share}
-        self.replicas = {spec.replica_id: ModelledReplica(spec, self.loop, self, drifts.get((spec.noise, spec.noise_seed)))
+        self.replicas = {spec.replica_id: ModelledReplica(spec, self.loop, self,
+                                                          drifts.get((spec.noise, spec.noise_seed)))
                          for spec in replicas}
         if len(self.replicas) != len(replicas):
             raise ValueError("replica ids must be unique")

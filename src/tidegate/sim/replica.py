@@ -320,9 +320,10 @@ class ModelledReplica:
             self._next_step = None
         if self._stretch is not None:  # its steps done by now were taken; their tokens die with it
             stretch = self._stretch
-            self._apply(stretch, stretch.steps_done(self._loop.now_s))
+            done = stretch.steps_done(self._loop.now_s)
+            self._apply(stretch, done)
             if self._noise is not None:  # the step in progress drew its noise as it started
-                self._noise.committed = stretch.noise_states[min(stretch.steps_done(self._loop.now_s), stretch.steps - 1)]
+                self._noise.committed = stretch.noise_states[min(done, stretch.steps - 1)]
             self._stretch = None
         lost = [seq.seq_id for seq in (*self.scheduler.running, *self.scheduler.waiting)]
         for seq_id in lost:
