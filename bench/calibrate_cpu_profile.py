@@ -1,7 +1,7 @@
 """The shipped `tiny-random-llama-cpu` profile, regenerated: the engines' own steps while serving.
 
     python bench/calibrate_cpu_profile.py --out DIR [--phase-s 120] [--write-profile P.json]
-    python bench/calibrate_cpu_profile.py --out bench/data/calibration/tiny-random-llama-cpu --fit-only
+    python bench/calibrate_cpu_profile.py --out bench/data/calibration/tiny-random-llama-cpu --fit-only [--step-noise]
 
 The shipped profile's own steps are kept in bench/data/calibration/tiny-random-llama-cpu (gzip'd):
 `--fit-only` fits them again, as a change to the fit needs (the logs of the profile before were
@@ -92,12 +92,12 @@ def held_out_by_shape(logs: list[str], attention_cost_tokens: int | None, decode
     return rows
 
 
-def fit(out: Path, write_profile: str | None, decode_attention: bool = False) -> None:
+def fit(out: Path, write_profile: str | None, decode_attention: bool = False, step_noise: bool = False) -> None:
     shipped = load_profile(SHIPPED)
     logs = sorted(str(p) for p in [*out.glob("steps-*.csv"), *out.glob("steps-*.csv.gz")])
     profile = calibrate_from_step_logs(
         logs, name=SHIPPED, attention_cost_tokens=shipped.attention_cost_tokens, cold_start_s=shipped.cold_start_s,
-        description=shipped.description, decode_attention=decode_attention)
+        description=shipped.description, decode_attention=decode_attention, step_noise=step_noise)
     profile = replace(profile, sources=profile.sources + (
         "bench/calibrate_cpu_profile.py: a closed loop of 64, Poisson at 0.5x and 0.8x of its capacity and a 3x "
         "surge, the requests of bench/sim_fidelity.py's phases from other seeds",))
@@ -121,6 +121,8 @@ def fit(out: Path, write_profile: str | None, decode_attention: bool = False) ->
               f"({worst[0][0]}{'+chunk' if worst[0][1] else ''}, {worst[1]} steps); over 10 %: "
               + (", ".join(f"{d}{'+chunk' if c else ''} {e:+.1%} +-{n:.1%}" for (d, c), _, e, n in shapes
                            if abs(e) > 0.10) or "none"))
+    if profile.noise is not None:
+        print(f"step noise: {profile.noise.describe()} (bench/step_variance.py --logs '{out}/steps-*' for its figures)")
     step_report([Path(p) for p in logs], str(out / "profile.json"))
     step_report([Path(p) for p in logs], SHIPPED)
     if write_profile:
@@ -138,6 +140,8 @@ def main() -> int:
     parser.add_argument("--decode-attention", action="store_true",
                         help="fit the decode attention by mirror rows x the longest decode context "
                              "(`tidegate sim calibrate --decode-attention`)")
+    parser.add_argument("--step-noise", action="store_true",
+                        help="also fit the steps' variance around the fit (`tidegate sim calibrate --step-noise`)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -156,7 +160,7 @@ def main() -> int:
             asyncio.run(drive(f"http://127.0.0.1:{port}", processes.started[0].pid, args.phase_s, args.capacity_s))
         finally:
             processes.stop_all()  # the engines flush their step logs as they stop
-    fit(out, args.write_profile, args.decode_attention)
+    fit(out, args.write_profile, args.decode_attention, args.step_noise)
     return 0
 
 

@@ -19,7 +19,9 @@ reports (the schema of `tidegate bench`) and their comparison (`tidegate report 
 `--baseline-profile P` simulates P beside the shipped profile on the same requests; `--keep DIR`
 keeps the live run (its requests, the engines' step logs, the in-situ profile), and `--replay DIR
 --profile P` simulates it again on other profiles without a live run: a profile's before and after
-on one live run.
+on one live run. On a profile with step noise (`sim.step_noise`) the simulated arms draw seed 0;
+`--noise-seeds N` also prints each phase over N seeds against the profile's mean alone (mean and
+range of the seeds, and how many are within each bar): one live run is one draw of its tail too.
 """
 
 from __future__ import annotations
@@ -166,11 +168,13 @@ async def live_run(url: str, rate: float | None, duration_s: float, seed: int):
     return await Driver(config, plan).run()
 
 
-def simulate(records: list[RequestRecord], profile: ReplicaProfile, config: GatewayConfig) -> list[SimRecord]:
-    return list(simulate_run(records, profile, config).records)
+def simulate(records: list[RequestRecord], profile: ReplicaProfile, config: GatewayConfig,
+             noise_seed: int = 0) -> list[SimRecord]:
+    return list(simulate_run(records, profile, config, noise_seed).records)
 
 
-def simulate_run(records: list[RequestRecord], profile: ReplicaProfile, config: GatewayConfig) -> SimRunResult:
+def simulate_run(records: list[RequestRecord], profile: ReplicaProfile, config: GatewayConfig,
+                 noise_seed: int = 0) -> SimRunResult:
     """The live run's requests, as sent, through the same controller on modelled replicas."""
     counted = [r for r in records if r.prompt_tokens]
     # a refused request's prompt was never counted by the engine: the served ones' ratio to the target
@@ -180,7 +184,7 @@ def simulate_run(records: list[RequestRecord], profile: ReplicaProfile, config: 
                 for i, r in enumerate(sorted(records, key=lambda r: r.sent_s))]
     ids = ["r0", "r1"]
     controller, _ = pool_controller(config, None, ids)
-    return Harness([profile.spec(i) for i in ids], controller).run(requests)
+    return Harness([profile.spec(i, noise_seed) for i in ids], controller).run(requests)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -264,6 +268,35 @@ def simulated_side(done: list[RequestRecord], span: float, phases: list[tuple[st
     return ok
 
 
+def noise_spread(phases: list[tuple[str, float, list[RequestRecord]]], profile: ReplicaProfile,
+                 config: GatewayConfig, seeds: int) -> None:
+    """Each phase on `profile` without its step noise (every step its mean) and with it, seed by
+    seed: the noise's figures as their mean and range over the seeds, each against live."""
+    assert profile.noise is not None
+    mean_only = replace(profile, noise=None)
+    print(f"\nstep noise ({profile.noise.describe()}) against the mean only, {seeds} seeds: "
+          "figure, live, mean only (diff), with noise: mean of the seeds (diff) [range of the diffs], "
+          "seeds within the bar")
+    for label, rate, records in phases:
+        runs = [simulate(records, mean_only, config)]
+        runs += [simulate(records, profile, config, seed) for seed in range(seeds)]
+        print(f"{label} ({rate:.1f} req/s): {len(records)} requests")
+        rows = [(name, [v for v in values]) for name, values in _latencies(records, runs)]
+        rows.append(("completed", [float(sum(1 for r in records if r.ok))]
+                     + [float(sum(1 for r in run if r.served)) for run in runs]))
+        rows.append(("refused", [float(sum(1 for r in records if r.status in (429, 503)))]
+                     + [float(sum(1 for r in run if r.refused_reason is not None)) for run in runs]))
+        for name, (live_v, flat, *noisy) in rows:
+            scale = 1000.0 if "ms" in name else 1.0
+            diffs = [v / live_v - 1.0 if live_v else 0.0 for v in noisy]
+            flat_diff = flat / live_v - 1.0 if live_v else 0.0
+            bar = 0.15 if "ms" in name else 0.05 if name == "completed" else 0.10 if "surge" in label else None
+            within = "" if bar is None else f" {sum(abs(d) <= bar for d in diffs)}/{len(diffs)} within +-{bar:.0%}"
+            print(f"  {name:<12} {live_v * scale:>7.0f} {flat * scale:>8.0f} {flat_diff:>+6.0%}   "
+                  f"{np.mean(noisy) * scale:>8.0f} {np.mean(noisy) / live_v - 1.0 if live_v else 0.0:>+6.0%} "
+                  f"[{min(diffs):+.0%}..{max(diffs):+.0%}]{within}")
+
+
 def replay(args: argparse.Namespace) -> int:
     """`--keep`'s live run again, simulated on the profiles given now (live figures as they were)."""
     kept = Path(args.replay)
@@ -273,6 +306,8 @@ def replay(args: argparse.Namespace) -> int:
                 *(load_profile(p) for p in args.baseline_profile)]
     print(f"replay of {kept}: live capacity {saved['capacity']:.2f} req/s; profile {args.profile}")
     ok = simulated_side(saved["done"], saved["span"], saved["phases"], profiles, config)
+    if args.noise_seeds and profiles[0].noise is not None:
+        noise_spread(saved["phases"], profiles[0], config, args.noise_seeds)
     step_report(sorted(kept.glob("steps-*.csv")), args.profile)
     print(f"\nall bars: {'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
@@ -321,6 +356,8 @@ async def main_async(args: argparse.Namespace) -> int:
             await asyncio.sleep(5.0)  # let the surge's queue drain before the next phase
         processes.stop_all()  # the engines flush their step logs as they stop
         ok = simulated_side(done, span, phases, [shipped, in_situ, *baselines], config)
+        if args.noise_seeds and shipped.noise is not None:
+            noise_spread(phases, shipped, config, args.noise_seeds)
         step_report(sorted(workdir.glob("steps-*.csv")), args.profile)
         if args.keep:
             kept = Path(args.keep)
@@ -347,6 +384,9 @@ def main() -> int:
                         help="a profile (name or file) simulated beside the shipped one on the same live requests")
     parser.add_argument("--keep", help="a directory to keep the live run in (requests, step logs, in-situ profile)")
     parser.add_argument("--replay", help="no live run: simulate a kept one again on the profiles given")
+    parser.add_argument("--noise-seeds", type=int, default=0,
+                        help="on a profile with step noise: each phase with and without the noise, over this many "
+                             "seeds (the bars above are judged on seed 0)")
     args = parser.parse_args()
     return replay(args) if args.replay else asyncio.run(main_async(args))
 

@@ -31,10 +31,13 @@ import numpy as np
 
 from tidegate.engine.benchkit import StreamResult, stream_completion
 from tidegate.engine.scheduler import SchedulerConfig
-from tidegate.sim.costfit import DecodeSample, PrefillSample, fit_with_held_out, read_step_log
+from tidegate.sim.costfit import (DecodeSample, PrefillSample, StepSample, fit_with_held_out, logged_step_s,
+                                  read_step_log)
 from tidegate.sim.profile import ReplicaProfile
+from tidegate.sim.replica import StepCostModel
+from tidegate.sim.step_noise import NoiseFit, fit_step_noise, residuals
 
-__all__ = ["CalibrationGrid", "measure", "calibrate", "calibrate_from_step_logs"]
+__all__ = ["CalibrationGrid", "measure", "calibrate", "calibrate_from_step_logs", "read_step_logs", "step_noise_of_logs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,7 +168,8 @@ def calibrate(urls: Sequence[str], model: str, *, name: str, description: str, m
 def calibrate_from_step_logs(paths: Sequence[str], *, name: str, description: str, max_num_seqs: int | None = None,
                              max_batch_tokens: int | None = None, kv_cache_tokens: int | None = None,
                              attention_cost_tokens: int | None = None, cold_start_s: float = 0.0,
-                             by_rows: bool = True, decode_attention: bool = False) -> ReplicaProfile:
+                             by_rows: bool = True, decode_attention: bool = False,
+                             step_noise: bool = False) -> ReplicaProfile:
     """A profile fitted on the steps engines logged while serving (`tidegate engine --step-log`);
     limits not given are the embedded engine's defaults. The steps mix prefill chunks and decodes,
     so they are fitted by the forward pass's rows (`sim.costfit`; `by_rows=False`: by prefill
@@ -173,13 +177,10 @@ def calibrate_from_step_logs(paths: Sequence[str], *, name: str, description: st
     attention by the engine's rows x the longest decode context and the prefill chunks' context
     apart (by rows, on logs that carry the attention's shape). Off by default: on the served steps
     of the fidelity loads it predicted held-out shapes no better than the summed context does
-    (docs/simulator.md, "The decode step's attention")."""
-    steps = []
-    for path in paths:
-        # gzip'd as kept beside a profile (bench/data/calibration), else as the engine writes it
-        opener = gzip.open if str(path).endswith(".gz") else open
-        with opener(path, "rt", encoding="utf-8") as handle:
-            steps += read_step_log(handle)
+    (docs/simulator.md, "The decode step's attention"). `step_noise`: fit how the steps vary around
+    the fitted mean, in time (`sim.step_noise`), into the profile's `noise`."""
+    logs = read_step_logs(paths)
+    steps = [step for log in logs for step in log]
     if len(steps) < 30:
         raise ValueError(f"{len(steps)} logged steps: too few to fit a profile")
     defaults = SchedulerConfig()
@@ -187,9 +188,29 @@ def calibrate_from_step_logs(paths: Sequence[str], *, name: str, description: st
     # held out every third step of a log ordered by shape, so each shape has some held out
     steps.sort(key=lambda s: (s.decodes, s.prefill_tokens > 0))
     fit, error = fit_with_held_out(steps, max_batch_tokens, attention_cost_tokens, by_rows, decode_attention)
+    noise = step_noise_of_logs(logs, fit.model).noise if step_noise else None
     return ReplicaProfile(name, description, estimate=False,
                           sources=(f"tidegate sim calibrate --step-log: {len(steps)} steps logged while serving, "
                                    f"from {len(paths)} log(s)",),
                           cost=fit.model, max_num_seqs=max_num_seqs or defaults.max_num_seqs,
                           max_batch_tokens=max_batch_tokens, kv_cache_tokens=kv_cache_tokens or 32768,
-                          cold_start_s=cold_start_s, fit=error, attention_cost_tokens=attention_cost_tokens)
+                          cold_start_s=cold_start_s, fit=error, attention_cost_tokens=attention_cost_tokens,
+                          noise=noise)
+
+
+def read_step_logs(paths: Sequence[str]) -> list[list[StepSample]]:
+    """Each engine's step log (`tidegate engine --step-log`, .csv or .csv.gz) as its steps."""
+    logs = []
+    for path in paths:
+        # gzip'd as kept beside a profile (bench/data/calibration), else as the engine writes it
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt", encoding="utf-8") as handle:
+            logs.append(read_step_log(handle))
+    return logs
+
+
+def step_noise_of_logs(logs: Sequence[Sequence[StepSample]], model: StepCostModel) -> NoiseFit:
+    """The step noise of logged steps (one list an engine) around what `model` predicts for each."""
+    return fit_step_noise([(np.array([s.start_s for s in log]),
+                            residuals([logged_step_s(model, s) for s in log], [s.step_s for s in log]))
+                           for log in logs])

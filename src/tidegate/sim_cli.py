@@ -44,6 +44,10 @@ def configure_parser(parser: argparse.ArgumentParser) -> None:
     cal.add_argument("--attention-cost-tokens", type=int,
                      help="the engine's budget charge per prefill token at context c is 1 + c / this "
                           "(the embedded engine states it)")
+    cal.add_argument("--step-noise", action="store_true",
+                     help="with --step-log: also fit how the steps vary around the fitted mean, in time and "
+                          "between the engines logged side by side (docs/simulator.md, \"Step-time variance\"); "
+                          "the simulator then draws each step's time, seeded by `sim run --seed`")
     cal.add_argument("--decode-attention", action="store_true",
                      help="with --step-log: fit the decode attention as the engine runs it (mirror rows x the "
                           "longest decode context) and the prefill chunks' context apart; needs logs of "
@@ -124,7 +128,7 @@ def _calibrate(args: argparse.Namespace) -> int:
                                            kv_cache_tokens=args.kv_cache_tokens,
                                            attention_cost_tokens=args.attention_cost_tokens,
                                            cold_start_s=args.cold_start_s,
-                                           decode_attention=args.decode_attention)
+                                           decode_attention=args.decode_attention, step_noise=args.step_noise)
         return _wrote(profile, args.out)
     if not args.url or not args.model:
         raise ValueError("give --url and --model (a running engine), or --step-log")
@@ -149,6 +153,8 @@ def _wrote(profile: ReplicaProfile, out: str) -> int:
     if fit is not None:
         print(f"held-out shapes: {fit.held_out_samples}, relative error mean {fit.held_out_mean:.1%}, "
               f"max {fit.held_out_max:.1%} (fitted on {fit.fitted_samples})")
+    if profile.noise is not None:
+        print(profile.noise.describe())
     print(f"wrote {out}")
     return 0
 
@@ -235,7 +241,7 @@ def _simulate(args: argparse.Namespace) -> int:
             scaling = {"autoscaler": simulation.autoscaler(min_replicas=args.min_replicas),
                        "initial_replicas": args.min_replicas}
         with _progress_bar(requests, label, shown) as before_run:
-            runs[label] = simulation.run(requests, fifo=fifo, before_run=before_run, **scaling)
+            runs[label] = simulation.run(requests, fifo=fifo, before_run=before_run, noise_seed=args.seed, **scaling)
         print(f"\n{label}\n{format_summary(runs[label].summary)}")
         if runs[label].scaling:
             print(_scaling_summary(runs[label]))

@@ -151,17 +151,18 @@ class Simulation:
 
     def run(self, requests: Sequence[SimRequest], *, fifo: bool = False, events: Sequence[ScenarioEvent] = (),
             probe: bool = True, before_run: Callable[[Harness], None] | None = None,
-            autoscaler: ScalePolicy | None = None, initial_replicas: int = 1) -> SimulatedRun:
+            autoscaler: ScalePolicy | None = None, initial_replicas: int = 1, noise_seed: int = 0) -> SimulatedRun:
         """One run to the end: overload control (the pool controller), or FIFO with overload
         control off. `events`: replicas killed or slowed on the way. `probe`: sample the replicas
         and the queue for the report's series (changes nothing in the run). `before_run`: sees the
         harness first, e.g. to schedule a progress bar's ticks on its loop. `autoscaler`: sizes the
         pool every second between `initial_replicas` and all of them (`policy.autoscale`); replicas
-        start after the profile's cold start and stop after draining."""
+        start after the profile's cold start and stop after draining. `noise_seed`: draws the steps'
+        times where the profile has step noise (`sim.step_noise`)."""
         self.check_tiers(requests)
         dispatcher = (FifoDispatcher(self.replica_ids, self.tiers, slot_limit=self.slot_limit) if fifo
                       else pool_controller(self.config, self.pool.name, self.replica_ids)[0])
-        harness = Harness([self.profile.spec(i) for i in self.replica_ids], dispatcher)
+        harness = Harness([self.profile.spec(i, noise_seed) for i in self.replica_ids], dispatcher)
         last_arrival_s = max((r.arrival_s for r in requests), default=0.0)
         scaling = None
         if autoscaler is not None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -43,8 +45,9 @@ def test_a_bad_profile_is_refused_with_its_path(tmp_path) -> None:
 
 
 def test_a_prompt_alone_takes_in_the_simulator_what_the_fit_predicts_for_it() -> None:
-    """costfit chunks a prompt as the modelled replica does: same scheduler, same costs."""
-    profile = load_profile("tiny-random-llama-cpu")
+    """costfit chunks a prompt as the modelled replica does: same scheduler, same costs (the
+    profile's mean: its step noise, drawn around it, is `test_step_noise`'s)."""
+    profile = replace(load_profile("tiny-random-llama-cpu"), noise=None)
     fit = CostFit(profile.cost)
     for tokens in (1, 40, 96, 97, 250, 1000):
         result = Harness([profile.spec("r0")], FifoDispatcher(["r0"], patient_tiers(), slot_limit=1)).run(
@@ -254,8 +257,6 @@ def test_logged_decode_attention_shapes_fit_a_cost_a_position_apart_from_the_sum
     """Steps of a true model with the decode attention's term: where every decode has about the
     same context the two terms move together, so the steps mix long and short contexts, as served
     traffic does; the fit finds the term, and the old form (context only) misses the long steps."""
-    from dataclasses import replace
-
     from tidegate.sim.costfit import StepSample
 
     truth = replace(ROWS_TRUE, context_s_per_token=2e-6, decode_attention_s_per_position=4e-6)

@@ -77,6 +77,7 @@ class StepSample:
     decode_positions: int | None = None
     decode_path: str = ""
     copied_positions: int = 0
+    start_s: float = 0.0  # when the step started, on the engine's clock (its variance in time: `sim.step_noise`)
 
     @property
     def longest_decode_context(self) -> int:
@@ -335,7 +336,7 @@ def read_step_log(lines: Iterable[str]) -> list[StepSample]:
             fields = line.strip().split(",")
             if len(fields) not in (5, 10):
                 raise ValueError
-            _, step_s, prefill, decodes, context = fields[:5]
+            start_s, step_s, prefill, decodes, context = fields[:5]
             shape = {}
             if len(fields) == 10:
                 decode_context, rows, positions, path, copied = fields[5:]
@@ -343,7 +344,8 @@ def read_step_log(lines: Iterable[str]) -> list[StepSample]:
                     raise ValueError
                 shape = dict(decode_context_tokens=int(decode_context), decode_rows=int(rows),
                              decode_positions=int(positions), decode_path=path, copied_positions=int(copied))
-            steps.append(StepSample(int(prefill), int(decodes), int(context), float(step_s), **shape))
+            steps.append(StepSample(int(prefill), int(decodes), int(context), float(step_s), **shape,
+                                    start_s=float(start_s)))
         except ValueError:
             raise ValueError(f"step log line {number}: expected start_s,step_s,prefill,decodes,context"
                              "[,decode_context,decode_rows,decode_positions,decode_path,copied_positions]") from None

@@ -17,6 +17,7 @@ from tidegate.loadgen.mix import LengthDistribution
 from tidegate.loadgen.trace import Trace
 from tidegate.sim.loop import EventHandle, EventLoop
 from tidegate.sim.replica import ModelledReplica, ReplicaSpec
+from tidegate.sim.step_noise import SharedDrift
 from tidegate.sim.seam import ArrivalVerdict, Assignment, Dispatch, Dispatcher, SimRequest
 from tidegate.types import ReplicaHealth
 
@@ -220,7 +221,12 @@ class Harness:
         self._cpu_owed_s = 0.0  # refusals' CPU not yet taken from the replicas
         self._contention_tick: EventHandle | None = None
         self.dispatcher = dispatcher
-        self.replicas = {spec.replica_id: ModelledReplica(spec, self.loop, self) for spec in replicas}
+        # the replicas of one profile and seed share their step noise's drift, as engines on one machine do
+        drifts = {(spec.noise, spec.noise_seed): SharedDrift(spec.noise, spec.noise_seed)
+                  for spec in replicas if spec.noise is not None and spec.noise.shared_share}
+        self.replicas = {spec.replica_id: ModelledReplica(spec, self.loop, self,
+                                                          drifts.get((spec.noise, spec.noise_seed)))
+                         for spec in replicas}
         if len(self.replicas) != len(replicas):
             raise ValueError("replica ids must be unique")
         self._records: dict[int, RequestRecord] = {}

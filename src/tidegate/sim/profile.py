@@ -18,6 +18,7 @@ from pathlib import Path
 
 from tidegate.engine.scheduler import SchedulerConfig
 from tidegate.sim.replica import ReplicaSpec, StepCostModel
+from tidegate.sim.step_noise import StepNoise
 
 __all__ = ["FitError", "ReplicaProfile", "load_profile", "save_profile", "shipped_profiles", "PROFILE_VERSION"]
 
@@ -49,6 +50,9 @@ class ReplicaProfile:
     # the engine's budget charge for a prefill token at context c is 1 + c / this (the embedded
     # engine's `SchedulerConfig.attention_cost_tokens`); None: 1 a token
     attention_cost_tokens: int | None = None
+    # how a served step's time varies around the cost model's mean (`sim.step_noise`), fitted on
+    # logged steps; None (profiles without it): every modelled step takes the mean exactly
+    noise: StepNoise | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_batch_tokens < 1 or self.kv_cache_tokens < 1 or self.cold_start_s < 0:
@@ -66,12 +70,13 @@ class ReplicaProfile:
         if self.cost.forward_s_per_row < 0:
             raise ValueError(f"profile {self.name}: forward_s_per_row must be >= 0")
 
-    def spec(self, replica_id: str) -> ReplicaSpec:
-        """A modelled replica of this profile."""
+    def spec(self, replica_id: str, noise_seed: int = 0) -> ReplicaSpec:
+        """A modelled replica of this profile; `noise_seed` draws its step noise, if the profile has one."""
         return ReplicaSpec(replica_id, scheduler=SchedulerConfig(max_num_seqs=self.max_num_seqs,
                                                                  max_batch_tokens=self.max_batch_tokens,
                                                                  attention_cost_tokens=self.attention_cost_tokens),
-                           kv_cache_tokens=self.kv_cache_tokens, cost=self.cost, cold_start_s=self.cold_start_s)
+                           kv_cache_tokens=self.kv_cache_tokens, cost=self.cost, cold_start_s=self.cold_start_s,
+                           noise=self.noise, noise_seed=noise_seed)
 
     def to_json(self) -> str:
         data = {"version": PROFILE_VERSION, **asdict(self)}
@@ -84,6 +89,8 @@ class ReplicaProfile:
         for name in ("decode_attention_s_per_position", "prefill_context_s_per_token"):
             if not getattr(self.cost, name):  # nor those before the decode attention's terms
                 del data["cost"][name]
+        if self.noise is None:  # profiles without it read as they did
+            del data["noise"]
         return json.dumps(data, indent=2) + "\n"
 
     @classmethod
@@ -98,7 +105,9 @@ class ReplicaProfile:
             forward = tuple((int(r), float(t)) for r, t in cost_fields.pop("forward_s_by_rows", ()))
             cost = StepCostModel(**cost_fields, decode_s_by_batch=table, forward_s_by_rows=forward)
             fit = data.pop("fit", None)
+            noise = data.pop("noise", None)
             return cls(cost=cost, fit=FitError(**fit) if fit is not None else None,
+                       noise=StepNoise(**noise) if noise is not None else None,
                        sources=tuple(data.pop("sources", ())), **data)
         except (ValueError, TypeError, KeyError, AttributeError) as error:
             raise ValueError(f"{source}: not a replica profile: {error}") from None

@@ -36,6 +36,7 @@ from tidegate.engine.mirror_rows import MirrorRows
 from tidegate.engine.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from tidegate.engine.sequence import SamplingParams, Sequence
 from tidegate.sim.loop import EventHandle, EventLoop
+from tidegate.sim.step_noise import SharedDrift, StepNoise, StepNoiseStream
 from tidegate.types import ReplicaLoad
 
 __all__ = ["StepCostModel", "ReplicaSpec", "ReplicaListener", "ModelledReplica", "FAILURE_KILLED",
@@ -183,6 +184,9 @@ class ReplicaSpec:
     cost: StepCostModel = field(default_factory=StepCostModel)
     stretches: bool = True  # False: every step an event (the reference stretches are tested against)
     cold_start_s: float = 0.0  # from "replica requested" to "ready" (`StartReplica`)
+    # each step's time is the cost model's mean times a seeded draw of this (None: the mean exactly)
+    noise: StepNoise | None = None
+    noise_seed: int = 0
 
 
 @dataclass(slots=True)
@@ -194,6 +198,8 @@ class _Stretch:
     ends_s: list[float]
     prefilling: Sequence | None
     chunks: list[int]
+    # the step noise's state after each step (`StepNoiseStream.committed`), if the replica has noise
+    noise_states: list[tuple[int, float, float]] = field(default_factory=list)
 
     @property
     def steps(self) -> int:
@@ -206,6 +212,7 @@ class _Stretch:
     def cut(self, steps: int) -> None:
         del self.ends_s[steps:]
         del self.chunks[steps:]
+        del self.noise_states[steps:]
 
 
 class ReplicaListener(Protocol):
@@ -215,7 +222,10 @@ class ReplicaListener(Protocol):
 
 
 class ModelledReplica:
-    def __init__(self, spec: ReplicaSpec, loop: EventLoop, listener: ReplicaListener) -> None:
+    def __init__(self, spec: ReplicaSpec, loop: EventLoop, listener: ReplicaListener,
+                 shared_drift: SharedDrift | None = None) -> None:
+        """`shared_drift`: the step noise's drift this replica shares with the others of its run
+        (`StepNoise.shared_share`); None: one of its own."""
         self.spec = spec
         self.replica_id = spec.replica_id
         self._loop = loop
@@ -228,6 +238,8 @@ class ModelledReplica:
         # the rows of the engine's decode mirror the decoding sequences hold: the decode attention
         # reads every row up to the highest one in use (`StepCostModel.decode_attention_s_per_position`)
         self._mirror_rows = MirrorRows()
+        self._noise = (StepNoiseStream(spec.noise, spec.noise_seed, spec.replica_id, shared_drift)
+                       if spec.noise is not None else None)
         self._next_step: EventHandle | None = None  # a step started or about to start
         self._stretch: _Stretch | None = None  # the decode stretch `_next_step` ends, if it is one
         self._load: ReplicaLoad | None = None  # `load`, until the scheduler's state changes
@@ -307,7 +319,11 @@ class ModelledReplica:
             self._next_step.cancel()
             self._next_step = None
         if self._stretch is not None:  # its steps done by now were taken; their tokens die with it
-            self._apply(self._stretch, self._stretch.steps_done(self._loop.now_s))
+            stretch = self._stretch
+            done = stretch.steps_done(self._loop.now_s)
+            self._apply(stretch, done)
+            if self._noise is not None:  # the step in progress drew its noise as it started
+                self._noise.committed = stretch.noise_states[min(done, stretch.steps - 1)]
             self._stretch = None
         lost = [seq.seq_id for seq in (*self.scheduler.running, *self.scheduler.waiting)]
         for seq_id in lost:
@@ -354,6 +370,11 @@ class ModelledReplica:
         rows = (self._mirror_rows.attention_rows([chunk.seq for chunk in batch.chunks[:batch.num_decodes]])
                 if cost.has_attention_terms else None)
         step_s = cost.batch_step_s(batch, rows) * self.slowdown * self.contention
+        if self._noise is not None:
+            step, now_s = self._noise.committed[0], self._loop.now_s
+            factor, drift = self._noise.factor(step, now_s, self._noise.committed, now_s)
+            self._noise.committed = (step + 1, now_s, drift)
+            step_s *= factor
         self._next_step = self._loop.call_later(step_s, self._end_step, batch)
         if self.step_observer is not None:
             self.step_observer(self.replica_id, self._loop.now_s, step_s, batch)
@@ -433,14 +454,22 @@ class ModelledReplica:
             # the same sequences decode in every step of the stretch: the same mirror rows
             rows = self._mirror_rows.attention_rows(decoders)
         prompt_at = prompt.num_computed_tokens if prompt is not None else 0
+        noise, noise_states = self._noise, []
+        now_s = self._loop.now_s
         for chunk in chunks:
-            elapsed_s += cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0), longest,
-                                     attention_rows=rows, decode_context_tokens=context) * slowdown
+            step_s = cost.step_s(chunk, decoding, context + (prompt_at + chunk if chunk else 0), longest,
+                                 attention_rows=rows, decode_context_tokens=context) * slowdown
+            if noise is not None:  # drawn as stepping one step at a time would draw it
+                state = noise_states[-1] if noise_states else noise.committed
+                factor, drift = noise.factor(state[0], now_s + elapsed_s, state, now_s)
+                noise_states.append((state[0] + 1, now_s + elapsed_s, drift))
+                step_s *= factor
+            elapsed_s += step_s
             ends_s.append(elapsed_s)
             context += decoding
             longest += 1
             prompt_at += chunk
-        return _Stretch(self._loop.now_s, ends_s, prompt, chunks)
+        return _Stretch(now_s, ends_s, prompt, chunks, noise_states)
 
     def _may_share_prefix(self, waiting: Sequence, running: list[Sequence]) -> bool:
         """Whether a running sequence may cache blocks that `waiting` would share: their first
@@ -498,6 +527,8 @@ class ModelledReplica:
         self._load = None
         self.steps += steps
         self.generated_tokens += steps * (len(running) - (stretch.prefilling is not None))
+        if self._noise is not None and steps:
+            self._noise.committed = stretch.noise_states[steps - 1]
 
     def _preemptions_held(self) -> int:
         return sum(seq.num_preemptions for seq in (*self.scheduler.running, *self.scheduler.waiting))
