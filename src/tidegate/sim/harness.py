@@ -17,8 +17,8 @@ from tidegate.loadgen.mix import LengthDistribution
 from tidegate.loadgen.trace import Trace
 from tidegate.sim.loop import EventHandle, EventLoop
 from tidegate.sim.replica import ModelledReplica, ReplicaSpec
-from tidegate.sim.step_noise import SharedDrift
 from tidegate.sim.seam import ArrivalVerdict, Assignment, Dispatch, Dispatcher, SimRequest
+from tidegate.sim.step_noise import SharedDrift
 from tidegate.types import ReplicaHealth
 
 __all__ = ["TrafficClass", "ClosedLoopClients", "KillReplica", "SlowReplica", "StartReplica", "ScenarioEvent",
