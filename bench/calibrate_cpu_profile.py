@@ -5,7 +5,9 @@
 
 The shipped profile's own steps are kept in bench/data/calibration/tiny-random-llama-cpu (gzip'd):
 `--fit-only` fits them again, as a change to the fit needs (the logs of the profile before were
-not kept, and it could not be refitted).
+not kept, and it could not be refitted). `--step-noise` also fits the steps' variance: that is the
+shipped `tiny-random-llama-cpu-vm` (the same fit with its noise, under its own name; the default
+stays the mean model, docs/simulator.md "Step-time variance").
 
 Runs the engine as `bench/sim_fidelity.py` runs it (`tidegate serve`, 2 embedded workers of 1
 thread, every step logged) through the same kinds of load: a closed loop of 64 in flight, then

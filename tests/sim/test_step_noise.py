@@ -140,3 +140,11 @@ def test_same_seed_same_report_bytes_other_seed_other(tmp_path: Path) -> None:
                                plots=False)
         written.append(out.read_bytes())
     assert written[0] == written[1] and written[0] != written[2]
+
+
+def test_the_vm_profile_is_the_default_with_its_measured_noise() -> None:
+    """`tiny-random-llama-cpu-vm` ships the default's cost model with the noise of the VM it was
+    measured on; the default stays the mean model (fleets, speed). A refit of one must reach the other."""
+    default, vm = load_profile("tiny-random-llama-cpu"), load_profile("tiny-random-llama-cpu-vm")
+    assert default.noise is None and vm.noise is not None and vm.noise.sd > 0
+    assert replace(vm, name=default.name, description=default.description, noise=None) == default
