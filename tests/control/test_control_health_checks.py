@@ -171,39 +171,44 @@ async def test_starting_replica_stays_unknown_until_first_success() -> None:
     assert target.health is ReplicaHealth.UNKNOWN
 
 
+async def _checked(target: _Target, answers: list[int], status: list[int]) -> list[ReplicaHealth]:
+    """One check per answer the server gives in turn; the target's health after each."""
+    changes: list[int] = []
+    checker = HealthChecker([target], interval_s=10, timeout_s=2, on_change=lambda: changes.append(1))
+    seen = []
+    await checker.start()
+    try:
+        for answer in answers:
+            status[0] = answer
+            await checker.check_once(target)
+            seen.append(target.health)
+    finally:
+        await checker.stop()
+    assert not changes  # nothing routable changed
+    return seen
+
+
 async def test_a_standby_that_stops_answering_is_loading_again_not_promotable() -> None:
     """A scale-out promotes a STANDBY into traffic at once, without a check of its own: a standby is
     therefore checked while it waits, and one that fails goes back to WARMING until it answers."""
     status = [200]
     runner, base = await _serve(status)
-    target, changes = _Target(base), []
+    target = _Target(base)
     target.health = ReplicaHealth.STANDBY
-    checker = HealthChecker([target], interval_s=10, timeout_s=2, on_change=lambda: changes.append(1))
-    await checker.start()
     try:
-        await checker.check_once(target)
-        assert target.health is ReplicaHealth.STANDBY  # answering: stays out of traffic, ready
-        status[0] = 503
-        await checker.check_once(target)
-        assert target.health is ReplicaHealth.WARMING
-        status[0] = 200
-        await checker.check_once(target)
-        assert target.health is ReplicaHealth.STANDBY  # answers again: ready again, still out of traffic
+        seen = await _checked(target, [200, 503, 200], status)
     finally:
-        await checker.stop()
         await runner.cleanup()
-    assert not changes  # nothing routable changed
+    # answering: ready and out of traffic; not answering: loading again; answering again: ready again
+    assert seen == [ReplicaHealth.STANDBY, ReplicaHealth.WARMING, ReplicaHealth.STANDBY]
 
 
 async def test_a_draining_replica_is_left_to_its_actuator() -> None:
-    runner, base = await _serve([200])
+    status = [200]
+    runner, base = await _serve(status)
     target = _Target(base)
     target.health = ReplicaHealth.DRAINING
-    checker = HealthChecker([target], interval_s=10, timeout_s=2, on_change=lambda: None)
-    await checker.start()
     try:
-        await checker.check_once(target)
+        assert await _checked(target, [200, 503], status) == [ReplicaHealth.DRAINING] * 2
     finally:
-        await checker.stop()
         await runner.cleanup()
-    assert target.health is ReplicaHealth.DRAINING
