@@ -15,6 +15,7 @@ the same machine: the same seed gives both the same requests.
 from __future__ import annotations
 
 import argparse
+import heapq
 import random
 import time
 
@@ -51,7 +52,7 @@ def main() -> int:
 
     for _ in range(args.sequences):
         add()
-    replacements: list[int] = []  # the steps at which finished sequences' replacements arrive
+    replacements: list[int] = []  # a heap: the steps at which finished sequences' replacements arrive
     tokens = decode_steps = decodes = rows = step = 0
     decode_s = 0.0
     started = time.perf_counter()
@@ -71,9 +72,9 @@ def main() -> int:
         step += 1
         for output in scheduler.update(batch, sampled):
             if output.finish_reason is not None:  # its replacement comes some steps later, as arrivals do
-                replacements.append(step + draw.randint(1, 2 * args.mean_gap_steps))
-        while replacements and min(replacements) <= step:
-            replacements.remove(min(replacements))
+                heapq.heappush(replacements, step + draw.randint(1, 2 * args.mean_gap_steps))
+        while replacements and replacements[0] <= step:
+            heapq.heappop(replacements)
             add()
     elapsed = time.perf_counter() - started
     print(f"{next_id - args.sequences} requests finished and replaced, {tokens / elapsed:,.0f} tokens computed a second; "

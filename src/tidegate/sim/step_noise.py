@@ -9,7 +9,7 @@ a queueing tail that such stretches feed, and a model that runs every step at it
 under-predicts it (docs/simulator.md, "Step-time variance").
 
 The model, with the fewest parameters the logs support: a step's time is its mean times
-`exp(drift(t) + shared(t) + white - sd**2 / 2)`, where
+`exp(drift(t) + shared(t) + white + c)`, where
 - `drift` is the replica's own Ornstein-Uhlenbeck process in time (variance `drift_share * sd**2`,
   time constant `drift_time_s`), evaluated at each step's start: it carries on through idle
   spells as a machine's speed does;
@@ -19,7 +19,7 @@ The model, with the fewest parameters the logs support: a step's time is its mea
   +0.1: a slow speed of the machine under a fast one of each engine; and a pool whose replicas
   slow down together queues longer than one whose don't;
 - `white` is drawn afresh for each step (the rest of the variance);
-- a constant keeps the mean multiplier *a step* 1, as the fit made the mean measured / predicted
+- the constant `c` keeps the mean multiplier *a step* 1, as the fit made the mean measured / predicted
   a logged step (`costfit`), so a busy replica's throughput is the cost model's. It is not
   `- sd**2 / 2`: a drift is a function of time, and a replica takes more steps while it runs fast
   than while it runs slow, so its steps see the drift's fast values more often than its slow ones
