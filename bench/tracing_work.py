@@ -71,7 +71,7 @@ def run(requests: int, upto: str = "batch") -> tuple[float, float, int]:
                                  predicted_wait_s=None, dispatched_s=clock())
         if last < 1:
             continue
-        trace = tracing.start(request, Endpoint.CHAT, b"5f3a9c1e-%x" % number, clock())
+        trace = tracing.start(request, Endpoint.CHAT, b"5f3a9c1e-%x" % number)
         replica = replicas[number % 4]
         for stage in STAGES[2:last + 1]:
             if stage == "admitted":

@@ -28,7 +28,7 @@ def test_an_admitted_requests_rung_comes_from_its_tickets_headers(headers: bytes
     sink = Collecting()
     trace = Tracing(TracingSettings(), sink).start(
         SimpleNamespace(traceparent=None, tracestate=None, path=b"/v1/chat/completions"), Endpoint.CHAT,
-        b"request-1", 1.0)
+        b"request-1")
     ticket = SimpleNamespace(tier="gold", future=None, response_headers=headers, predicted_wait_s=None,
                              dispatched_s=None)
     trace.admitted(SimpleNamespace(tenant="tenant-a", tier="gold"), ticket)

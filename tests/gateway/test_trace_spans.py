@@ -18,10 +18,9 @@ from tidegate.gateway.tracing import ATTEMPT_SPAN_BYTE, RequestTrace, Tracing, T
 from tidegate.gateway.validation import Endpoint
 from tidegate.telemetry.otlp import encode_export_request, encode_span
 
-ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS = 1_000_000_000_000, 1_700_000_000_000_000_000
 
 
-class FakeClock:  # the tracer's monotonic nanoseconds; `seconds` the same clock as the proxy reads it
+class FakeClock:  # the tracer's nanoseconds; `seconds` a monotonic clock as overload control reads it
     def __init__(self) -> None:
         self.now_ns = 999_500_000_000
 
@@ -74,8 +73,7 @@ def _traced(tracing: Tracing, sink: Collecting, case: str, number: int) -> Reque
     parent = case in ("client parent", "retried") and b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     trace = tracing.begin(_request(parent or None, b"vendor=abc" if parent else None),
                           Endpoint.COMPLETIONS if case == "completion" else Endpoint.CHAT,
-                          b"req-%d" % number if case != "odd id" else (b"r" * 300 if number % 2 else b"\xe9-%d" % number),
-                          clock())
+                          b"req-%d" % number if case != "odd id" else (b"r" * 300 if number % 2 else b"\xe9-%d" % number))
     assert isinstance(trace, RequestTrace)
     identity = SimpleNamespace(tenant=f"tenant-{number % 3}", tier="gold" if number % 2 else None)
     status, error, replica_id, model = 200, None, None, "m"
@@ -137,16 +135,16 @@ def test_same_bytes_as_the_general_encoder(tracing, case) -> None:
     encoder = TraceEncoder()
     for number in range(4):  # shapes made, then found again
         trace = _traced(tracer, sink, case, number)
-        spans = trace.spans(ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS)
+        spans = trace.spans()
         assert len(spans) == trace.span_count
-        assert encoder.encode([trace], ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS) == b"".join(encode_span(span) for span in spans)
+        assert encoder.encode([trace]) == b"".join(encode_span(span) for span in spans)
 
 
 def test_a_batch_is_its_requests_spans_in_order(tracing) -> None:
     tracer, sink = tracing
     traces = [_traced(tracer, sink, case, number) for number in range(3) for case in CASES]
-    batch = TraceEncoder().encode(traces, ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS)
-    assert batch == b"".join(encode_span(span) for trace in traces for span in trace.spans(ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS))
+    batch = TraceEncoder().encode(traces)
+    assert batch == b"".join(encode_span(span) for trace in traces for span in trace.spans())
 
 
 def test_the_official_classes_read_the_spans(tracing) -> None:
@@ -155,7 +153,7 @@ def test_the_official_classes_read_the_spans(tracing) -> None:
     retried = _traced(tracer, sink, "retried", 1)
     queued = _traced(tracer, sink, "queued stream", 2)
     body = encode_export_request({"service.name": "tidegate"}, "tidegate", "0.1.0",
-                                 [TraceEncoder().encode([retried, queued], ANCHOR_MONOTONIC_NS, ANCHOR_UNIX_NS)])
+                                 [TraceEncoder().encode([retried, queued])])
     spans = trace_pb2.ExportTraceServiceRequest.FromString(body).resource_spans[0].scope_spans[0].spans
     assert [span.name for span in spans] == ["chat m", "tidegate.admission", "tidegate.queue", "chat upstream-model",
                                              "chat upstream-model"] + ["chat m", "tidegate.admission",
@@ -207,7 +205,7 @@ def test_an_ended_trace_is_encoded_at_once_and_lets_the_request_go(tracing) -> N
     exporter.submit_trace(trace)
     (encoded,) = exporter._pending
     assert exporter._pending_counts == [trace.span_count] == [4]
-    assert encoded == TraceEncoder().encode_trace(trace, exporter._offset_ns)
+    assert encoded == TraceEncoder().encode_trace(trace)
 
 
 def test_batches_take_whole_requests_up_to_the_batch_size(tracing) -> None:
@@ -247,7 +245,7 @@ def test_a_request_with_more_spans_than_a_batch_goes_alone(tracing) -> None:
     b'{"choices": [],\n "usage": {\n  "completion_tokens" : 16,\n  "prompt_tokens" : 12\n }\n}'])
 def test_a_whole_answer_without_overload_control_gives_its_token_counts(tracing, body) -> None:
     tracer, _ = tracing
-    trace = tracer.start(_request(), Endpoint.CHAT, b"req", 1.0)
+    trace = tracer.start(_request(), Endpoint.CHAT, b"req")
     trace.answered(body)
     assert (trace.input_tokens, trace.output_tokens) == (12, 16)
     trace.answered(b'{"choices":[]}')  # no usage: nothing read

@@ -45,8 +45,8 @@ def test_every_kind_of_trace_names_its_trace_id() -> None:
     unsampled = Tracing(TracingSettings(sampling_ratio=0.0), Sink())
     for tracing, traceparent in ((None, CLIENT_TRACEPARENT), (recorded, CLIENT_TRACEPARENT),
                                  (unsampled, b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-00")):
-        trace = start_trace(tracing, _request(traceparent), Endpoint.CHAT, b"req-1", 0.0)
+        trace = start_trace(tracing, _request(traceparent), Endpoint.CHAT, b"req-1")
         assert trace is not None and trace.trace_id == 0x4BF92F3577B34DA6A3CE929D0E0E4736
-    started_here = start_trace(recorded, _request(None), Endpoint.CHAT, b"req-2", 0.0)
+    started_here = start_trace(recorded, _request(None), Endpoint.CHAT, b"req-2")
     assert started_here.trace_id not in (0, 0x4BF92F3577B34DA6A3CE929D0E0E4736)
-    assert start_trace(None, _request(None), Endpoint.CHAT, b"req-3", 0.0) is None  # tracing off: nothing
+    assert start_trace(None, _request(None), Endpoint.CHAT, b"req-3") is None  # tracing off: nothing

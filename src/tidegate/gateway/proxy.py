@@ -159,9 +159,9 @@ class Proxy:
                 status = self._handle_other(conn, request, request_id)
                 return
             if self.tracing is not None:
-                trace = self.tracing.start(request, endpoint, request_id, started)
+                trace = self.tracing.start(request, endpoint, request_id)
             elif request.traceparent is not None:  # tracing off: passed on as it came
-                trace = start_trace(None, request, endpoint, request_id, started)
+                trace = start_trace(None, request, endpoint, request_id)
             if identity is None:
                 identity = self._authenticate(request)
             try:

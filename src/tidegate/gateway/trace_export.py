@@ -59,7 +59,6 @@ class OtlpHttpExporter:
         self._pending: list[bytes] = []
         self._pending_counts: list[int] = []
         self._pending_spans = 0  # their spans
-        self._offset_ns: int | None = None  # the tracer's clock to Unix time, read again at every export
         self._encoder = TraceEncoder()
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -78,11 +77,8 @@ class OtlpHttpExporter:
         if queued > self._max_queue_spans:
             self._dropped.inc(count)
             return
-        offset_ns = self._offset_ns
-        if offset_ns is None:
-            offset_ns = self._offset_ns = time.time_ns() - trace.tracing.clock_ns()
         try:
-            spans = self._encoder.encode_trace(trace, offset_ns)
+            spans = self._encoder.encode_trace(trace)
         except Exception:  # a tracing fault: those spans are lost, counted, and requests go on
             log.exception("span encoding failed")
             self._failed.inc(count)
@@ -112,7 +108,6 @@ class OtlpHttpExporter:
     async def flush(self, partial: bool = True) -> None:
         """Exports what is queued, a batch at a time; `partial`: the last, smaller batch too (else it
         waits for more: small exports cost the loop more per span)."""
-        self._offset_ns = None  # the wall clock may have been set since
         while self._pending_spans >= (1 if partial else self._max_batch_spans):
             batch, count = self._take_batch()
             await self._export(batch, count)

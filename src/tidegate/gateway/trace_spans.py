@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Hashable
-from math import floor
 from operator import itemgetter
 from typing import TYPE_CHECKING
 
@@ -72,18 +71,16 @@ _IDS_PACK = struct.Struct("<16s2s7s").pack  # trace id, span id's tag, base: the
 # what shapes an attempt's span beyond its holes: replica, outcome (None: ended with the request), a first token
 _ATTEMPT_SHAPE = itemgetter(ATTEMPT_REPLICA, ATTEMPT_OUTCOME, ATTEMPT_STREAMED)
 # A hole: its struct code and the Python expression that fills it, in the scope of `_Layout.fill`:
-# `t` the trace, `a` its attempts, `offset` (the tracer's clock to Unix time), and what
-# `TraceEncoder.encode_trace` prepared: `start` (the request's arrival, Unix ns; root and admission
-# spans start there), `ids` (the trace id, the span id's tag, its base), `base` (the span ids' first 7),
-# `rid` (the request id, or its whole attribute), `inp`, `out` (token counts' varints), `err` (bytes)
+# `t` the trace (its times are Unix ns already), `a` its attempts, and what `TraceEncoder.encode_trace`
+# prepared: `ids` (the trace id, the span id's tag, its base), `base` (the span ids' first 7), `rid`
+# (the request id, or its whole attribute), `inp`, `out` (token counts' varints), `err` (bytes)
 Hole = tuple[str, str]
-_FILL_ARGUMENTS = "t, offset, start, ids, base, rid, inp, out, err"
+_FILL_ARGUMENTS = "t, ids, base, rid, inp, out, err"
 
 
 class _Layout:
     """The spans of requests that share everything but ids, times and their own attributes' bytes: a
-    template of constant bytes with holes between them. `fill(t, offset, start, ids, base, rid, inp,
-    out, err)` returns one request's bytes: a function made for this layout (as `dataclasses` makes its
+    template of constant bytes with holes between them. `fill(t, ids, base, rid, inp, out, err)` returns one request's bytes: a function made for this layout (as `dataclasses` makes its
     methods), one `struct` call whose arguments are the template's constants and the holes'
     expressions, so that no list of values is assembled a request."""
 
@@ -124,19 +121,12 @@ class TraceEncoder:
         key = key_field(_PREDICTED_WAIT)
         self._predicted_wait_head = b"\x4a" + varint(len(key) + 11) + key + b"\x12\x09\x21"
 
-    def encode(self, traces: list[RequestTrace], monotonic_ns: int, unix_ns: int) -> bytes:
-        """The spans of `traces`, each framed as an element of `ScopeSpans.spans`, joined. `monotonic_ns`,
-        `unix_ns`: one reading of the tracer's monotonic clock and of Unix time, side by side."""
-        return b"".join(self.encode_chunks(traces, monotonic_ns, unix_ns))
+    def encode(self, traces: list[RequestTrace]) -> bytes:
+        """The spans of `traces`, each framed as an element of `ScopeSpans.spans`, joined."""
+        return b"".join(map(self.encode_trace, traces))
 
-    def encode_chunks(self, traces: list[RequestTrace], monotonic_ns: int, unix_ns: int) -> list[bytes]:
-        """`encode`, a request's spans a piece."""
-        offset_ns = unix_ns - monotonic_ns
-        return [self.encode_trace(trace, offset_ns) for trace in traces]
-
-    def encode_trace(self, trace: RequestTrace, offset: int) -> bytes:
-        """The spans of one ended trace, framed as elements of `ScopeSpans.spans`; `offset`: what turns
-        the tracer's times into Unix time (Unix nanoseconds minus the tracer's clock, read together)."""
+    def encode_trace(self, trace: RequestTrace) -> bytes:
+        """The spans of one ended trace, framed as elements of `ScopeSpans.spans`."""
         trace_id = trace.id_bytes or trace.trace_id.to_bytes(16, "big")
         # what every span's ids share: the trace id, the span id's tag and its first 7 bytes (a trace that
         # starts here: its trace id's, which the 7-byte field takes); one struct hole
@@ -184,9 +174,7 @@ class TraceEncoder:
                 self._layouts.clear()
             layout = self._layouts[key] = self._layout(trace, request_id_form, input_tokens, output_form,
                                                        output_tokens)
-        # floor, not int(): the same integer for a time (never negative), in a C call instead of a type's
-        return layout.fill(trace, offset, floor(trace.started_s * 1e9) + offset, ids, trace.span_base or trace_id,
-                           request_id, input_tokens, output_tokens, error)
+        return layout.fill(trace, ids, trace.span_base or trace_id, request_id, input_tokens, output_tokens, error)
 
     def _layout(self, trace: RequestTrace, request_id_form: int, input_tokens: bytes | None, output_form: int,
                 output_tokens: bytes | None) -> _Layout:
@@ -207,7 +195,7 @@ class TraceEncoder:
         if trace.parent_id:
             root += (b"\x22\x08", (_PARENT, "t.parent_id.to_bytes(8, 'big')"))
         attributes = span_attributes(trace.tracing.attribute_set(root_key(trace), root_attributes))
-        root += (_named(f"{trace.operation} {trace.model}", SpanKind.SERVER), *times("start", "t.ended_ns + offset"),
+        root += (_named(f"{trace.operation} {trace.model}", SpanKind.SERVER), *times("t.started_ns", "t.ended_ns"),
                  attributes)
         if request_id_form < 0:  # encoded whole
             root.append((f"{-request_id_form}s", "rid"))
@@ -221,7 +209,7 @@ class TraceEncoder:
             name = "gen_ai.usage.output_tokens" if output_form > 0 else "tidegate.output_tokens_estimate"
             root += (_integer_head(name, len(output_tokens)), (f"{len(output_tokens)}s", "out"))
         if trace.first_token_ns is not None:
-            root += first_token("t.first_token_ns + offset")
+            root += first_token("t.first_token_ns")
         if trace.error:  # Status: 2 message, 3 code (2 = ERROR)
             size = len(trace.error.encode())
             status_size = 1 + len(varint(size)) + size + 2
@@ -231,16 +219,16 @@ class TraceEncoder:
 
         if trace.tenant is not None:  # decided (as `admission_decided_ns`): admitted, or the first attempt, or the end
             if trace.admitted_ns is not None:
-                decided = "t.admitted_ns + offset"
+                decided = "t.admitted_ns"
             else:
-                decided = f"a[0][{ATTEMPT_SENT_NS}] + offset" if trace.attempts else "t.ended_ns + offset"
+                decided = f"a[0][{ATTEMPT_SENT_NS}]" if trace.attempts else "t.ended_ns"
             attributes = span_attributes(trace.tracing.attribute_set(admission_key(trace), admission_attributes))
             spans.append([*ids, bytes((ADMISSION_SPAN,)), *under_root, _named("tidegate.admission", SpanKind.INTERNAL),
-                          *times("start", decided), attributes, _LOCAL_FLAGS])
+                          *times("t.started_ns", decided), attributes, _LOCAL_FLAGS])
         if trace.queued_ns is not None:
             attributes = span_attributes(trace.tracing.attribute_set(("queue", trace.tier), queue_attributes))
             span = [*ids, bytes((QUEUE_SPAN,)), *under_root, _named("tidegate.queue", SpanKind.INTERNAL),
-                    *times("t.queued_ns + offset", "t.dispatched_ns + offset"), attributes]
+                    *times("t.queued_ns", "t.dispatched_ns"), attributes]
             if trace.predicted_wait_s is not None:
                 span += (self._predicted_wait_head, (_DOUBLE, "round(t.predicted_wait_s, 6)"))
             spans.append(span + [_LOCAL_FLAGS])
@@ -249,13 +237,13 @@ class TraceEncoder:
             replica = attempt[ATTEMPT_REPLICA]
             key = ("attempt", trace.operation, replica, index + 1, outcome)
             attributes = span_attributes(trace.tracing.attribute_set(key, attempt_attributes))
-            ended = "t.ended_ns + offset" if attempt[ATTEMPT_ENDED_NS] is None \
-                else f"a[{index}][{ATTEMPT_ENDED_NS}] + offset"  # outlived: ended with the request
+            ended = "t.ended_ns" if attempt[ATTEMPT_ENDED_NS] is None \
+                else f"a[{index}][{ATTEMPT_ENDED_NS}]"  # outlived: ended with the request
             span = [*ids, bytes((attempt[ATTEMPT_SPAN_BYTE],)), *under_root,
                     _named(f"{trace.operation} {replica.upstream_model}", SpanKind.CLIENT),
-                    *times(f"a[{index}][{ATTEMPT_SENT_NS}] + offset", ended), attributes]
+                    *times(f"a[{index}][{ATTEMPT_SENT_NS}]", ended), attributes]
             if attempt[ATTEMPT_FIRST_TOKEN_NS] is not None:
-                span += first_token(f"a[{index}][{ATTEMPT_FIRST_TOKEN_NS}] + offset")
+                span += first_token(f"a[{index}][{ATTEMPT_FIRST_TOKEN_NS}]")
             if outcome != "ok":
                 span.append(length_field(b"\x7a", length_field(b"\x12", outcome.encode()) + b"\x18\x02"))
             spans.append(span + [_LOCAL_FLAGS])

@@ -61,6 +61,7 @@ _ROUTES = {operation: "/v1" + endpoint.value for endpoint, operation in _OPERATI
 _RUNG = re.compile(DEGRADATION_HEADER.encode() + rb": ([a-z_]+)")
 _LOW64 = 0xFFFF_FFFF_FFFF_FFFF
 _ALL_SAMPLED = 2**64  # a ratio bound every trace id's low 64 bits fall under
+_OFFSET_MAX_AGE_NS = 1_000_000_000
 _ATTRIBUTE_SETS = 4096  # distinct attribute sets kept; past it they are made anew
 # A request's span ids: 7 random bytes of its own (its `span_base`) and a last byte that says which
 # span: unique within the request, random across requests, and one draw of randomness a request, not
@@ -137,42 +138,14 @@ class RequestTrace:
 
     __slots__ = (
         # set on the request's way
-        "tracing", "trace_id", "id_bytes", "parent_id", "tracestate", "operation", "request_id", "started_s",
+        "tracing", "trace_id", "id_bytes", "parent_id", "tracestate", "operation", "request_id", "started_ns",
         "attempts", "first_token_ns", "tenant", "tier", "ticket", "admitted_ns", "verdict", "input_tokens",
         "output_tokens", "usage",
         "span_base",
         # set by `end`
         "ended_ns", "model", "status", "replica_id", "error",
         "error_type", "rung", "output_estimate", "queued_ns", "dispatched_ns", "predicted_wait_s", "span_count")
-
-    def __init__(self, tracing: Tracing, trace_id: int, parent_id: int, tracestate: bytes | None,
-                 operation: str, request_id: bytes, started_s: float) -> None:
-        self.tracing = tracing
-        self.trace_id = trace_id
-        self.id_bytes: bytes | None = None  # its 16 bytes, once an attempt's traceparent needed them
-        self.parent_id = parent_id  # the client's span; 0: the trace starts here
-        self.tracestate = tracestate
-        # None: the first 7 bytes of the trace id (a trace that starts here); else 7 random bytes
-        self.span_base: bytes | None = None if parent_id == 0 else new_span_base()
-        self.operation = operation
-        self.request_id = request_id
-        self.started_s = started_s
-        self.attempts: list[list] = []  # ATTEMPT_* records
-        self.first_token_ns: int | None = None
-        self.tenant: str | None = None
-        self.tier: str | None = None  # None: the default tier, until a ticket names it
-        self.ticket: Ticket | None = None
-        self.admitted_ns: int | None = None
-        self.verdict: str | None = None
-        self.input_tokens: int | None = None  # as the upstream reported them
-        self.output_tokens: int | None = None
-        self.usage: Any = None  # overload control's `_Usage`: a stream's completion tokens
-        # read off the request's end, by `end`
-        self.rung: str | None = None
-        self.error: str | None = None
-        self.error_type: str | None = None
-        self.output_estimate: int | None = None
-        self.queued_ns: int | None = None
+    # made by `_recorded`, which sets every slot but those `end` sets
 
     # -- hooks on the request's way (Proxy)
     def admitted(self, identity: Identity, ticket: Ticket | None = None, usage: Any = None) -> None:
@@ -278,7 +251,7 @@ class RequestTrace:
             # the wait for a replica: admitted -> dispatched (overload control; none when it was assigned one
             # at arrival), or, without overload control, arrival -> first attempt (the wait for a free slot)
             if self.tenant is None:
-                queued_ns = floor(self.started_s * 1e9)  # as int() for a time, cheaper (trace_spans.py)
+                queued_ns = self.started_ns
             else:
                 spans += 1  # overload control decided: the admission span
                 verdict = self.verdict
@@ -287,7 +260,9 @@ class RequestTrace:
                 queued_ns = self.admitted_ns if verdict == "queued" else None
             if queued_ns is not None:
                 if ticket is not None and ticket.dispatched_s is not None:
-                    dispatched_ns = floor(ticket.dispatched_s * 1e9)  # overload control's clock, in seconds
+                    # overload control's monotonic seconds, on the tracer's clock; floor, not int(): the same
+                    # integer for a time (never negative), in a C call instead of a type's
+                    dispatched_ns = floor(ticket.dispatched_s * 1e9) + tracing.clock_offset_ns(self.ended_ns)
                 else:
                     attempts = self.attempts
                     dispatched_ns = attempts[0][ATTEMPT_SENT_NS] if attempts else None
@@ -312,29 +287,22 @@ class RequestTrace:
             self.verdict = _refusal_verdict(error, status, self.rung)
 
     # -- spans, as records (the SDK's sink, and the tests that check the encoder against it)
-    def spans(self, monotonic_ns: int, unix_ns: int) -> list[SpanRecord]:
-        """The request's spans, once `end`ed. `monotonic_ns` and `unix_ns`: one reading of the tracer's
-        monotonic clock and of Unix time, side by side (spans need Unix time)."""
-
-        offset_ns = unix_ns - monotonic_ns
-
-        def ns(at_ns: int) -> int:
-            return at_ns + offset_ns
-
+    def spans(self) -> list[SpanRecord]:
+        """The request's spans, once `end`ed."""
         tracing, trace_id, root_id, state = self.tracing, self.trace_id, self.span_id(ROOT_SPAN), self.tracestate or b""
         key = root_key(self)
         attributes = tracing.attribute_set(key, root_attributes)
         own = root_own_attributes(self)
-        start_ns = floor(self.started_s * 1e9) + offset_ns
-        events = () if self.first_token_ns is None else (("first_token", ns(self.first_token_ns), {}),)
+        start_ns = self.started_ns
+        events = () if self.first_token_ns is None else (("first_token", self.first_token_ns, {}),)
         spans = [SpanRecord(f"{self.operation} {self.model}", trace_id, root_id, self.parent_id, SpanKind.SERVER,
-                            start_ns, ns(self.ended_ns), attributes, events, error=self.error, tracestate=state,
+                            start_ns, self.ended_ns, attributes, events, error=self.error, tracestate=state,
                             remote_parent=self.parent_id != 0, attributes_key=key, request_attributes=own)]
         if self.tenant is not None:
             key = admission_key(self)
             spans.append(SpanRecord("tidegate.admission", trace_id, self.span_id(ADMISSION_SPAN), root_id,
                                     SpanKind.INTERNAL,
-                                    start_ns, ns(admission_decided_ns(self)),
+                                    start_ns, admission_decided_ns(self),
                                     tracing.attribute_set(key, admission_attributes), tracestate=state,
                                     attributes_key=key))
         if self.queued_ns is not None:
@@ -343,20 +311,54 @@ class RequestTrace:
             if self.predicted_wait_s is not None:
                 predicted = {"tidegate.queue.predicted_wait_s": round(self.predicted_wait_s, 6)}
             spans.append(SpanRecord("tidegate.queue", trace_id, self.span_id(QUEUE_SPAN), root_id, SpanKind.INTERNAL,
-                                    ns(self.queued_ns), ns(self.dispatched_ns),
+                                    self.queued_ns, self.dispatched_ns,
                                     tracing.attribute_set(key, queue_attributes), tracestate=state,
                                     attributes_key=key, request_attributes=predicted))
         for number, attempt in enumerate(self.attempts, 1):
             ended_ns, outcome = attempt_end(self, attempt)
             replica, first_token_ns = attempt[ATTEMPT_REPLICA], attempt[ATTEMPT_FIRST_TOKEN_NS]
             key = ("attempt", self.operation, replica, number, outcome)
-            attempt_events = () if first_token_ns is None else (("first_token", ns(first_token_ns), {}),)
+            attempt_events = () if first_token_ns is None else (("first_token", first_token_ns, {}),)
             spans.append(SpanRecord(f"{self.operation} {replica.upstream_model}", trace_id,
                                     self.span_id(attempt[ATTEMPT_SPAN_BYTE]),
-                                    root_id, SpanKind.CLIENT, ns(attempt[ATTEMPT_SENT_NS]), ns(ended_ns),
+                                    root_id, SpanKind.CLIENT, attempt[ATTEMPT_SENT_NS], ended_ns,
                                     tracing.attribute_set(key, attempt_attributes), attempt_events,
                                     error=None if outcome == "ok" else outcome, tracestate=state, attributes_key=key))
         return spans
+
+
+def _recorded(tracing: Tracing, trace_id: int, parent_id: int, tracestate: bytes | None, operation: str,
+              request_id: bytes) -> RequestTrace:
+    """A new `RequestTrace`. Made here and not by an `__init__`: calling a class whose `__init__` is Python
+    code enters the interpreter anew (~2k instructions a request more than these stores)."""
+    trace = RequestTrace()
+    trace.tracing = tracing
+    trace.trace_id = trace_id
+    trace.id_bytes = None  # its 16 bytes, once an attempt's traceparent needed them
+    trace.parent_id = parent_id  # the client's span; 0: the trace starts here
+    trace.tracestate = tracestate
+    # None: the first 7 bytes of the trace id (a trace that starts here); else 7 random bytes
+    trace.span_base = None if parent_id == 0 else new_span_base()
+    trace.operation = operation
+    trace.request_id = request_id
+    trace.started_ns = tracing.clock_ns()  # the root span's start (the admission span's too)
+    trace.attempts = []  # ATTEMPT_* records
+    trace.first_token_ns = None
+    trace.tenant = None
+    trace.tier = None  # None: the default tier, until a ticket names it
+    trace.ticket = None
+    trace.admitted_ns = None
+    trace.verdict = None
+    trace.input_tokens = None  # as the upstream reported them
+    trace.output_tokens = None
+    trace.usage = None  # overload control's `_Usage`: a stream's completion tokens
+    # read off the request's end, by `end`
+    trace.rung = None
+    trace.error = None
+    trace.error_type = None
+    trace.output_estimate = None
+    trace.queued_ns = None
+    return trace
 
 
 # -- the facts of an ended RequestTrace, as its spans show them (shared by `spans` and the encoder)
@@ -466,18 +468,31 @@ class Tracing:
     """The gateway's tracer: samples requests, starts their traces, sends their spans to the sink."""
 
     def __init__(self, settings: TracingSettings, sink: SpanSink,
-                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
+                 clock_ns: Callable[[], int] = time.time_ns) -> None:
         self.settings = settings
         self.sink = sink
-        # the spans' times: the monotonic clock the gateway's `started` and overload control's times read
-        # (time.monotonic), in integer nanoseconds, which the encoder shifts to Unix time by one addition
+        # the spans' times, read by the hooks: Unix time in integer nanoseconds, as OTLP carries it and as
+        # OpenTelemetry's SDK reads it (a monotonic reading would cost an addition a time to shift)
         self.clock_ns = clock_ns
+        # the one time a span takes from overload control's monotonic clock (a ticket's dispatch, in
+        # seconds) is shifted onto the tracer's by this offset, read again when a second old
+        self._offset_ns = 0
+        self._offset_read_ns: int | None = None
         self.propagate = settings.propagate  # read on every attempt
         self.failed = 0  # spans of requests whose export hand-off raised
         # threshold of TraceIdRatioBased: a trace id's low 64 bits below it are sampled
         self._ratio_bound = round(settings.sampling_ratio * 2**64)
         self._samples_all = self._ratio_bound >= _ALL_SAMPLED
         self._attribute_sets: dict[Hashable, dict[str, AttributeValue]] = {}
+
+    def clock_offset_ns(self, now_ns: int) -> int:
+        """What shifts a monotonic time onto the tracer's clock; read again (the wall clock may have been
+        set) when a second older than `now_ns` (the tracer's)."""
+        read_ns = self._offset_read_ns
+        if read_ns is None or not 0 <= now_ns - read_ns < _OFFSET_MAX_AGE_NS:
+            self._offset_read_ns = now_ns
+            self._offset_ns = self.clock_ns() - time.monotonic_ns()
+        return self._offset_ns
 
     def attribute_set(self, key: Hashable, build: Callable[[Any], dict[str, AttributeValue]]
                       ) -> dict[str, AttributeValue]:
@@ -489,16 +504,14 @@ class Tracing:
             found = self._attribute_sets[key] = build(key)
         return found
 
-    def start(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes, started_s: float
-              ) -> RequestTrace | PassThrough:
+    def start(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes) -> RequestTrace | PassThrough:
         """The request's trace (`begin`), for the proxy to pass along its way; `end` it in a `finally`. A
         request without a client's trace, every trace sampled: the short way."""
         if request.traceparent is None and self._samples_all:
-            return RequestTrace(self, random_bits(128) or 1, 0, None, _OPERATIONS[endpoint], request_id, started_s)
-        return self.begin(request, endpoint, request_id, started_s)
+            return _recorded(self, random_bits(128) or 1, 0, None, _OPERATIONS[endpoint], request_id)
+        return self.begin(request, endpoint, request_id)
 
-    def begin(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes, started_s: float
-              ) -> RequestTrace | PassThrough:
+    def begin(self, request: HttpRequest, endpoint: Endpoint, request_id: bytes) -> RequestTrace | PassThrough:
         settings = self.settings
         parent = parse_traceparent(request.traceparent) if request.traceparent is not None else None
         tracestate = clean_tracestate(request.tracestate) if parent is not None else None
@@ -509,7 +522,7 @@ class Tracing:
             trace_id, parent_id = new_trace_id(), 0
             sampled = (trace_id & _LOW64) < self._ratio_bound  # sampled_by_ratio, its bound computed once
         if sampled:
-            return RequestTrace(self, trace_id, parent_id, tracestate, _OPERATIONS[endpoint], request_id, started_s)
+            return _recorded(self, trace_id, parent_id, tracestate, _OPERATIONS[endpoint], request_id)
         if not settings.propagate:
             return PassThrough(b"", trace_id)
         # not recorded: the upstream still hears the trace and that it is not sampled (W3C flags 00),
@@ -530,9 +543,9 @@ def _pass_through(request: HttpRequest) -> PassThrough | None:
                        parent.trace_id)
 
 
-def start_trace(tracing: Tracing | None, request: HttpRequest, endpoint: Endpoint, request_id: bytes,
-                started_s: float) -> RequestTrace | PassThrough | None:
+def start_trace(tracing: Tracing | None, request: HttpRequest, endpoint: Endpoint, request_id: bytes
+                ) -> RequestTrace | PassThrough | None:
     """The request's trace (tracing off: a client's traceparent to pass on, or None); `end` it in a `finally`."""
     if tracing is not None:
-        return tracing.start(request, endpoint, request_id, started_s)
+        return tracing.start(request, endpoint, request_id)
     return _pass_through(request)

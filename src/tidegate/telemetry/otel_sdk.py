@@ -10,7 +10,6 @@ the SDK's OTLP encoder builds a protobuf object per span and attribute.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,7 +51,7 @@ class SdkSpanSink:
 
     def submit_trace(self, trace: Any) -> None:
         """An ended request's trace (gateway/tracing.py `RequestTrace`): its spans, built now."""
-        self.submit(trace.spans(trace.tracing.clock_ns(), time.time_ns()))
+        self.submit(trace.spans())
 
     def submit(self, spans: list[SpanRecord]) -> None:
         api = self._api
