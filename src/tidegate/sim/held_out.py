@@ -13,7 +13,8 @@ takes them as independent is too small.
 tail counts as measured, combined with the correlation of the steps' noise in time that the run's
 fitted `StepNoise` gives: a replica's own drift between its own steps, the drift every replica shares
 between any two, each fading with the time between them. Without a noise model, steps count as
-independent.
+independent. What is judged is the shape against a fit to the whole run, so what moves its error is
+how far its steps' noise strays from the run's mean noise (`shape_errors`).
 
 `cross_validated` holds out every step once (a step in the shape-ordered list goes to the fold of
 its index mod `folds`, as the bar's third does), each predicted by a fit that never saw it: three
@@ -30,8 +31,7 @@ import numpy as np
 from tidegate.sim.costfit import StepSample
 from tidegate.sim.step_noise import StepNoise
 
-__all__ = ["Shape", "ShapeError", "shape_of", "step_class", "shape_order", "cross_validated", "noise_correlation",
-           "shape_errors", "describe_shape"]
+__all__ = ["Shape", "ShapeError", "shape_of", "step_class", "shape_order", "cross_validated", "shape_errors", "describe_shape"]
 
 Shape = tuple[int, bool]  # (decoding sequences, a prefill chunk in the step or not)
 
@@ -75,7 +75,8 @@ class ShapeError:
         return f"{describe_shape(self.shape)} {self.steps} {self.error:+.1%} +-{self.standard_error:.1%}"
 
 
-def cross_validated(steps: Sequence[StepSample], fit_then_predict: Callable[[list[StepSample]], Callable[[StepSample], float]],
+def cross_validated(steps: Sequence[StepSample],
+                    fit_then_predict: Callable[[list[StepSample]], Callable[[StepSample], float]],
                     folds: int = 3) -> np.ndarray:
     """Each step's predicted time by a fit on the folds without it; `fit_then_predict(fitted steps)`
     returns the fit's prediction of a step."""
@@ -88,24 +89,13 @@ def cross_validated(steps: Sequence[StepSample], fit_then_predict: Callable[[lis
     return predicted
 
 
-def noise_correlation(noise: StepNoise | None, starts_s: np.ndarray, replicas: np.ndarray) -> np.ndarray:
-    """The correlation of steps' noise, step by step: the shared drift between any two steps, the
-    replica's own between two of one replica, each `exp(-lag / its time constant)`; 1 on the diagonal."""
-    if noise is None:
-        return np.eye(len(starts_s))
-    lag_s = np.abs(starts_s[:, None] - starts_s[None, :])
-    same = replicas[:, None] == replicas[None, :]
-    correlation = (noise.shared_share * np.exp(-lag_s / noise.shared_time_s)
-                   + noise.drift_share * np.exp(-lag_s / noise.drift_time_s) * same)
-    np.fill_diagonal(correlation, 1.0)
-    return correlation
-
-
 def _correlated_sums(noise: StepNoise | None, starts_s: np.ndarray, replicas: np.ndarray,
                      weights: np.ndarray) -> np.ndarray:
-    """For each step i: sum over the steps j of correlation(i, j) x weights[j] (`noise_correlation`,
-    itself included), steps more than ten time constants apart counted as uncorrelated: a window in
-    time a step, not the whole matrix (a run has 10,000 steps)."""
+    """For each step i: sum over the steps j of correlation(i, j) x weights[j], itself included (1).
+    Two steps' noise correlates by the shared drift, `shared_share x exp(-lag / shared_time_s)`, and
+    if one replica's, its own too, `drift_share x exp(-lag / drift_time_s)`. Steps more than ten time
+    constants apart count as uncorrelated: a window in time a step, not the whole matrix (a run has
+    10,000 steps)."""
     if noise is None:
         return weights.copy()
     order = np.argsort(starts_s, kind="stable")
@@ -132,7 +122,7 @@ def shape_errors(steps: Sequence[StepSample], predicted_s: Sequence[float], repl
     The error is measured against a fit to the run's steps, which took the run's mean speed: what
     moves a shape's error is how far its steps' noise strays from the run's mean noise, so the
     variance is that of (the shape's weighted mean ratio - the run's mean ratio), the shape's steps
-    with their own spread, the run's with the run's, correlated as `noise_correlation` says. For a
+    with their own spread, the run's with the run's, correlated as `_correlated_sums` says. For a
     rare shape in clusters (prefill-only steps) it is nearly its own mean's; for one spread over the
     whole run, much less than its own mean's (the run's drift is in the fit too)."""
     predicted_all = np.asarray(predicted_s, dtype=np.float64)
