@@ -84,3 +84,18 @@ def test_a_clustered_rare_shapes_standard_error_is_what_its_error_spreads_by() -
     spread = float(np.std(errors))
     assert 0.75 < float(np.mean(standard_errors)) / spread < 1.33, (np.mean(standard_errors), spread)
     assert float(np.mean(independent)) < 0.75 * spread
+
+
+def test_a_shape_spanning_the_fitted_run_moves_less_than_one_from_a_pass_never_fitted() -> None:
+    """The run's drift is in a fit made alongside it: judged against it, a shape that spans the run
+    has a small standard error; the same steps from a pass the fit never saw keep their own mean's."""
+    rng = np.random.default_rng(3)
+    starts = np.arange(0.0, 300.0, 0.05)
+    log_noise = 0.17 * np.sqrt(0.6) * _ou(starts, 3.0, rng) + 0.17 * np.sqrt(0.4) * rng.standard_normal(len(starts))
+    steps = [_step(4, 0, start, 0.05 * float(np.exp(n))) for start, n in zip(starts, log_noise)]
+    predicted = [0.05] * len(steps)
+    noise = StepNoise(sd=0.17, drift_share=0.0, drift_time_s=1.0, shared_share=0.6, shared_time_s=3.0)
+    alongside, = shape_errors(steps, predicted, [0] * len(steps), noise)
+    unseen, = shape_errors(steps, predicted, [0] * len(steps), noise, fitted_alongside=False)
+    assert alongside.error == unseen.error
+    assert alongside.standard_error < 0.1 * unseen.standard_error

@@ -31,7 +31,8 @@ import numpy as np
 from tidegate.sim.costfit import StepSample
 from tidegate.sim.step_noise import StepNoise
 
-__all__ = ["Shape", "ShapeError", "shape_of", "step_class", "shape_order", "cross_validated", "shape_errors", "describe_shape"]
+__all__ = ["Shape", "ShapeError", "shape_of", "step_class", "shape_order", "cross_validated", "shape_errors",
+           "describe_shape"]
 
 Shape = tuple[int, bool]  # (decoding sequences, a prefill chunk in the step or not)
 
@@ -116,7 +117,8 @@ def _correlated_sums(noise: StepNoise | None, starts_s: np.ndarray, replicas: np
 
 def shape_errors(steps: Sequence[StepSample], predicted_s: Sequence[float], replicas: Sequence[int | str],
                  noise: StepNoise | None, least: int = 10,
-                 key: Callable[[StepSample], Hashable] = shape_of) -> list[ShapeError]:
+                 key: Callable[[StepSample], Hashable] = shape_of,
+                 fitted_alongside: bool = True) -> list[ShapeError]:
     """Each shape (`key`: or class) with at least `least` steps: its error and standard error.
 
     The error is measured against a fit to the run's steps, which took the run's mean speed: what
@@ -124,7 +126,9 @@ def shape_errors(steps: Sequence[StepSample], predicted_s: Sequence[float], repl
     variance is that of (the shape's weighted mean ratio - the run's mean ratio), the shape's steps
     with their own spread, the run's with the run's, correlated as `_correlated_sums` says. For a
     rare shape in clusters (prefill-only steps) it is nearly its own mean's; for one spread over the
-    whole run, much less than its own mean's (the run's drift is in the fit too)."""
+    whole run, much less than its own mean's (the run's drift is in the fit too). `fitted_alongside`
+    False: steps of a pass the fit never saw (another stretch of time), judged by their own mean's
+    variance alone."""
     predicted_all = np.asarray(predicted_s, dtype=np.float64)
     measured_all = np.array([step.step_s for step in steps])
     starts_all = np.array([step.start_s for step in steps])
@@ -133,7 +137,7 @@ def shape_errors(steps: Sequence[StepSample], predicted_s: Sequence[float], repl
     run_spread = float(np.std(ratio_all, ddof=1)) if len(steps) > 1 else 0.0
     # each step's correlation with the run's mean noise (the run's steps weighed alike)
     run_mean_correlation = _correlated_sums(noise, starts_all, replica_all, np.full(len(steps), 1.0 / len(steps)))
-    run_variance = run_spread ** 2 * float(run_mean_correlation.mean())
+    run_variance = run_spread ** 2 * float(run_mean_correlation.mean()) if fitted_alongside else 0.0
     by_shape: dict[Hashable, list[int]] = {}
     for index, step in enumerate(steps):
         by_shape.setdefault(key(step), []).append(index)
@@ -147,7 +151,7 @@ def shape_errors(steps: Sequence[StepSample], predicted_s: Sequence[float], repl
         # the weighted spread of the ratios, unbiased (1 - sum of squared weights: n - 1 of n when equal)
         spread = np.sqrt(float(weights @ (ratio - mean) ** 2) / max(1.0 - float(weights @ weights), 1e-12))
         own = spread ** 2 * float(weights @ _correlated_sums(noise, starts_all[indices], replica_all[indices], weights))
-        with_run = spread * run_spread * float(weights @ run_mean_correlation[indices])
+        with_run = spread * run_spread * float(weights @ run_mean_correlation[indices]) if fitted_alongside else 0.0
         variance = max(own - 2.0 * with_run + run_variance, 0.0)
         rows.append(ShapeError(shape, len(indices), 1.0 / mean - 1.0, float(np.sqrt(variance)) / mean ** 2))
     return rows
