@@ -22,15 +22,22 @@ pass's prediction; every third step of a shape held out), with the engine's `att
 and the cold start carried over from the shipped profile. Printed: the fit's terms, its held-out
 error (the calibration bar: held-out shapes within 10 %), the cores each role used per phase, and
 the steps by kind against the new profile and the shipped one.
+Each held-out shape is printed with its standard error (`sim.held_out`: its steps' spread, their
+noise correlated in time as the run's fitted step noise says), by third and with every step held
+out once (three folds, each step predicted by a fit that never saw it), and a shape over 10 % by
+less than two standard errors is marked noise-sized. `--held-out-passes N` (default 1) runs the
+Poisson phases N more times after the fitted ones, on other seeds; their steps go to DIR/held-out/,
+are never fitted, and are judged shape by shape against the profile: the rare shapes (prefill-only
+steps: 0.5-1 % of a run's) measured on more steps, from other moments of the machine.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import os
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,17 +50,24 @@ sys.path.insert(0, str(HERE))
 from overload_measure import Processes, free_port  # noqa: E402
 from sim_fidelity import PHASES, cpu_by_role, live_run, print_cores, serve_config, step_report  # noqa: E402
 
-from tidegate.calibration import calibrate_from_step_logs  # noqa: E402
+from tidegate.calibration import calibrate_from_step_logs, read_step_logs, step_noise_of_logs  # noqa: E402
 from tidegate.engine.scheduler import SchedulerConfig  # noqa: E402
-from tidegate.sim.costfit import fit_cost_model, predict_s, read_step_log  # noqa: E402
+from tidegate.sim.costfit import StepSample, fit_cost_model, logged_step_s  # noqa: E402
+from tidegate.sim.held_out import ShapeError, cross_validated, shape_errors, shape_order, step_class  # noqa: E402
 from tidegate.sim.profile import load_profile  # noqa: E402
+from tidegate.sim.step_noise import StepNoise  # noqa: E402
 
 SHIPPED = "tiny-random-llama-cpu"
 # other seeds than bench/sim_fidelity.py's (1, 2, 10-12): its requests are not the ones fitted on
 SEED_BASE = 100
+# the held-out pass's step logs, beside the fitted ones: steps the fit never sees
+HELD_OUT = "held-out"
 
 
-async def drive(url: str, gateway_pid: int, phase_s: float, capacity_s: float) -> None:
+async def drive(url: str, gateway_pid: int, phase_s: float, capacity_s: float, held_out_passes: int) -> float | None:
+    """The fitted phases, then `held_out_passes` more passes of the Poisson phases (other seeds);
+    returns when the held-out passes began (the engines' step clock: perf_counter, one monotonic
+    clock for every process here), None without them."""
     await live_run(url, 4.0, 10.0, seed=SEED_BASE)  # warm-up
     closed = await live_run(url, None, capacity_s, seed=SEED_BASE + 1)
     done = [r for r in closed.records if r.ok]
@@ -67,31 +81,93 @@ async def drive(url: str, gateway_pid: int, phase_s: float, capacity_s: float) -
         print(f"{label} ({load * capacity:.2f} req/s): {len(result.records)} sent, {served} served")
         print_cores(before, cpu_by_role(gateway_pid), result.elapsed_s)
         await asyncio.sleep(5.0)
+    if not held_out_passes:
+        return None
+    held_out_from_s = time.perf_counter()
+    for number in range(held_out_passes):
+        for index, (label, load) in enumerate(PHASES):
+            result = await live_run(url, load * capacity, phase_s, seed=SEED_BASE + 20 + 10 * number + index)
+            print(f"held-out pass {number + 1}, {label}: {len(result.records)} sent, "
+                  f"{sum(1 for r in result.records if r.ok)} served")
+            await asyncio.sleep(5.0)
+    return held_out_from_s
 
 
-def held_out_by_shape(logs: list[str], attention_cost_tokens: int | None, decode_attention: bool = False,
-                      third: int = 2) -> list[tuple[tuple[int, bool], int, float, float]]:
-    """`fit_with_held_out`'s shapes one by one (`third` 2, the profile's bar): every third step of a
-    shape held out, the rest fitted. Each shape: its held-out steps, predicted / measured - 1, and the
-    standard error of its steps' measured / predicted, how far that mean moves with which steps were
-    held out (a shape of 20 steps on a shared VM: 4-9 %; a figure within two of them is noise)."""
-    steps = [step for log in logs
-             for step in read_step_log((gzip.open(log, "rt") if log.endswith(".gz") else open(log)).read().splitlines())]
-    steps.sort(key=lambda s: (s.decodes, s.prefill_tokens > 0))
+def split_held_out(out: Path, held_out_from_s: float) -> None:
+    """Moves each engine's steps from the held-out passes on into HELD_OUT/ (so no fit reads them)."""
+    (out / HELD_OUT).mkdir(exist_ok=True)
+    for log in out.glob("steps-*.csv"):
+        lines = log.read_text().splitlines(keepends=True)
+        log.write_text("".join(line for line in lines if float(line.split(",", 1)[0]) < held_out_from_s))
+        (out / HELD_OUT / log.name).write_text(
+            "".join(line for line in lines if float(line.split(",", 1)[0]) >= held_out_from_s))
+
+
+def fold_predictions(steps: list[StepSample], attention_cost_tokens: int | None,
+                     decode_attention: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Each step predicted by a fit on the two thirds without it (the bar's thirds: every third step
+    of the shape-ordered steps), and its third."""
     budget = SchedulerConfig().max_batch_tokens
-    partial = fit_cost_model([s for i, s in enumerate(steps) if i % 3 != third], budget, attention_cost_tokens,
-                             by_rows=True, decode_attention=decode_attention)
-    shapes: dict[tuple[int, bool], list[tuple[float, float]]] = {}
-    for step in steps[third::3]:
-        shapes.setdefault((step.decodes, step.prefill_tokens > 0), []).append(
-            (predict_s(partial, step, budget, attention_cost_tokens), step.step_s))
-    rows = []
-    for shape, pairs in sorted(shapes.items()):
-        if len(pairs) >= 10:
-            predicted, measured = (float(sum(column)) for column in zip(*pairs))
-            ratios = [m / p for p, m in pairs]
-            rows.append((shape, len(pairs), predicted / measured - 1.0, float(np.std(ratios) / np.sqrt(len(ratios)))))
-    return rows
+
+    def fit_then_predict(fitted: list[StepSample]):
+        model = fit_cost_model(fitted, budget, attention_cost_tokens, by_rows=True,
+                               decode_attention=decode_attention).model
+        return lambda step: logged_step_s(model, step)
+
+    third = np.zeros(len(steps), dtype=int)
+    for position, index in enumerate(shape_order(steps)):
+        third[index] = position % 3
+    return cross_validated(steps, fit_then_predict), third
+
+
+def _over(rows: list[ShapeError]) -> str:
+    """The shapes over the bar, each marked where its side of the bar is noise's (within 2 s.e.)."""
+    over = [f"{row.describe()}{' (noise-sized)' if row.undecided() else ''}" for row in rows if abs(row.error) > 0.10]
+    return ", ".join(over) or "none"
+
+
+def held_out_report(steps_by_log: list[list[StepSample]], profile, noise: StepNoise | None,
+                    decode_attention: bool) -> None:
+    """The bar's held-out shapes by third, then every step held out once; each shape's error with
+    its standard error (`sim.held_out`: its steps' spread, correlated in time as the run's noise)."""
+    steps = [step for log in steps_by_log for step in log]
+    replicas = [index for index, log in enumerate(steps_by_log) for _ in log]
+    predicted, third = fold_predictions(steps, profile.attention_cost_tokens, decode_attention)
+    print("held out by shape (decodes, with a prefill chunk or not): steps, predicted / measured - 1, "
+          "+- its standard error (the steps' spread, their noise correlated in time)")
+    for held in (2, 0, 1):
+        chosen = np.flatnonzero(third == held)
+        rows = shape_errors([steps[i] for i in chosen], predicted[chosen], [replicas[i] for i in chosen], noise)
+        classes = shape_errors([steps[i] for i in chosen], predicted[chosen], [replicas[i] for i in chosen], noise,
+                               key=step_class)
+        label = "steps 2 mod 3 held out (the profile's bar)" if held == 2 else f"steps {held} mod 3 held out instead"
+        print(f"  {label}: {len(rows)} shapes, error mean {np.mean([abs(r.error) for r in rows]):.1%}; "
+              + "; ".join(row.describe() for row in classes) + f"; over 10 %: {_over(rows)}")
+        if held == 2:
+            print("    " + "; ".join(row.describe() for row in rows))
+    rows = shape_errors(steps, predicted, replicas, noise)
+    classes = shape_errors(steps, predicted, replicas, noise, key=step_class)
+    print(f"  every step held out once (3 folds): {len(rows)} shapes, error mean "
+          f"{np.mean([abs(r.error) for r in rows]):.1%}; " + "; ".join(row.describe() for row in classes)
+          + f"; over 10 %: {_over(rows)}")
+
+
+def held_out_pass_report(out: Path, profile, noise: StepNoise | None) -> None:
+    """The steps of the held-out pass (`--held-out-passes`): never fitted, each against the profile."""
+    logs = sorted(str(p) for p in [*(out / HELD_OUT).glob("steps-*.csv"), *(out / HELD_OUT).glob("steps-*.csv.gz")])
+    if not logs:
+        return
+    by_log = read_step_logs(logs)
+    steps = [step for log in by_log for step in log]
+    replicas = [index for index, log in enumerate(by_log) for _ in log]
+    predicted = [logged_step_s(profile.cost, step) for step in steps]
+    # the fit never saw this stretch of time: its drift is not in the fit, nothing of it subtracted
+    rows = shape_errors(steps, predicted, replicas, noise, fitted_alongside=False)
+    classes = shape_errors(steps, predicted, replicas, noise, key=step_class, fitted_alongside=False)
+    print(f"held-out pass ({len(steps)} steps in {HELD_OUT}/, none fitted) against the profile fitted on the rest: "
+          f"{len(rows)} shapes, error mean {np.mean([abs(r.error) for r in rows]):.1%}; "
+          + "; ".join(row.describe() for row in classes) + f"; over 10 %: {_over(rows)}")
+    print("    " + "; ".join(row.describe() for row in rows))
 
 
 def fit(out: Path, write_profile: str | None, decode_attention: bool = False, step_noise: bool = False) -> None:
@@ -109,20 +185,11 @@ def fit(out: Path, write_profile: str | None, decode_attention: bool = False, st
     print(f"\nfitted on {error.fitted_samples} steps: {cost.describe()}")
     print(f"held-out shapes: {error.held_out_samples}, error mean {error.held_out_mean:.1%}, "
           f"worst {error.held_out_max:.1%} (bar: 10 %)")
-    print("held out by shape (decodes, with a prefill chunk or not): steps, predicted / measured - 1, "
-          "+- the standard error of its steps' mean")
-    print("  " + "; ".join(f"{decodes}{'+chunk' if chunk else ''} {count} {error:+.1%} +-{noise:.1%}"
-                           for (decodes, chunk), count, error, noise in held_out_by_shape(
-                               logs, shipped.attention_cost_tokens, decode_attention)))
-    # the other two thirds held out in turn: which shapes miss 10 % depends on which steps were held out
-    for third in (0, 1):
-        shapes = held_out_by_shape(logs, shipped.attention_cost_tokens, decode_attention, third)
-        worst = max(shapes, key=lambda row: abs(row[2]))
-        print(f"  steps {third} mod 3 held out instead: {len(shapes)} shapes, error mean "
-              f"{np.mean([abs(row[2]) for row in shapes]):.1%}, worst {worst[2]:+.1%} +-{worst[3]:.1%} "
-              f"({worst[0][0]}{'+chunk' if worst[0][1] else ''}, {worst[1]} steps); over 10 %: "
-              + (", ".join(f"{d}{'+chunk' if c else ''} {e:+.1%} +-{n:.1%}" for (d, c), _, e, n in shapes
-                           if abs(e) > 0.10) or "none"))
+    steps_by_log = read_step_logs(logs)
+    # the correlation of the steps' noise in time, the run's own (the profile's where fitted)
+    noise = profile.noise or step_noise_of_logs(steps_by_log, profile.cost).noise
+    held_out_report(steps_by_log, profile, noise, decode_attention)
+    held_out_pass_report(out, profile, noise)
     if profile.noise is not None:
         print(f"step noise: {profile.noise.describe()} (bench/step_variance.py --logs '{out}/steps-*' for its figures)")
     step_report([Path(p) for p in logs], str(out / "profile.json"))
@@ -137,6 +204,9 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="a directory for the step logs, the config and the profile")
     parser.add_argument("--phase-s", type=float, default=120.0)
     parser.add_argument("--capacity-s", type=float, default=30.0)
+    parser.add_argument("--held-out-passes", type=int, default=1,
+                        help="after the fitted phases, this many more passes of the Poisson phases (other seeds) whose "
+                             "steps are never fitted: the held-out shapes measured on more steps")
     parser.add_argument("--fit-only", action="store_true", help="no live run: fit the step logs already in --out")
     parser.add_argument("--write-profile", help="also write the profile here (the shipped one's path to replace it)")
     parser.add_argument("--decode-attention", action="store_true",
@@ -159,9 +229,12 @@ def main() -> int:
                              "--no-access-log", "--log-level", "warning"], f"http://127.0.0.1:{port}/ready")
             print(f"tidegate serve, 2 x embedded tiny-random-llama (1 thread); cores: {os.cpu_count()}; "
                   f"phases {args.phase_s:.0f} s")
-            asyncio.run(drive(f"http://127.0.0.1:{port}", processes.started[0].pid, args.phase_s, args.capacity_s))
+            held_out_from_s = asyncio.run(drive(f"http://127.0.0.1:{port}", processes.started[0].pid, args.phase_s,
+                                                args.capacity_s, args.held_out_passes))
         finally:
             processes.stop_all()  # the engines flush their step logs as they stop
+        if held_out_from_s is not None:
+            split_held_out(out, held_out_from_s)
     fit(out, args.write_profile, args.decode_attention, args.step_noise)
     return 0
 
