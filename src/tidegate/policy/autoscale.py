@@ -22,7 +22,8 @@ docs/autoscaling.md:
   is starting (`test_a_queue_trigger_waits_for_the_replicas_it_started`) and the ready count has
   held for a panic window (`test_a_trigger_waits_for_the_replicas_it_got_to_serve`); at the edge the
   latency trigger is judged on a tenth of the ticks since then
-  (`test_at_the_edge_a_tick_over_the_trigger_now_and_then_adds_nothing`);
+  (`test_at_the_edge_a_tick_over_the_trigger_now_and_then_adds_nothing`), and neither fires on a
+  burst the fleet drains itself (`test_at_the_edge_a_trigger_waits_out_a_burst_the_fleet_drains`);
 - panic (Knative): when the short window's demand asks for `panic_factor` x the ready replicas,
   scale to it at once, without the step limit, and scale in nothing until the stable window has
   passed without panic (`test_a_sudden_surge_panics_to_what_the_short_window_needs`);
@@ -47,7 +48,9 @@ latency has margin and backs off at a miss
 edge again once it falls, the fall followed without the scale-down window
 (`test_the_top_of_a_rise_and_the_fall_after_it_run_at_the_edge`,
 `test_an_established_fall_is_followed_without_the_scale_down_window`); the fleet found is not cut to
-the edge before its latency is seen (`test_the_fleet_found_is_not_cut_to_the_edge_before_its_latency_is_seen`).
+the edge before its latency is seen (`test_the_fleet_found_is_not_cut_to_the_edge_before_its_latency_is_seen`);
+at the edge a scale-in keeps what the busiest window of the last `edge_hold_s` needs unless the work
+falls (`test_at_the_edge_a_scale_in_keeps_what_the_busiest_recent_minute_needs`).
 The body drains a replica before it stops it: no request is aborted by a scale-in
 (`tests/sim/test_scaling.py::test_the_pool_grows_for_a_surge_and_shrinks_by_draining_after_it`).
 """
