@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from bisect import bisect_right
 from collections.abc import Mapping
 from itertools import accumulate, islice

@@ -80,9 +80,10 @@ _FILL_ARGUMENTS = "t, ids, base, rid, inp, out, err"
 
 class _Layout:
     """The spans of requests that share everything but ids, times and their own attributes' bytes: a
-    template of constant bytes with holes between them. `fill(t, ids, base, rid, inp, out, err)` returns one request's bytes: a function made for this layout (as `dataclasses` makes its
-    methods), one `struct` call whose arguments are the template's constants and the holes'
-    expressions, so that no list of values is assembled a request."""
+    template of constant bytes with holes between them. `fill(t, ids, base, rid, inp, out, err)` returns
+    one request's bytes: a function made for this layout (as `dataclasses` makes its methods), one
+    `struct` call whose arguments are the template's constants and the holes' expressions, so that no
+    list of values is assembled a request."""
 
     __slots__ = ("fill", "source")
 

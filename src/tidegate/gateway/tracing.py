@@ -61,7 +61,7 @@ _ROUTES = {operation: "/v1" + endpoint.value for endpoint, operation in _OPERATI
 _RUNG = re.compile(DEGRADATION_HEADER.encode() + rb": ([a-z_]+)")
 _LOW64 = 0xFFFF_FFFF_FFFF_FFFF
 _ALL_SAMPLED = 2**64  # a ratio bound every trace id's low 64 bits fall under
-_OFFSET_MAX_AGE_NS = 1_000_000_000
+_OFFSET_MAX_AGE_NS = 1_000_000_000  # the monotonic clock's offset to Unix time is read again this old
 _ATTRIBUTE_SETS = 4096  # distinct attribute sets kept; past it they are made anew
 # A request's span ids: 7 random bytes of its own (its `span_base`) and a last byte that says which
 # span: unique within the request, random across requests, and one draw of randomness a request, not
