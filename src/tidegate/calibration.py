@@ -186,7 +186,7 @@ def calibrate_from_step_logs(paths: Sequence[str], *, name: str, description: st
     defaults = SchedulerConfig()
     max_batch_tokens = max_batch_tokens or defaults.max_batch_tokens
     # held out every third step of a log ordered by shape, so each shape has some held out
-    steps.sort(key=lambda s: (s.decodes, s.prefill_tokens > 0))
+    steps.sort(key=lambda s: s.shape)
     fit, error = fit_with_held_out(steps, max_batch_tokens, attention_cost_tokens, by_rows, decode_attention)
     noise = step_noise_of_logs(logs, fit.model).noise if step_noise else None
     return ReplicaProfile(name, description, estimate=False,

@@ -410,7 +410,7 @@ class Autoscaler:
         replicas' work 160 s later and asked for 7 again, a flap; the oracle's need rose back to 6
         there. An established fall (`_work_trend`) is followed without it, as without the window
         (the working day's evening) (`test_at_the_edge_a_scale_in_keeps_what_the_busiest_recent_minute_needs`)."""
-        if self.settings.edge_utilisation is None or self.replica_tokens_per_s is None or not self._window_work:
+        if not self._at_the_edge() or not self._window_work:
             return None
         busiest = max(mean for _, mean, _ in self._window_work)
         return self._replicas_for(busiest / self.replica_tokens_per_s * self.settings.slots_per_replica,

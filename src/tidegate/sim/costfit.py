@@ -80,6 +80,12 @@ class StepSample:
     start_s: float = 0.0  # when the step started, on the engine's clock (its variance in time: `sim.step_noise`)
 
     @property
+    def shape(self) -> tuple[int, bool]:
+        """What a held-out step is judged by, with the others like it: its decode batch, and whether a
+        prefill chunk rode along (`fit_with_held_out`, `sim.held_out`)."""
+        return (self.decodes, self.prefill_tokens > 0)
+
+    @property
     def longest_decode_context(self) -> int:
         """The step's longest decode context, as the simulator knows it (0 where not logged): the
         positions the mirror's attention read (a gather's are that rounded up to a block)."""
@@ -311,7 +317,7 @@ def fit_with_held_out(samples: Sequence[Sample], max_batch_tokens: int,
     shapes: dict[tuple[int, bool], list[float]] = {}
     for s in held_out:
         if isinstance(s, StepSample):
-            totals = shapes.setdefault((s.decodes, s.prefill_tokens > 0), [0, 0.0, 0.0])
+            totals = shapes.setdefault(s.shape, [0, 0.0, 0.0])
             totals[0] += 1
             totals[1] += predict_s(partial, s, max_batch_tokens, attention_cost_tokens)
             totals[2] += s.step_s

@@ -38,7 +38,7 @@ Shape = tuple[int, bool]  # (decoding sequences, a prefill chunk in the step or 
 
 
 def shape_of(step: StepSample) -> Shape:
-    return (step.decodes, step.prefill_tokens > 0)
+    return step.shape
 
 
 def step_class(step: StepSample) -> str:
@@ -58,7 +58,7 @@ def describe_shape(shape: Hashable) -> str:
 def shape_order(steps: Sequence[StepSample]) -> list[int]:
     """The steps' indices by shape (stable: a shape's steps keep their order), the order in which
     the bar takes every third step."""
-    return sorted(range(len(steps)), key=lambda i: (steps[i].decodes, steps[i].prefill_tokens > 0))
+    return sorted(range(len(steps)), key=lambda i: steps[i].shape)
 
 
 @dataclass(frozen=True, slots=True)
