@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import json
 import os
 import re
@@ -161,6 +162,15 @@ def wrk_run(port: int, path: str, body: bytes, concurrency: int, duration_s: flo
     return rps, int(re.search(r"(\d+) requests in", output).group(1))
 
 
+def wrk_together(ports: dict[str, int], path: str, body: bytes, concurrency: int, duration_s: float,
+                 cpu: str | None) -> dict[str, tuple[float, int]]:
+    """`wrk_run` against every port at once, one wrk each: (requests/s, requests completed) by name."""
+    with concurrent.futures.ThreadPoolExecutor(len(ports)) as pool:
+        futures = {name: pool.submit(wrk_run, port, path, body, concurrency, duration_s, cpu)
+                   for name, port in ports.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
 # -- processes -----------------------------------------------------------------------------------
 
 class Stack:
@@ -267,7 +277,8 @@ def tracing_main(args: argparse.Namespace) -> int:
     served_on = 0
     try:
         print(f"cores: {os.cpu_count()}  pinned: {args.pin}  client: {'wrk' if use_wrk else 'raw asyncio'}"
-              f"  rounds: {args.rounds} x {args.seconds}s at c=64  sampling 1.0, built-in OTLP/HTTP exporter")
+              f"  rounds: {args.rounds} x {args.seconds}s at c=64  sampling 1.0, built-in OTLP/HTTP exporter"
+              f"  {'both gateways at once each round' if args.together else 'one gateway at a time, alternating'}")
         for stream in (False, True):
             label = "streaming, 16 chunks" if stream else "non-streaming"
             body = request_body(stream, "mock")
@@ -278,6 +289,16 @@ def tracing_main(args: argparse.Namespace) -> int:
             rates: dict[str, list[float]] = {name: [] for name in ports}
             round_us: dict[str, list[float]] = {name: [] for name in ports}  # CPU per request, round by round
             for round_index in range(args.rounds):
+                if args.together:  # both at once: whatever the machine does in a round, it does to both
+                    before = {name: cpu_seconds(stack.pids[name]) for name in ports}
+                    results = wrk_together(ports, path, body, 64, args.seconds, client_cpu)
+                    for name, (rate, count) in results.items():
+                        used_s = cpu_seconds(stack.pids[name]) - before[name]
+                        cpu_s[name] += used_s
+                        served[name] += count
+                        rates[name].append(rate)
+                        round_us[name].append(used_s / max(1, count) * 1e6)
+                    continue
                 order = list(ports.items()) if round_index % 2 == 0 else list(reversed(ports.items()))
                 for name, port in order:
                     cpu_before = cpu_seconds(stack.pids[name])
@@ -338,7 +359,12 @@ def main() -> int:
     parser.add_argument("--no-wrk", action="store_true", help="use the raw Python client for throughput too")
     parser.add_argument("--tracing", action="store_true",
                         help="only: CPU per request with tracing on (sampling 1.0) vs off, bar 1.15x")
+    parser.add_argument("--together", action="store_true",
+                        help="with --tracing: drive both gateways at once each round (both on CPU 1 with --pin), "
+                             "so that the machine's drift between rounds falls on both alike")
     args = parser.parse_args()
+    if args.together and not (args.tracing and shutil.which("wrk") and not args.no_wrk):
+        parser.error("--together needs --tracing and wrk")
     if args.tracing:
         return tracing_main(args)
     use_wrk = shutil.which("wrk") is not None and not args.no_wrk
