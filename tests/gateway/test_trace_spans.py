@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 
 from tidegate.errors import UpstreamError
 from tidegate.gateway.overload import DegradedReplyError, TenantRateLimitError
+from tidegate.gateway import tracing as tracing_module
 from tidegate.gateway.trace_export import OtlpHttpExporter
 from tidegate.gateway.trace_spans import TraceEncoder
 from tidegate.gateway.tracing import ATTEMPT_SPAN_BYTE, RequestTrace, Tracing, TracingSettings
@@ -69,7 +70,7 @@ def _ticket(tier: str, queued: bool, headers: bytes = b"", predicted_wait_s: flo
 
 def _traced(tracing: Tracing, sink: Collecting, case: str, number: int) -> RequestTrace:
     """One request through the hooks, as the proxy calls them, in one of the ways a request goes."""
-    clock = tracing.clock_ns.seconds
+    clock = tracing_module.clock_ns.seconds
     parent = case in ("client parent", "retried") and b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     trace = tracing.begin(_request(parent or None, b"vendor=abc" if parent else None),
                           Endpoint.COMPLETIONS if case == "completion" else Endpoint.CHAT,
@@ -124,9 +125,10 @@ CASES = ("fifo", "completion", "odd id", "client parent", "refused", "rate limit
 
 
 @pytest.fixture
-def tracing() -> tuple[Tracing, Collecting]:
+def tracing(monkeypatch) -> tuple[Tracing, Collecting]:
+    monkeypatch.setattr(tracing_module, "clock_ns", FakeClock())
     sink = Collecting()
-    return Tracing(TracingSettings(), sink, clock_ns=FakeClock()), sink
+    return Tracing(TracingSettings(), sink), sink
 
 
 @pytest.mark.parametrize("case", CASES)
