@@ -1,7 +1,7 @@
 """Gateway overhead against a 0 ms mock upstream, as ratios against baselines measured in the same run.
 
     python bench/gateway_overhead.py [--pin] [--rounds 3]      # alone on the machine: it measures CPU
-    python bench/gateway_overhead.py --tracing [--pin]         # tracing on vs off, CPU per request
+    python bench/gateway_overhead.py --tracing [--pin] [--together]   # tracing on vs off, CPU per request
 
 Prints, for non-streaming and streaming (16 chunks) requests:
 - added latency at concurrency 16 (p50, p99 of end-to-end; streaming: time to first chunk), gateway
@@ -18,7 +18,10 @@ non-streaming CPU per request with overload control on <= 0.3x the minimal proxy
 --tracing: two gateways over the same mock, tracing off and on (sampling 1.0, the built-in OTLP/HTTP
 exporter sending every span to a loopback sink, bench/otlp_sink.py), driven in alternating rounds at
 c=64: CPU per request of each, non-streaming and streaming. Bar: on <= 1.15x off, with no span
-dropped or failed (a gateway that dropped spans would have done less than asked).
+dropped or failed (a gateway that dropped spans would have done less than asked). With --together
+both gateways are driven at once each round (two wrk; both gateways share CPU 1 under --pin), so
+that the machine's drift between rounds falls on both alike: on a noisy machine alternating rounds'
+ratios spread over 0.8-1.5x, paired ones over a few percent (docs/observability.md, "Measured in pairs").
 """
 
 from __future__ import annotations
