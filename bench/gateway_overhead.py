@@ -22,6 +22,8 @@ dropped or failed (a gateway that dropped spans would have done less than asked)
 both gateways are driven at once each round (two wrk; both gateways share CPU 1 under --pin), so
 that the machine's drift between rounds falls on both alike: on a noisy machine alternating rounds'
 ratios spread over 0.8-1.5x, paired ones over a few percent (docs/observability.md, "Measured in pairs").
+--other-ratios R ...: a gateway more at each sampling ratio R, its CPU per request printed beside (no
+bar): what the requests a ratio leaves out still cost (their upstreams hear the trace, not sampled).
 """
 
 from __future__ import annotations
@@ -231,7 +233,12 @@ class Stack:
 
 
 class TracingStack(Stack):
-    """mock and OTLP sink (CPU 0), a gateway with tracing off and one with it on (CPU 1)."""
+    """mock and OTLP sink (CPU 0), a gateway with tracing off and one with it on (CPU 1); and one more at
+    each of `other_ratios` (named "ratio R")."""
+
+    def __init__(self, pin: bool, other_ratios: tuple[float, ...] = ()) -> None:
+        super().__init__(pin)
+        self.other_ratios = {f"ratio {ratio:g}": (ratio, free_port()) for ratio in other_ratios}
 
     def start(self) -> None:
         py = sys.executable
@@ -239,10 +246,13 @@ class TracingStack(Stack):
         self._start([py, "-m", "tidegate", "mock-upstream", "--port", str(self.mock_port), "--tokens", str(TOKENS),
                      "--ttft-ms", "0", "--itl-ms", "0"], "0", "mock")
         self._start([py, str(HERE / "otlp_sink.py"), "--port", str(self.sink_port)], "0", "sink")
-        tracing_on = (f"tracing:\n  enabled: true\n  sampling_ratio: 1.0\n"
-                      f"  endpoint: http://127.0.0.1:{self.sink_port}\n  max_queue_spans: 1000000\n")
-        for name, port, tracing in (("tracing off", self.gateway_port, ""),
-                                    ("tracing on", self.fifo_gateway_port, tracing_on)):
+        def tracing_at(ratio: float) -> str:
+            return (f"tracing:\n  enabled: true\n  sampling_ratio: {ratio}\n"
+                    f"  endpoint: http://127.0.0.1:{self.sink_port}\n  max_queue_spans: 1000000\n")
+
+        gateways = [("tracing off", self.gateway_port, ""), ("tracing on", self.fifo_gateway_port, tracing_at(1.0))]
+        gateways += [(name, port, tracing_at(ratio)) for name, (ratio, port) in self.other_ratios.items()]
+        for name, port, tracing in gateways:
             config = Path(self.workdir, f"{name.replace(' ', '-')}.yaml")
             config.write_text(
                 f"server:\n  port: {port}\n  access_log: false\n{tracing}"
@@ -253,6 +263,8 @@ class TracingStack(Stack):
         wait_ok(f"http://127.0.0.1:{self.sink_port}/stats")
         wait_ok(f"http://127.0.0.1:{self.gateway_port}/ready")
         wait_ok(f"http://127.0.0.1:{self.fifo_gateway_port}/ready")
+        for _, port in self.other_ratios.values():
+            wait_ok(f"http://127.0.0.1:{port}/ready")
 
 
 def _span_counts(port: int) -> dict[str, float]:
@@ -272,16 +284,17 @@ def tracing_main(args: argparse.Namespace) -> int:
     client_cpu = "0" if args.pin else None
     if args.pin:
         os.sched_setaffinity(0, {0})
-    stack = TracingStack(args.pin)
+    stack = TracingStack(args.pin, tuple(args.other_ratios))
     stack.start()
     path = "/v1/chat/completions"
     ok = True
     ports = {"tracing off": stack.gateway_port, "tracing on": stack.fifo_gateway_port}
+    ports.update({name: port for name, (_, port) in stack.other_ratios.items()})
     served_on = 0
     try:
         print(f"cores: {os.cpu_count()}  pinned: {args.pin}  client: {'wrk' if use_wrk else 'raw asyncio'}"
               f"  rounds: {args.rounds} x {args.seconds}s at c=64  sampling 1.0, built-in OTLP/HTTP exporter"
-              f"  {'both gateways at once each round' if args.together else 'one gateway at a time, alternating'}")
+              f"  {'all gateways at once each round' if args.together else 'one gateway at a time, alternating'}")
         for stream in (False, True):
             label = "streaming, 16 chunks" if stream else "non-streaming"
             body = request_body(stream, "mock")
@@ -292,7 +305,7 @@ def tracing_main(args: argparse.Namespace) -> int:
             rates: dict[str, list[float]] = {name: [] for name in ports}
             round_us: dict[str, list[float]] = {name: [] for name in ports}  # CPU per request, round by round
             for round_index in range(args.rounds):
-                if args.together:  # both at once: whatever the machine does in a round, it does to both
+                if args.together:  # all at once: whatever the machine does in a round, it does to all
                     before = {name: cpu_seconds(stack.pids[name]) for name in ports}
                     results = wrk_together(ports, path, body, 64, args.seconds, client_cpu)
                     for name, (rate, count) in results.items():
@@ -331,6 +344,11 @@ def tracing_main(args: argparse.Namespace) -> int:
                 print(f"  rounds' own ratios: median {statistics.median(pairs):.3f}x, "
                       f"min {pairs[0]:.3f}x, max {pairs[-1]:.3f}x ({len(pairs)} rounds; CPU time is counted in "
                       f"clock ticks, so a round of a few seconds reads to about 1 %)")
+            for name in stack.other_ratios:  # beside the bar: what a sampling ratio under 1 costs
+                pairs = sorted(on / off for on, off in zip(round_us[name], round_us["tracing off"]) if off)
+                print(f"  sampling {name}: CPU per request {cpu_us[name]:.1f} us = "
+                      f"{cpu_us[name] / cpu_us['tracing off']:.3f}x tracing off (rounds' median "
+                      f"{statistics.median(pairs):.3f}x)")
         time.sleep(2.5)  # the exporter's last batches (1 s interval)
         spans = _span_counts(stack.fifo_gateway_port)
         with urllib.request.urlopen(f"http://127.0.0.1:{stack.sink_port}/stats", timeout=5) as response:
@@ -362,6 +380,8 @@ def main() -> int:
     parser.add_argument("--no-wrk", action="store_true", help="use the raw Python client for throughput too")
     parser.add_argument("--tracing", action="store_true",
                         help="only: CPU per request with tracing on (sampling 1.0) vs off, bar 1.15x")
+    parser.add_argument("--other-ratios", type=float, nargs="*", default=[], metavar="R",
+                        help="with --tracing: a gateway more at each sampling ratio R, its cost printed beside")
     parser.add_argument("--together", action="store_true",
                         help="with --tracing: drive both gateways at once each round (both on CPU 1 with --pin), "
                              "so that the machine's drift between rounds falls on both alike")
