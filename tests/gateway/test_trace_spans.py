@@ -11,8 +11,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from tidegate.errors import UpstreamError
-from tidegate.gateway.overload import DegradedReplyError, TenantRateLimitError
 from tidegate.gateway import tracing as tracing_module
+from tidegate.gateway.overload import DegradedReplyError, TenantRateLimitError
 from tidegate.gateway.trace_export import OtlpHttpExporter
 from tidegate.gateway.trace_spans import TraceEncoder
 from tidegate.gateway.tracing import ATTEMPT_SPAN_BYTE, RequestTrace, Tracing, TracingSettings

@@ -537,7 +537,7 @@ class Tracing:
         flags 00), under one span id that stands for the gateway, made as a recorded request's root span's
         is (`span_base`, None: the trace id's first 7 bytes; then ROOT_SPAN). Every request a ratio under 1
         leaves out comes here, so it costs what a recorded request's `traceparent` does, not a formatting
-        of numbers (at ratio 0 the gateway's CPU a request was 1.055x tracing off, most of it here)."""
+        of numbers (docs/observability.md, "What sampling saves")."""
         if not self.propagate:
             return _passing(b"", trace_id)
         trace_hex = hexlify(trace_id.to_bytes(16, "big"))
