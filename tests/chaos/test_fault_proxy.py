@@ -95,7 +95,10 @@ async def test_reset_mid_stream_is_seen_as_a_broken_stream(start_mock) -> None:
                 async for chunk in response.content.iter_any():
                     received += chunk
         assert 0 < len(received) < whole
-        # at the socket: exactly the bytes before the cut, then an RST (an error), not a clean close (EOF)
+        # at the socket: exactly the bytes before the cut sent, then an RST (an error at the client), not a
+        # clean close (EOF). The client may read fewer of them: a kernel that takes an RST drops what its
+        # reader had not read yet (648 of 1,000 once, on a loaded machine), so the count is the proxy's
+        sent_before = proxy.counters.bytes_to_client
         reader, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
         writer.write(_raw_request(STREAM))
         raw = b""
@@ -103,7 +106,8 @@ async def test_reset_mid_stream_is_seen_as_a_broken_stream(start_mock) -> None:
             while chunk := await asyncio.wait_for(reader.read(65536), 5):
                 raw += chunk
         writer.close()
-    assert len(raw) == 1000
+    assert proxy.counters.bytes_to_client - sent_before == 1000
+    assert len(raw) <= 1000 and raw[:12] == b"HTTP/1.1 200"[:len(raw)]
     assert proxy.counters.resets == 2
 
 
