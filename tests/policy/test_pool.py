@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from weakref import WeakKeyDictionary
+
 from tidegate.policy.pool import (REFUSED_NO_REPLICA, REFUSED_UNKNOWN_TIER, PoolController, PoolReplica,
                                   PoolSettings, ServiceClass)
 from tidegate.policy.shares import TenantShares
@@ -20,8 +22,10 @@ def controller(*replicas: PoolReplica, shares: TenantShares | None = None) -> Po
     return PoolController(replicas or (PoolReplica("r0", max_requests=4),), TIERS, shares=shares)
 
 
-# per controller: what it assigned at arrival (nothing was waiting), not yet handed to the test
-_ASSIGNED_AT_ARRIVAL: dict[int, list[Assignment]] = {}
+# per controller: what it assigned at arrival (nothing was waiting), not yet handed to the test. Weakly
+# keyed by the controller itself, not by id(): a test that left assignments here and a later test's
+# controller made at the same address shared them (an extra assignment, once, in a whole-suite run)
+_ASSIGNED_AT_ARRIVAL: WeakKeyDictionary[PoolController, list[Assignment]] = WeakKeyDictionary()
 
 
 def arrive_all(ctl: PoolController, *requests: PoolRequest, now_s: float = 0.0, refusals: bool = False) -> None:
@@ -29,13 +33,13 @@ def arrive_all(ctl: PoolController, *requests: PoolRequest, now_s: float = 0.0, 
         decision = ctl.on_arrival(now_s, item)
         assert refusals or decision.verdict in (ArrivalVerdict.QUEUED, ArrivalVerdict.ASSIGNED)
         if decision.assignment is not None:
-            _ASSIGNED_AT_ARRIVAL.setdefault(id(ctl), []).append(decision.assignment)
+            _ASSIGNED_AT_ARRIVAL.setdefault(ctl, []).append(decision.assignment)
 
 
 def capacity(ctl: PoolController, now_s: float) -> Dispatch:
     """What a body carries out at `now_s`: the assignments made at arrival, then `on_capacity`'s."""
     dispatch = ctl.on_capacity(now_s)
-    return Dispatch(tuple(_ASSIGNED_AT_ARRIVAL.pop(id(ctl), ())) + dispatch.assignments, dispatch.refusals,
+    return Dispatch(tuple(_ASSIGNED_AT_ARRIVAL.pop(ctl, ())) + dispatch.assignments, dispatch.refusals,
                     dispatch.wake_at_s)
 
 
