@@ -304,16 +304,23 @@ def tracing_main(args: argparse.Namespace) -> int:
             served = {name: 0 for name in ports}
             rates: dict[str, list[float]] = {name: [] for name in ports}
             round_us: dict[str, list[float]] = {name: [] for name in ports}  # CPU per request, round by round
+
+            def record(name: str, used_s: float, rate: float, count: int) -> None:
+                cpu_s[name] += used_s
+                served[name] += count
+                rates[name].append(rate)
+                round_us[name].append(used_s / max(1, count) * 1e6)
+
+            def round_ratios(name: str) -> list[float]:
+                """Each round's CPU per request of `name` over tracing off's in the same round, sorted."""
+                return sorted(on / off for on, off in zip(round_us[name], round_us["tracing off"]) if off)
+
             for round_index in range(args.rounds):
                 if args.together:  # all at once: whatever the machine does in a round, it does to all
                     before = {name: cpu_seconds(stack.pids[name]) for name in ports}
                     results = wrk_together(ports, path, body, 64, args.seconds, client_cpu)
                     for name, (rate, count) in results.items():
-                        used_s = cpu_seconds(stack.pids[name]) - before[name]
-                        cpu_s[name] += used_s
-                        served[name] += count
-                        rates[name].append(rate)
-                        round_us[name].append(used_s / max(1, count) * 1e6)
+                        record(name, cpu_seconds(stack.pids[name]) - before[name], rate, count)
                     continue
                 order = list(ports.items()) if round_index % 2 == 0 else list(reversed(ports.items()))
                 for name, port in order:
@@ -324,11 +331,7 @@ def tracing_main(args: argparse.Namespace) -> int:
                         e2e, _, elapsed, errors = drive(port, path, body, 64, args.seconds)
                         assert errors == 0, f"{name}: {errors} errors"
                         rate, count = len(e2e) / elapsed, len(e2e)
-                    used_s = cpu_seconds(stack.pids[name]) - cpu_before
-                    cpu_s[name] += used_s
-                    served[name] += count
-                    rates[name].append(rate)
-                    round_us[name].append(used_s / max(1, count) * 1e6)
+                    record(name, cpu_seconds(stack.pids[name]) - cpu_before, rate, count)
             served_on += served["tracing on"]
             cpu_us = {name: cpu_s[name] / max(1, served[name]) * 1e6 for name in ports}
             ratio = cpu_us["tracing on"] / cpu_us["tracing off"]
@@ -339,13 +342,13 @@ def tracing_main(args: argparse.Namespace) -> int:
             print("  req/s (median): " + "  ".join(f"{name} {statistics.median(values):,.0f}"
                                                    for name, values in rates.items()))
             # the spread of one run: each round's pair (on / off, run back to back) as a ratio of its own
-            pairs = sorted(on / off for on, off in zip(round_us["tracing on"], round_us["tracing off"]) if off)
+            pairs = round_ratios("tracing on")
             if pairs:
                 print(f"  rounds' own ratios: median {statistics.median(pairs):.3f}x, "
                       f"min {pairs[0]:.3f}x, max {pairs[-1]:.3f}x ({len(pairs)} rounds; CPU time is counted in "
                       f"clock ticks, so a round of a few seconds reads to about 1 %)")
             for name in stack.other_ratios:  # beside the bar: what a sampling ratio under 1 costs
-                pairs = sorted(on / off for on, off in zip(round_us[name], round_us["tracing off"]) if off)
+                pairs = round_ratios(name)
                 print(f"  sampling {name}: CPU per request {cpu_us[name]:.1f} us = "
                       f"{cpu_us[name] / cpu_us['tracing off']:.3f}x tracing off (rounds' median "
                       f"{statistics.median(pairs):.3f}x)")
